@@ -1,0 +1,109 @@
+"""Staleness-controlled replay buffer.
+
+Every sample carries the policy version that generated it. The staleness of a
+sample in an update is ``learner_version - sample.version``. With
+``max_staleness = k`` no update ever uses a sample whose staleness exceeds k:
+:meth:`get` drops such samples (and counts them) before it hands anything out,
+and :meth:`check` refuses a batch that would break the bound.
+
+Samples are kept in prompt groups, because GRPO advantages are defined per
+group and a group is dropped or served whole.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Sequence
+
+from bapo.types import ScoredSample
+
+
+class StalenessError(RuntimeError):
+    pass
+
+
+class ReplayBuffer:
+    def __init__(self, *, max_staleness: int | None, capacity: int, sampling: str = "fifo", seed: int = 0):
+        if sampling not in ("fifo", "uniform"):
+            raise ValueError(f"buffer.sampling must be 'fifo' or 'uniform', got {sampling!r}")
+        if max_staleness is not None and max_staleness < 0:
+            raise ValueError(f"buffer.max_staleness must be >= 0 or null, got {max_staleness}")
+        self.max_staleness = max_staleness
+        self.capacity = capacity
+        self.sampling = sampling
+        self.rng = random.Random(seed)
+        self.groups: deque[list[ScoredSample]] = deque()
+        self.dropped_stale = 0
+        self.dropped_capacity = 0
+        self.served = 0
+
+    def __len__(self) -> int:
+        return sum(len(g) for g in self.groups)
+
+    def put(self, samples: Sequence[ScoredSample]) -> None:
+        """Add samples, grouped by (prompt group, version); evict the oldest groups past capacity."""
+        groups: dict[tuple[int, int], list[ScoredSample]] = {}
+        for s in samples:
+            groups.setdefault((s.sample.group, s.sample.version), []).append(s)
+        self.groups.extend(groups.values())
+        while len(self) > self.capacity and self.groups:
+            self.dropped_capacity += len(self.groups.popleft())
+
+    def _evict_stale(self, version: int) -> None:
+        if self.max_staleness is None:
+            return
+        keep = deque()
+        for g in self.groups:
+            if version - g[0].sample.version > self.max_staleness:
+                self.dropped_stale += len(g)
+            else:
+                keep.append(g)
+        self.groups = keep
+
+    def get(self, num_samples: int, version: int) -> list[ScoredSample]:
+        """Remove and return whole groups totalling at most ``num_samples`` samples."""
+        self._evict_stale(version)
+        if self.sampling == "uniform":
+            order = list(range(len(self.groups)))
+            self.rng.shuffle(order)
+            self.groups = deque(self.groups[i] for i in order)
+        out: list[ScoredSample] = []
+        while self.groups and len(out) + len(self.groups[0]) <= num_samples:
+            out.extend(self.groups.popleft())
+        self.served += len(out)
+        return out
+
+    def check(self, samples: Sequence[ScoredSample], version: int) -> dict[str, float]:
+        """Staleness of ``samples`` at learner ``version``; raises if the bound is broken."""
+        stale = [version - s.sample.version for s in samples]
+        worst = max(stale, default=0)
+        if self.max_staleness is not None and worst > self.max_staleness:
+            raise StalenessError(
+                f"sample staleness {worst} exceeds buffer.max_staleness={self.max_staleness}"
+            )
+        return {
+            "buffer/staleness_mean": sum(stale) / max(len(stale), 1),
+            "buffer/staleness_max": float(worst),
+        }
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "buffer/size": float(len(self)),
+            "buffer/dropped_stale": float(self.dropped_stale),
+            "buffer/dropped_capacity": float(self.dropped_capacity),
+            "buffer/served": float(self.served),
+        }
+
+    def state_dict(self) -> dict:
+        return {
+            "groups": [list(g) for g in self.groups],
+            "rng": self.rng.getstate(),
+            "counters": (self.dropped_stale, self.dropped_capacity, self.served),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.groups = deque(list(g) for g in state["groups"])
+        st = state["rng"]
+        self.rng.setstate((st[0], tuple(st[1]), st[2]))
+        self.dropped_stale, self.dropped_capacity, self.served = state["counters"]

