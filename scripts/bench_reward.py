@@ -89,9 +89,7 @@ def timed(fn) -> tuple[float, object]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batches", type=int, default=3)
     parser.add_argument("--timeout-s", type=float, default=5.0)
@@ -106,9 +104,7 @@ def main() -> None:
         pool_s = [timed(lambda b=b: pool.score(*b))[0] for b in batches[1 : 1 + args.batches]]
 
     serial = MathVerifier(num_workers=0, timeout_s=args.timeout_s)
-    serial_s = [
-        timed(lambda b=b: serial.score(*b))[0] for b in batches[1 + args.batches : 1 + 2 * args.batches]
-    ]
+    serial_s = [timed(lambda b=b: serial.score(*b))[0] for b in batches[1 + args.batches : 1 + 2 * args.batches]]
 
     def naive(b):  # no fast path in the parent, no de-duplication: one check per response
         return [

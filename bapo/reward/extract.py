@@ -108,11 +108,10 @@ def clean_answer(s: str) -> str:
 
 def last_number(text: str) -> str | None:
     """The last number in ``text`` as a plain string (commas dropped, ``\\frac{a}{b}`` -> ``a/b``)."""
-    last = None
-    for last in _NUMBER_RE.finditer(text):  # noqa: B007 (we want the final match)
-        pass
-    if last is None:
+    matches = list(_NUMBER_RE.finditer(text))
+    if not matches:
         return None
+    last = matches[-1]
     if last.group("fnum") is not None:
         return f"{last.group('fnum')}/{last.group('fden')}"
     num = (last.group("sign") or "") + last.group("num").replace(",", "")

@@ -222,9 +222,7 @@ class RewardStats:
 
     def as_dict(self) -> dict[str, float]:
         counts = {k: float(v) for k, v in vars(self).items() if k not in ("total", "correct")}
-        return {"reward/accuracy": self.correct / max(self.total, 1)} | {
-            f"reward/{k}": v for k, v in counts.items()
-        }
+        return {"reward/accuracy": self.correct / max(self.total, 1)} | {f"reward/{k}": v for k, v in counts.items()}
 
 
 @dataclass(frozen=True)
@@ -264,9 +262,7 @@ class _Worker:
 
     def __init__(self, ctx, judge: Judge, timeout_s: float | None):
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(
-            target=_worker_main, args=(child, judge, timeout_s), name="bapo-reward", daemon=True
-        )
+        self.proc = ctx.Process(target=_worker_main, args=(child, judge, timeout_s), name="bapo-reward", daemon=True)
         self.proc.start()
         child.close()
         self.inflight: deque[Job] = deque()
@@ -352,6 +348,8 @@ class MathVerifier:
             raise ValueError(f"reward.fallback must be one of {FALLBACKS}; got {fallback!r}")
         if num_workers < 0 or chunk_size < 1 or timeout_s <= 0:
             raise ValueError("need num_workers >= 0, chunk_size >= 1 and timeout_s > 0")
+        if start_method not in ("forkserver", "spawn"):  # fork would copy the trainer's threads
+            raise ValueError(f"start_method must be 'forkserver' or 'spawn'; got {start_method!r}")
         self.num_workers = num_workers
         self.timeout_s = timeout_s
         self.hard_timeout_s = hard_timeout_s or timeout_s + max(1.0, 0.5 * timeout_s)

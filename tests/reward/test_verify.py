@@ -121,11 +121,7 @@ def verifier():
 
 
 def _mismatches(got, table):
-    return [
-        (resp[-70:], gold, want, g)
-        for g, (resp, gold, want) in zip(got, table, strict=True)
-        if g != float(want)
-    ]
+    return [(resp[-70:], gold, want, g) for g, (resp, gold, want) in zip(got, table, strict=True) if g != float(want)]
 
 
 def test_response_table_size():
@@ -312,9 +308,7 @@ def crashing_judge(pred, gold, timeout_s):
 def test_pathological_input_times_out():
     with MathVerifier(num_workers=1, timeout_s=1.0) as v:
         start = time.monotonic()
-        rewards, stats = v.score(
-            [r"So the answer is $\boxed{9^{9^{9^{9}}}}$.", r"\boxed{0.5}"], ["1", r"\frac12"]
-        )
+        rewards, stats = v.score([r"So the answer is $\boxed{9^{9^{9^{9}}}}$.", r"\boxed{0.5}"], ["1", r"\frac12"])
         elapsed = time.monotonic() - start
     assert rewards == [0.0, 1.0]
     assert stats["reward/timeouts"] == 1
@@ -331,9 +325,7 @@ def test_worker_failure_is_contained(marker, timed_out):
         r"\boxed{3}",
     ]
     answers = [r"\frac12", "1", r"\frac12", r"\frac12", "3"]
-    with MathVerifier(
-        num_workers=1, timeout_s=1.0, hard_timeout_s=2.0, chunk_size=8, judge=crashing_judge
-    ) as v:
+    with MathVerifier(num_workers=1, timeout_s=1.0, hard_timeout_s=2.0, chunk_size=8, judge=crashing_judge) as v:
         start = time.monotonic()
         rewards, stats = v.score(responses, answers)
         assert time.monotonic() - start < 15.0
@@ -368,6 +360,10 @@ def test_mismatched_lengths_and_bad_settings():
         MathVerifier(num_workers=0).score(["a", "b"], ["a"])
     with pytest.raises(ValueError, match="fallback"):
         MathVerifier(fallback="first_line")
+    with pytest.raises(ValueError, match="start_method"):
+        MathVerifier(start_method="fork")
+    with pytest.raises(ValueError, match="timeout_s"):
+        MathVerifier(timeout_s=0)
 
 
 def test_score_math_in_fresh_interpreter():
@@ -378,9 +374,7 @@ def test_score_math_in_fresh_interpreter():
         "print(repr(r), all(type(x) is float for x in r))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
-    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[1.0, 0.0, 0.0] True"
 
@@ -426,13 +420,9 @@ def _agreement(rows, fallback):
 #   summation identity.
 def test_grader_cases_core_agreement():
     rows = [r for r in _jsonl("grader_cases.jsonl") if r["tier"] == "core"]
-    boxed = [
-        r for r in rows if r["kind"] == "answer" or "boxed" in r["prediction"] or "fbox" in r["prediction"]
-    ]
+    boxed = [r for r in rows if r["kind"] == "answer" or "boxed" in r["prediction"] or "fbox" in r["prediction"]]
     rate, wrong = _agreement(boxed, "none")
-    print(
-        f"\ngrader_cases core, boxed or bare answers, default settings: {rate:.1%} of {len(boxed)}; {wrong}"
-    )
+    print(f"\ngrader_cases core, boxed or bare answers, default settings: {rate:.1%} of {len(boxed)}; {wrong}")
     assert rate >= 0.99
     rate, wrong = _agreement(rows, "none")
     print(f"grader_cases core, all, default settings: {rate:.1%} of {len(rows)}")
