@@ -37,6 +37,7 @@ format: install ## ruff format and autofix
 
 bench: install ## benchmarks, each printing a ratio against its baseline
 	$(PY) scripts/bench_reward.py
+	$(PY) scripts/bench_scope.py
 
 eval: install ## evaluate a run's export on the held-out set: make eval RUN=outputs/...
 	$(PY) train.py train.steps=0 model.name_or_path=$(RUN)/export

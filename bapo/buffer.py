@@ -79,9 +79,7 @@ class ReplayBuffer:
         stale = [version - s.sample.version for s in samples]
         worst = max(stale, default=0)
         if self.max_staleness is not None and worst > self.max_staleness:
-            raise StalenessError(
-                f"sample staleness {worst} exceeds buffer.max_staleness={self.max_staleness}"
-            )
+            raise StalenessError(f"sample staleness {worst} exceeds buffer.max_staleness={self.max_staleness}")
         return {
             "buffer/staleness_mean": sum(stale) / max(len(stale), 1),
             "buffer/staleness_max": float(worst),

@@ -36,9 +36,49 @@ def _choice(value: str, key: str, allowed: tuple[str, ...]) -> None:
 
 
 @dataclass
+class CriticConfig:
+    """The value model of ``advantage: gae`` (PPO): GAE and the clipped value loss."""
+
+    lr: float = MISSING
+    gamma: float = MISSING
+    lam: float = MISSING
+    vf_clip: float | None = MISSING
+
+    def __post_init__(self) -> None:
+        _require(self.lr > 0, "algo.critic.lr", f"must be > 0, got {self.lr}")
+        _require(0 < self.gamma <= 1, "algo.critic.gamma", f"must be in (0, 1], got {self.gamma}")
+        _require(0 <= self.lam <= 1, "algo.critic.lam", f"must be in [0, 1], got {self.lam}")
+        _require(self.vf_clip is None or self.vf_clip > 0, "algo.critic.vf_clip", "must be null or > 0")
+
+
+@dataclass
+class CardConfig:
+    """The card heuristic's eps rule (NOT the paper's method; see bapo/algos/card.py)."""
+
+    eps: float = MISSING
+    eps_min: float = MISSING
+    eps_max: float = MISSING
+    grow: float = MISSING
+    shrink: float = MISSING
+    g_high: float = MISSING
+    g_low: float = MISSING
+    widen: float = MISSING
+
+    def __post_init__(self) -> None:
+        _require(
+            0 < self.eps_min <= self.eps <= self.eps_max < 1, "algo.card.eps", "need 0 < eps_min <= eps <= eps_max < 1"
+        )
+        _require(self.grow >= 1, "algo.card.grow", f"must be >= 1, got {self.grow}")
+        _require(0 < self.shrink <= 1, "algo.card.shrink", f"must be in (0, 1], got {self.shrink}")
+        _require(0 <= self.g_low <= self.g_high, "algo.card.g_low", "need 0 <= g_low <= g_high")
+        _require(self.widen >= 0, "algo.card.widen", f"must be >= 0, got {self.widen}")
+
+
+@dataclass
 class AlgoConfig:
     name: str = MISSING
-    advantage: str = MISSING  # grpo
+    loss: str = MISSING  # surrogate | card
+    advantage: str = MISSING  # grpo | gae
     norm_std: bool = MISSING
     bounds: str = MISSING  # bapo | fixed
     ratio_low: float = MISSING
@@ -55,21 +95,20 @@ class AlgoConfig:
     dual_clip: float | None = MISSING
     agg: str = MISSING
     entropy_coef: float = MISSING
+    kl_coef: float = MISSING
+    kl_estimator: str = MISSING
+    critic: CriticConfig = MISSING
+    card: CardConfig = MISSING
 
     def __post_init__(self) -> None:
-        _choice(self.advantage, "algo.advantage", ("grpo",))
+        _choice(self.loss, "algo.loss", ("surrogate", "card"))
+        _choice(self.advantage, "algo.advantage", ("grpo", "gae"))
         _choice(self.bounds, "algo.bounds", ("bapo", "fixed"))
-        _require(
-            0 < self.ratio_low < 1 < self.ratio_high, "algo.ratio_low/ratio_high", "need 0 < low < 1 < high"
-        )
-        _require(
-            0 < self.rho0 < (1 if self.variant == "paper" else 100), "algo.rho0", f"out of range: {self.rho0}"
-        )
+        _require(0 < self.ratio_low < 1 < self.ratio_high, "algo.ratio_low/ratio_high", "need 0 < low < 1 < high")
+        _require(0 < self.rho0 < (1 if self.variant == "paper" else 100), "algo.rho0", f"out of range: {self.rho0}")
         for k in ("low_range", "high_range"):
             r = getattr(self, k)
-            _require(
-                len(r) == 2 and r[0] <= r[1], f"algo.{k}", f"must be [start, end] with start <= end, got {r}"
-            )
+            _require(len(r) == 2 and r[0] <= r[1], f"algo.{k}", f"must be [start, end] with start <= end, got {r}")
         _require(0 < self.low_range[0] and self.low_range[1] < 1, "algo.low_range", "must lie inside (0, 1)")
         _require(self.high_range[0] > 1, "algo.high_range", "must lie above 1")
         _require(self.low_step > 0 and self.high_step > 0, "algo.low_step/high_step", "must be > 0")
@@ -83,6 +122,9 @@ class AlgoConfig:
             "algo.agg",
             ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
         )
+        _require(self.entropy_coef >= 0, "algo.entropy_coef", f"must be >= 0, got {self.entropy_coef}")
+        _require(self.kl_coef >= 0, "algo.kl_coef", f"must be >= 0 (0 = no reference model), got {self.kl_coef}")
+        _choice(self.kl_estimator, "algo.kl_estimator", ("k1", "k2", "k3"))
 
 
 @dataclass
@@ -98,9 +140,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _choice(self.dtype, "model.dtype", ("float32", "bfloat16", "float16"))
         _require(self.max_new_tokens > 0, "model.max_new_tokens", "must be > 0")
-        _require(
-            (self.gguf_package is None) == (self.gguf_file is None), "model.gguf_file", "set both or neither"
-        )
+        _require((self.gguf_package is None) == (self.gguf_file is None), "model.gguf_file", "set both or neither")
 
 
 @dataclass
@@ -112,13 +152,9 @@ class ArithConfig:
     ops: str = MISSING
 
     def __post_init__(self) -> None:
-        _require(
-            2 <= self.min_terms <= self.max_terms, "data.arith.min_terms", "need 2 <= min_terms <= max_terms"
-        )
+        _require(2 <= self.min_terms <= self.max_terms, "data.arith.min_terms", "need 2 <= min_terms <= max_terms")
         _require(self.min_value <= self.max_value, "data.arith.min_value", "need min_value <= max_value")
-        _require(
-            bool(self.ops) and set(self.ops) <= set("+-*"), "data.arith.ops", "use characters from '+-*'"
-        )
+        _require(bool(self.ops) and set(self.ops) <= set("+-*"), "data.arith.ops", "use characters from '+-*'")
 
 
 @dataclass
@@ -187,9 +223,7 @@ class BufferConfig:
     sampling: str = MISSING
 
     def __post_init__(self) -> None:
-        _require(
-            self.max_staleness is None or self.max_staleness >= 0, "buffer.max_staleness", "must be >= 0"
-        )
+        _require(self.max_staleness is None or self.max_staleness >= 0, "buffer.max_staleness", "must be >= 0")
         _require(self.capacity > 0, "buffer.capacity", "must be > 0")
         _choice(self.sampling, "buffer.sampling", ("fifo", "uniform"))
 
@@ -260,6 +294,22 @@ class TrainConfig:
         _require(self.sync_every >= 1, "train.sync_every", "must be >= 1")
 
 
+@dataclass
+class MonitorConfig:
+    """Training-health warnings (bapo/monitor.py)."""
+
+    entropy_frac: float = MISSING
+    entropy_window: int = MISSING
+    clip_threshold: float = MISSING
+    clip_patience: int = MISSING
+
+    def __post_init__(self) -> None:
+        _require(0 < self.entropy_frac < 1, "monitor.entropy_frac", f"must be in (0, 1), got {self.entropy_frac}")
+        _require(self.entropy_window >= 1, "monitor.entropy_window", "must be >= 1")
+        _require(0 <= self.clip_threshold < 1, "monitor.clip_threshold", "must be in [0, 1)")
+        _require(self.clip_patience >= 1, "monitor.clip_patience", "must be >= 1")
+
+
 SCHEMAS: dict[str, type] = {
     "algo": AlgoConfig,
     "model": ModelConfig,
@@ -271,6 +321,7 @@ SCHEMAS: dict[str, type] = {
     "logger": LoggerConfig,
     "eval": EvalConfig,
     "train": TrainConfig,
+    "monitor": MonitorConfig,
 }
 
 
@@ -296,6 +347,7 @@ class RunConfig:
     logger: LoggerConfig
     eval: EvalConfig
     train: TrainConfig
+    monitor: MonitorConfig
     sizes: Sizes
 
 
@@ -309,9 +361,7 @@ def _typed(group: str, node: Any, schema: type) -> Any:
         raise ConfigError(f"{key}: {msg}") from None
 
 
-def derive_sizes(
-    train: TrainConfig, rollout: RolloutConfig, learner: LearnerConfig, buffer: BufferConfig
-) -> Sizes:
+def derive_sizes(train: TrainConfig, rollout: RolloutConfig, learner: LearnerConfig, buffer: BufferConfig) -> Sizes:
     """All batch arithmetic, once, with errors that name the keys involved."""
     samples = train.prompts_per_step * rollout.n
     mb = learner.mini_batches_per_rollout

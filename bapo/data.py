@@ -157,9 +157,7 @@ def _row_to_problem(row: object, where: str, problem_key: str, answer_key: str, 
         raise ValueError(f"{where}: field {problem_key!r} must be a non-empty string")
     if isinstance(ans, bool) or not isinstance(ans, str | int | float):
         raise ValueError(f"{where}: field {answer_key!r} must be a string or number, got {ans!r}")
-    return Problem(
-        id=str(row.get("id", idx)), problem=prob, answer=str(ans), source=str(row.get("source", ""))
-    )
+    return Problem(id=str(row.get("id", idx)), problem=prob, answer=str(ans), source=str(row.get("source", "")))
 
 
 def load_jsonl(
@@ -207,9 +205,7 @@ def load_hub(
     report = report if report is not None else LoadReport()
     p = Path(name)
     if p.is_file():
-        ds = datasets.load_dataset(
-            p.suffix.lstrip(".").replace("jsonl", "json"), data_files=str(p), split=split
-        )
+        ds = datasets.load_dataset(p.suffix.lstrip(".").replace("jsonl", "json"), data_files=str(p), split=split)
     else:
         ds = datasets.load_dataset(name, subset, split=split)
     out = []
@@ -323,9 +319,7 @@ def problem_sources(
         train_rows = [p for p in rows if not is_heldout(p.problem, heldout_frac)]
         held = [p for p in rows if is_heldout(p.problem, heldout_frac)]
     if not train_rows or not held:
-        raise ValueError(
-            f"data.path={path}: {len(train_rows)} training and {len(held)} held-out rows; need both"
-        )
+        raise ValueError(f"data.path={path}: {len(train_rows)} training and {len(held)} held-out rows; need both")
     rng = random.Random(heldout_seed)
     held = rng.sample(held, min(heldout_size, len(held)))
     return ListSource(train_rows, seed=train_seed), held, report

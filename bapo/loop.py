@@ -29,15 +29,16 @@ from tqdm import tqdm
 
 from bapo import algos
 from bapo.buffer import ReplayBuffer
-from bapo.config import ConfigError, RunConfig, build
+from bapo.config import AlgoConfig, ConfigError, RunConfig, build
 from bapo.data import ArithSpec, problem_sources, render_prompt
 from bapo.evaluate import evaluate
-from bapo.learner import Learner, collate
+from bapo.learner import Critic, Learner, collate
 from bapo.logging import MetricsLogger
 from bapo.modeling import load_model, load_tokenizer, model_path, pick_device
+from bapo.monitor import Monitor
 from bapo.reward import MathVerifier
 from bapo.rollout import HFRollout
-from bapo.types import ScoredSample
+from bapo.types import Sample, ScoredSample
 
 log = logging.getLogger(__name__)
 
@@ -48,27 +49,30 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def make_bound_fn(a):
-    """BAPO's search or fixed bounds, from the algo config: the one pluggable part of the loss."""
-    if a.bounds == "fixed":
-        return algos.make_bound_fn(
-            "fixed",
-            ratio_low=a.ratio_low,
-            ratio_high=a.ratio_high,
-            contribution=a.contribution,
-            weight=a.weight,
-        )
-    return algos.make_bound_fn(
-        "bapo",
-        rho0=a.rho0,
-        low_range=tuple(a.low_range),
-        high_range=tuple(a.high_range),
-        low_step=a.low_step,
-        high_step=a.high_step,
-        contribution=a.contribution,
-        weight=a.weight,
-        variant=a.variant,
+def make_objective(a: AlgoConfig) -> algos.Objective:
+    """The learner's objective from the algo config. Every algorithm is the one clipped surrogate
+    with its bound choice (BAPO's search or fixed bounds), except the card (NOT the paper's method)."""
+    loss_kw = dict(
+        dual_clip=a.dual_clip,
+        agg=a.agg,
+        entropy_coef=a.entropy_coef,
+        kl_coef=a.kl_coef,
+        kl_estimator=a.kl_estimator,
     )
+    if a.loss == "card":
+        return algos.card_objective(algos.CardState(**vars(a.card)), **loss_kw)
+    if a.bounds == "fixed":
+        bound_kw = dict(ratio_low=a.ratio_low, ratio_high=a.ratio_high)
+    else:
+        bound_kw = dict(
+            rho0=a.rho0,
+            low_range=tuple(a.low_range),
+            high_range=tuple(a.high_range),
+            low_step=a.low_step,
+            high_step=a.high_step,
+            variant=a.variant,
+        )
+    return algos.surrogate_objective(a.bounds, contribution=a.contribution, weight=a.weight, **bound_kw, **loss_kw)
 
 
 def build_stages(rc: RunConfig):
@@ -80,9 +84,7 @@ def build_stages(rc: RunConfig):
     device = pick_device(rc.learner.device)
     path = model_path(rc.model.name_or_path, rc.model.gguf_package, rc.model.gguf_file)
     tok = load_tokenizer(path, trust_remote_code=rc.model.trust_remote_code)
-    policy = load_model(
-        path, dtype=rc.model.dtype, device=device, trust_remote_code=rc.model.trust_remote_code
-    )
+    policy = load_model(path, dtype=rc.model.dtype, device=device, trust_remote_code=rc.model.trust_remote_code)
     r = rc.rollout
     rollout = HFRollout(
         copy.deepcopy(policy),
@@ -121,22 +123,22 @@ def build_stages(rc: RunConfig):
         seed=rc.seed,
     )
     a, lc = rc.algo, rc.learner
+    opt_kw = dict(betas=tuple(lc.betas), weight_decay=lc.weight_decay, eps=lc.eps, grad_clip=lc.grad_clip)
+    # GAE's value model (its own copy of the policy's trunk); the KL term's frozen initial policy
+    critic = None
+    if a.advantage == "gae":
+        critic = Critic(policy, lr=a.critic.lr, vf_clip=a.critic.vf_clip, agg=a.agg, **opt_kw)
     learner = Learner(
         policy,
-        bound_fn=make_bound_fn(a),
-        adaptive_bounds=a.bounds == "bapo",
+        objective=make_objective(a),
+        critic=critic,
+        ref_model=copy.deepcopy(policy).eval() if a.kl_coef > 0 else None,
         scope=a.scope,
         lr=lc.lr,
-        betas=tuple(lc.betas),
-        weight_decay=lc.weight_decay,
-        eps=lc.eps,
         warmup_steps=lc.warmup_steps,
-        grad_clip=lc.grad_clip,
         micro_batch_size=lc.micro_batch_size,
+        **opt_kw,
         temperature=r.temperature,
-        dual_clip=a.dual_clip,
-        agg=a.agg,
-        entropy_coef=a.entropy_coef,
         max_response_len=r.max_new_tokens,
     )
     return tok, rollout, verifier, train_src, heldout_prompts, report, buffer, learner
@@ -150,6 +152,27 @@ def export_hf(model, tok, out: Path) -> None:
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
+
+
+def score(samples: list[Sample], grades, adv, returns, values) -> list[ScoredSample]:
+    """Attach reward, per-token advantages and (with a critic) old values and returns to each sample."""
+
+    def row(t, i: int) -> tuple[float, ...] | None:  # sample i's response tokens of a [B, T] tensor
+        return None if t is None else tuple(t[i, : len(samples[i].response_ids)].tolist())
+
+    return [
+        ScoredSample(
+            s,
+            g.reward,
+            float(adv[i, 0]) if s.response_ids else 0.0,
+            g.correct,
+            g.extracted,
+            token_adv=row(adv, i),
+            old_values=row(values, i),
+            returns=row(returns, i),
+        )
+        for i, (s, g) in enumerate(zip(samples, grades, strict=True))
+    ]
 
 
 def run_eval(rc: RunConfig, rollout, verifier, prompts) -> dict:
@@ -186,6 +209,9 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
         config=OmegaConf.to_container(cfg, resolve=True),
     )
     sizes, version, rng = rc.sizes, 0, random.Random(rc.seed)
+    a = rc.algo
+    adv_kw = dict(group_size=rc.rollout.n, norm_std=a.norm_std, gamma=a.critic.gamma, lam=a.critic.lam)
+    monitor = Monitor(**vars(rc.monitor))
     metrics = {"data/skipped_rows": float(report.skipped)} | run_eval(rc, rollout, verifier, heldout)
     logger.log(metrics, step=0)
     bar = tqdm(range(1, rc.train.steps + 1), desc="train", disable=not lg.progress, dynamic_ncols=True)
@@ -201,16 +227,15 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
             samples = rollout.generate(prompts)
             t_rollout = time.perf_counter() - t0
             # 2. reward: verify the answers in worker processes
-            grades, rstats = verifier.grade(
-                [s.text for s in samples], [s.prompt.problem.answer for s in samples]
-            )
+            grades, rstats = verifier.grade([s.text for s in samples], [s.prompt.problem.answer for s in samples])
             rewards = torch.tensor([g.reward for g in grades], dtype=torch.float64)
-            # 3. advantages: group-normalised over the n responses of each prompt
-            adv = algos.grpo_advantages(rewards, rc.rollout.n, norm_std=rc.algo.norm_std)
-            scored = [
-                ScoredSample(s, g.reward, float(a_), g.correct, g.extracted)
-                for s, g, a_ in zip(samples, grades, adv.tolist(), strict=True)
-            ]
+            # 3. advantages: GRPO's groups, or GAE on the critic's values taken now, before any update
+            values = learner.values(collate(samples, pad_id=rollout.pad_id))  # [B, T]; None without a critic
+            lengths = [len(s.response_ids) for s in samples]
+            adv, returns, adv_stats = algos.compute_advantages(
+                rc.algo.advantage, rewards, lengths, values=values, **adv_kw
+            )
+            scored = score(samples, grades, adv, returns, values)
             # 4. buffer: tag, admit, drop what is too stale for this learner version
             buffer.put(scored)
             batch = buffer.get(sizes.samples_per_step, version)
@@ -229,7 +254,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
                         t_sync += rollout.update_weights(learner.weights(), version)
             t_learn = time.perf_counter() - t0 - t_sync
             metrics = mean_metrics(updates) | rstats.as_dict()
-            metrics |= {f"adv/{k}": float(v) for k, v in algos.group_stats(rewards, rc.rollout.n).items()}
+            metrics |= {f"adv/{k}": float(v) for k, v in adv_stats.items()}
             n_tok = sum(len(s.response_ids) for s in samples)
             metrics |= {
                 "reward/mean": float(rewards.mean()),
@@ -243,6 +268,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
                 "time/sync_s": t_sync,
                 "time/reward_s": rstats.verify_s,
             } | buffer.metrics()
+            metrics |= monitor.observe(metrics, updates)
             if step == rc.train.steps or (rc.eval.every and step % rc.eval.every == 0):
                 metrics |= run_eval(rc, rollout, verifier, heldout)
             metrics["time/step_s"] = time.perf_counter() - t_step
@@ -257,9 +283,10 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
 
 
 def summary(step: int, m: dict) -> str:
+    lo, hi = (m.get(f"bapo/{k}", m.get(f"card/{k}", 0)) for k in ("ratio_low", "ratio_high"))
     s = (
-        f"step {step:4d} | reward {m['reward/mean']:.3f} | clip [{m.get('bapo/ratio_low', 0):.2f}, "
-        f"{m.get('bapo/ratio_high', 0):.2f}] rho {m.get('bapo/rho', 0):.2f} | ent {m.get('learner/entropy', 0):.3f} "
+        f"step {step:4d} | reward {m['reward/mean']:.3f} | clip [{lo:.2f}, {hi:.2f}] "
+        f"rho {m.get('bapo/rho', 0):.2f} | ent {m.get('learner/entropy', 0):.3f} "
         f"| gnorm {m.get('learner/grad_norm', 0):.2f} | stale {m.get('buffer/staleness_mean', 0):.1f} "
         f"| {m['time/step_s']:.1f}s"
     )

@@ -85,12 +85,8 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False):
     return tok
 
 
-def load_model(
-    path: str, *, dtype: str = "float32", device: str | torch.device = "cpu", trust_remote_code=False
-):
+def load_model(path: str, *, dtype: str = "float32", device: str | torch.device = "cpu", trust_remote_code=False):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code
-    )
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
     return model.to(device)

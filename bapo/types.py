@@ -51,13 +51,22 @@ class Sample:
 
 @dataclass(frozen=True)
 class ScoredSample:
-    """A sample after reward and advantage estimation."""
+    """A sample after reward and advantage estimation.
+
+    ``advantage`` is one number per sequence (GRPO's; with GAE, the first token's).
+    ``token_adv``, when given, holds one advantage per response token and takes
+    precedence. With a critic, ``old_values`` (the critic's values when the sample
+    was scored) and ``returns`` (its GAE targets) are per response token too.
+    """
 
     sample: Sample
     reward: float
     advantage: float
     correct: bool
     extracted: str | None = None
+    token_adv: tuple[float, ...] | None = None
+    old_values: tuple[float, ...] | None = None
+    returns: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -75,7 +84,7 @@ class TrainBatch:
     old_logp: torch.Tensor  # [B, L-1] float
     adv: torch.Tensor  # [B, L-1] float
     versions: torch.Tensor  # [B] long
-    extras: dict = field(default_factory=dict)
+    extras: dict = field(default_factory=dict)  # more [B, L-1] tensors: old_values, returns (PPO)
 
     @property
     def num_tokens(self) -> int:

@@ -7,9 +7,18 @@ Three steps, all deterministic under ``--seed``:
 2. Build a small Llama-architecture causal LM with untied input/output
    embeddings (vLLM's weight reload needs an untied ``lm_head``).
 3. Supervised warm-start on a synthetic arithmetic curriculum whose worked
-   solutions end in ``\\boxed{answer}``. Training stops as soon as the sampled
-   accuracy on the held-out RL problems reaches ``--target`` (default 0.3), so
-   that RL starts with headroom: low, but well above zero.
+   solutions end in ``\\boxed{answer}``.
+
+Why the warm-start teacher is careless: the RL task needs headroom. A model
+that is simply under-trained makes confident, unsystematic errors that a few
+minutes of RL cannot fix. Instead, the teacher's worked solutions do each step
+carelessly with probability ``--slip-rate`` (adding without carrying,
+subtracting column by column without borrowing; ``bapo.data.careless``), and
+the error carries into later steps. The warm-started policy therefore knows
+both procedures and mixes them, so its held-out accuracy starts low (20-40%),
+and the outcome reward alone can teach it to carry, which is the kind of
+behaviour RL on LLMs amplifies. The gold answers of the RL task are always
+the right ones.
 
 Usage:  python scripts/build_tiny_model.py [--out assets/tiny-math] [--target 0.3]
 """
@@ -61,7 +70,7 @@ CURRICULUM = [
 RL_SPEC = ArithSpec()
 HELDOUT_FRAC = 0.1  # as conf/data/arith.yaml
 HELDOUT_SEED = 1234
-SLIP_RATE = 0.8  # set from --slip-rate
+SLIP_RATE = 0.85  # set from --slip-rate
 
 
 def render(problem: str, solution: str | None) -> str:
@@ -166,9 +175,7 @@ def main() -> None:
     ap.add_argument("--max-steps", type=int, default=2500)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument(
-        "--slip-rate", type=float, default=0.8, help="share of careless steps in the teacher's solutions"
-    )
+    ap.add_argument("--slip-rate", type=float, default=0.85, help="share of careless steps in the teacher's solutions")
     ap.add_argument("--target", type=float, default=None, help="optional early stop at this sampled accuracy")
     ap.add_argument("--eval-every", type=int, default=250)
     ap.add_argument("--eval-temperature", type=float, default=1.0)
@@ -208,9 +215,7 @@ def main() -> None:
     warm = 100
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt,
-        lambda s: (
-            min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, args.max_steps) / args.max_steps))
-        ),
+        lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, args.max_steps) / args.max_steps)),
     )
     t0, history = time.time(), []
     acc = sampled_accuracy(model, tok, heldout_problems, temperature=args.eval_temperature, n=2)

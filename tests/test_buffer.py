@@ -6,10 +6,7 @@ from bapo.types import Problem, Prompt, Sample, ScoredSample
 
 def make(group: int, version: int, k: int = 2) -> list[ScoredSample]:
     prompt = Prompt(Problem(str(group), "p", "1"), "p", (1, 2))
-    return [
-        ScoredSample(Sample(prompt, group, (3,), (-0.1,), "t", version, False), 1.0, 0.0, True)
-        for _ in range(k)
-    ]
+    return [ScoredSample(Sample(prompt, group, (3,), (-0.1,), "t", version, False), 1.0, 0.0, True) for _ in range(k)]
 
 
 def test_fifo_serves_whole_groups_in_order():

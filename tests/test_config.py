@@ -35,6 +35,18 @@ def test_every_option_composes_and_validates(group, option, tmp_path):
     assert rc.sizes.samples_per_step == cfg.train.prompts_per_step * cfg.rollout.n
 
 
+def test_every_algo_file_carries_every_algo_key():
+    from omegaconf import OmegaConf
+
+    from bapo.config import AlgoConfig
+
+    keys = set(OmegaConf.structured(AlgoConfig).keys())
+    for option in options("algo"):
+        cfg = _compose([f"algo={option}"])
+        assert set(cfg.algo.keys()) == keys, option
+        assert cfg.algo.name == option
+
+
 def test_debug_smoke_composes(tmp_path):
     rc = build(_compose(["debug=smoke"]), tmp_path)
     assert rc.train.steps == 3 and rc.logger.wandb is False
@@ -66,6 +78,15 @@ def test_model_fallback_defaults_per_model(tmp_path):
         ("data.kind=csv", "data.kind"),
         ("model.dtype=int8", "model.dtype"),
         ("learner.mini_batches_per_rollout=3", "learner.mini_batches_per_rollout"),
+        ("algo.advantage=rloo", "algo.advantage"),
+        ("algo.loss=dpo", "algo.loss"),
+        ("algo.kl_estimator=k4", "algo.kl_estimator"),
+        ("algo.kl_coef=-0.1", "algo.kl_coef"),
+        ("algo.critic.lam=1.5", "algo.critic.lam"),
+        ("algo.critic.lr=0", "algo.critic.lr"),
+        ("algo.card.eps=0.05", "algo.card.eps"),
+        ("monitor.entropy_frac=2", "monitor.entropy_frac"),
+        ("monitor.clip_patience=0", "monitor.clip_patience"),
     ],
 )
 def test_bad_values_name_the_key(override, key, tmp_path):

@@ -44,9 +44,7 @@ def test_careless_slips_hand_computed():
 def test_heldout_split_is_disjoint_and_deterministic():
     spec = ArithSpec()
     held = arith_heldout(50, seed=1234, heldout_frac=0.1, spec=spec)
-    assert [p.problem for p in held] == [
-        p.problem for p in arith_heldout(50, seed=1234, heldout_frac=0.1, spec=spec)
-    ]
+    assert [p.problem for p in held] == [p.problem for p in arith_heldout(50, seed=1234, heldout_frac=0.1, spec=spec)]
     assert len({p.problem for p in held}) == 50
     train = ArithSource(seed=7, split="train", heldout_frac=0.1, spec=spec)
     train_texts = {next(train).problem for _ in range(3000)}
@@ -98,18 +96,14 @@ def test_jsonl_missing_file_and_all_bad(tmp_path):
 
 def test_hub_loader_reads_local_files_through_datasets(tmp_path):
     f = tmp_path / "train.jsonl"
-    f.write_text(
-        "\n".join(json.dumps({"question": f"q{i}", "answer": f"work #### {i},000"}) for i in range(5))
-    )
+    f.write_text("\n".join(json.dumps({"question": f"q{i}", "answer": f"work #### {i},000"}) for i in range(5)))
     rows = load_hub(str(f), split="train", problem_key="question")
     assert len(rows) == 5 and rows[0].problem == "q0"
 
 
 def test_problem_sources_gsm8k_format_and_holdout(tmp_path):
     f = tmp_path / "g.jsonl"
-    f.write_text(
-        "\n".join(json.dumps({"question": f"q{i}?", "answer": f"so #### {i},000"}) for i in range(200))
-    )
+    f.write_text("\n".join(json.dumps({"question": f"q{i}?", "answer": f"so #### {i},000"}) for i in range(200)))
     train, held, rep = problem_sources(
         kind="hub",
         arith=ArithSpec(),

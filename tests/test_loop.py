@@ -55,6 +55,69 @@ def test_smoke_run_trains_and_logs(tmp_path, algo):
     assert (tmp_path / "config.yaml").read_text().count("algo:") == 1
 
 
+ALGOS = sorted(p.stem for p in (ROOT / "conf" / "algo").glob("*.yaml"))
+ABLATION = ["algo.contribution=gradient", "algo.weight=none", "algo.scope=micro_batch"]
+FAST = ["train.steps=2", "eval.every=0", "eval.greedy=false", "data.heldout_size=4"]
+PREFIX = {"card": "card"}  # the card logs its chooser's stats under card/, every other algo under bapo/
+
+
+def _rows(path):
+    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize(
+    "algo,extra",
+    [(a, []) for a in ALGOS] + [("bapo", ABLATION), ("grpo", ["algo.kl_coef=0.05"])],
+    ids=[*ALGOS, "bapo-ablations", "grpo-kl"],
+)
+def test_every_algo_runs_end_to_end(tmp_path, algo, extra):
+    run(_cfg([f"algo={algo}", *FAST, *extra]), tmp_path)
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    prefix = PREFIX.get(algo, "bapo")
+    required = [
+        f"{prefix}/ratio_low",
+        f"{prefix}/ratio_high",
+        "learner/entropy",
+        "learner/approx_kl",
+        "learner/grad_norm",
+        "learner/pos_token_frac",
+        "learner/clip_frac_high",
+        "learner/clip_frac_low",
+        "learner/loss",
+        "monitor/entropy_collapse",
+        "monitor/clip_saturation",
+    ]
+    if prefix == "bapo":
+        required += ["bapo/rho", "bapo/rho_before", "bapo/search_steps"]
+    if "gae" in (tmp_path / "config.yaml").read_text():
+        required += ["learner/value_loss", "learner/explained_var", "learner/value_clip_frac", "adv/value_mean"]
+    if "algo.kl_coef=0.05" in extra:
+        required += ["learner/kl_ref"]
+    for r in rows[1:]:
+        for k in required:
+            assert k in r, k
+        bad = {k: v for k, v in r.items() if isinstance(v, float | int | None) and not math.isfinite(v or 0.0)}
+        assert not bad and None not in r.values(), bad
+    if algo == "bapo_recipe":
+        assert all(0.8 <= r["bapo/ratio_low"] <= 0.95 and r["bapo/ratio_high"] <= 2.0 for r in rows[1:])
+    if algo == "clip_higher":
+        assert {r["bapo/ratio_high"] for r in rows[1:]} == {1.28}
+
+
+def test_card_eps_evolves_by_its_rule(tmp_path):
+    # One update per step, so each row's card/eps and card/g are that update's own.
+    run(_cfg(["algo=card", "learner.mini_batches_per_rollout=1", *FAST, "train.steps=3"]), tmp_path)
+    rows = _rows(tmp_path)[1:]
+    assert rows[0]["card/eps"] == pytest.approx(0.2)
+    for r in rows:
+        eps, g = r["card/eps"], r["card/g"]
+        expected = min(1.1 * eps, 0.5) if g > 1 else max(0.9 * eps, 0.1) if g < 0.5 else eps
+        assert r["card/eps_next"] == pytest.approx(expected)
+    for prev, nxt in zip(rows, rows[1:], strict=False):
+        assert nxt["card/eps"] == pytest.approx(prev["card/eps_next"])
+
+
 def test_same_seed_same_metrics(tmp_path):
     a = run(_cfg(["train.steps=2"]), tmp_path / "a")
     b = run(_cfg(["train.steps=2"]), tmp_path / "b")

@@ -41,9 +41,18 @@ def test_one_loop_step_on_smollm2(smol_dir, tmp_path):
     from bapo.loop import run
 
     over = [
-        "model=smollm2_135m", f"model.name_or_path={smol_dir}", "model.max_new_tokens=24", "debug=smoke",
-        "train.steps=1", "train.prompts_per_step=2", "rollout.n=2", "data.heldout_size=2", "eval.greedy=false",
-        "data.arith.max_value=9", "data.arith.max_terms=2", "learner.micro_batch_size=4",
+        "model=smollm2_135m",
+        f"model.name_or_path={smol_dir}",
+        "model.max_new_tokens=24",
+        "debug=smoke",
+        "train.steps=1",
+        "train.prompts_per_step=2",
+        "rollout.n=2",
+        "data.heldout_size=2",
+        "eval.greedy=false",
+        "data.arith.max_value=9",
+        "data.arith.max_terms=2",
+        "learner.micro_batch_size=4",
     ]
     with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
         cfg = compose(config_name="config", overrides=over)

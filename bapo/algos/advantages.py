@@ -1,6 +1,10 @@
-"""GRPO group-normalised advantages (BAPO.md, "GRPO advantages").
+"""Advantages: GRPO group-normalised (BAPO.md, "GRPO advantages"), or GAE from a critic.
 
-Every prompt is sampled ``group_size`` times; the rewards arrive flat, group after
+``compute_advantages(kind, ...)`` is the one entry point the loop calls; ``kind`` is
+``algo.advantage``: ``grpo`` or ``gae`` (PPO; the critic math is in ``value.py``).
+Both return per-token advantages [B, T] over right-padded responses.
+
+GRPO: every prompt is sampled ``group_size`` times; the rewards arrive flat, group after
 group (``[num_prompts * group_size]``). Each response's advantage is its reward
 minus its group's mean, divided by the group's unbiased standard deviation
 (ddof = 1, as verl does) plus ``eps``:
@@ -10,12 +14,16 @@ minus its group's mean, divided by the group's unbiased standard deviation
 A group whose rewards are all equal carries no learning signal and gets exactly 0
 (not a float residue of ``R - mean``). A group of one response has no spread at all
 (its ddof = 1 std is undefined), so ``group_size == 1`` also gives zeros. The
-advantage is per sequence; the learner broadcasts it over the sequence's tokens.
+advantage is per sequence; ``compute_advantages`` broadcasts it over the sequence's tokens.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+
+from bapo.algos.value import gae_advantages, outcome_token_rewards, response_mask, whiten
 
 
 def _grouped(rewards: torch.Tensor | list[float], group_size: int) -> torch.Tensor:
@@ -83,3 +91,59 @@ def group_stats(rewards: torch.Tensor | list[float], group_size: int) -> dict[st
         "reward_mean": grouped.mean().item() if num_groups else 0.0,
         "reward_std_in_group": std_in_group,
     }
+
+
+def _grpo_tokens(rewards, mask, *, values, group_size, norm_std, gamma, lam):
+    adv = grpo_advantages(rewards, group_size, norm_std=norm_std)  # [B]
+    return torch.where(mask, adv[:, None], torch.zeros((), dtype=adv.dtype)), None  # [B, T]
+
+
+def _gae_tokens(rewards, mask, *, values, group_size, norm_std, gamma, lam):
+    if values is None:
+        raise ValueError("advantage 'gae' needs the critic's values (the learner gives them when it has a critic)")
+    if values.shape != mask.shape:
+        raise ValueError(f"values {tuple(values.shape)} must be [B, T] = {tuple(mask.shape)}")
+    values = values.to(rewards.dtype)
+    adv, returns = gae_advantages(outcome_token_rewards(rewards, mask), values, mask, gamma=gamma, lam=lam)
+    return whiten(adv, mask), returns
+
+
+ADVANTAGE_KINDS = {"grpo": _grpo_tokens, "gae": _gae_tokens}
+
+
+def compute_advantages(
+    kind: str,
+    rewards: torch.Tensor | Sequence[float],
+    lengths: torch.Tensor | Sequence[int],
+    *,
+    group_size: int,
+    norm_std: bool = True,
+    values: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
+    """Per-token advantages of one rollout batch: (adv [B, T], returns [B, T] or None, stats).
+
+    ``rewards`` [B] are outcome rewards, group after group; ``lengths`` [B] the response
+    lengths, T = max(lengths). ``grpo``: the group-normalised advantage broadcast over each
+    response's tokens (``norm_std`` as ``grpo_advantages``). ``gae``: the reward on the last
+    token, GAE(``gamma``, ``lam``) on the critic's ``values`` [B, T], whitened over the
+    batch's tokens; ``returns`` are the critic's targets. 0 at padding. Stats:
+    ``group_stats`` plus, for gae, value_mean and return_mean.
+    """
+    if kind not in ADVANTAGE_KINDS:
+        raise ValueError(f"advantage kind must be one of {tuple(ADVANTAGE_KINDS)}, got {kind!r}")
+    rewards = torch.as_tensor(rewards)
+    rewards = rewards if rewards.is_floating_point() else rewards.to(torch.get_default_dtype())
+    mask = response_mask(lengths)  # [B, T]
+    if rewards.shape != mask.shape[:1]:
+        raise ValueError(f"rewards {tuple(rewards.shape)} and lengths ({mask.shape[0]}) differ")
+    adv, returns = ADVANTAGE_KINDS[kind](
+        rewards, mask, values=values, group_size=group_size, norm_std=norm_std, gamma=gamma, lam=lam
+    )
+    stats = group_stats(rewards, group_size)
+    if returns is not None:
+        n = mask.sum().clamp(min=1)
+        stats["value_mean"] = float(torch.where(mask, values, 0.0).sum() / n)
+        stats["return_mean"] = float(torch.where(mask, returns, 0.0).sum() / n)
+    return adv, returns, stats

@@ -148,18 +148,14 @@ def _reduce(reduce_sum: ReduceSum | None, sums: torch.Tensor) -> torch.Tensor:
 
 def _rho(p: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
     total = p + n
-    return torch.where(
-        total > 0, p / torch.where(total > 0, total, torch.ones_like(total)), torch.ones_like(total)
-    )
+    return torch.where(total > 0, p / torch.where(total > 0, total, torch.ones_like(total)), torch.ones_like(total))
 
 
 def _pn_ratio(p: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
     return torch.where(n > 0, p / torch.where(n > 0, n, torch.ones_like(n)), torch.full_like(n, math.inf))
 
 
-def _check_search_args(
-    rho0, low_range, high_range, low_step, high_step, contribution, weight, variant
-) -> None:
+def _check_search_args(rho0, low_range, high_range, low_step, high_step, contribution, weight, variant) -> None:
     _check_choice("variant", variant, VARIANTS)
     _check_choice("contribution", contribution, CONTRIBUTIONS)
     _check_choice("weight", weight, WEIGHTS)
@@ -170,9 +166,7 @@ def _check_search_args(
         if len(rng) != 2 or not all(math.isfinite(x) for x in rng) or rng[0] > rng[1]:
             raise ValueError(f"{name} must be an ordered pair (lo, hi) with lo <= hi, got {rng}")
     if not 0 < low_range[0] or not low_range[1] <= 1.0 <= high_range[0]:
-        raise ValueError(
-            f"need 0 < low_range <= 1 <= high_range, got low_range={low_range}, high_range={high_range}"
-        )
+        raise ValueError(f"need 0 < low_range <= 1 <= high_range, got low_range={low_range}, high_range={high_range}")
     if not (math.isfinite(rho0) and rho0 >= 0) or (variant == "paper" and rho0 > 1):
         raise ValueError(f"rho0 must be in [0, 1] (paper) or >= 0 (recipe P/N target), got {rho0}")
 
@@ -299,9 +293,7 @@ def fixed_bounds(
 
 def _check_fixed_args(ratio_low: float, ratio_high: float) -> None:
     if not (0.0 <= ratio_low <= ratio_high and math.isfinite(ratio_high)):
-        raise ValueError(
-            f"need 0 <= ratio_low <= ratio_high, got ratio_low={ratio_low}, ratio_high={ratio_high}"
-        )
+        raise ValueError(f"need 0 <= ratio_low <= ratio_high, got ratio_low={ratio_low}, ratio_high={ratio_high}")
 
 
 def _check_bapo_params(params: dict[str, Any]) -> None:
@@ -321,6 +313,8 @@ def _check_fixed_params(params: dict[str, Any]) -> None:
 
 # kind -> (bound function, check of its configured keyword arguments)
 _BOUND_KINDS = {"bapo": (bapo_bounds, _check_bapo_params), "fixed": (fixed_bounds, _check_fixed_params)}
+# kind -> whether the bounds depend on the current ratios (then scope=mini_batch needs a pre-pass)
+ADAPTIVE = {"bapo": True, "fixed": False}
 
 
 def make_bound_fn(kind: str, **params: Any) -> BoundFn:
@@ -336,9 +330,7 @@ def make_bound_fn(kind: str, **params: Any) -> BoundFn:
     allowed = {k for k, p in signature.items() if p.kind is p.KEYWORD_ONLY and k != "reduce_sum"}
     unknown = sorted(set(params) - allowed)
     if unknown:
-        raise ValueError(
-            f"unknown parameter(s) {unknown} for bound kind {kind!r}; allowed: {sorted(allowed)}"
-        )
+        raise ValueError(f"unknown parameter(s) {unknown} for bound kind {kind!r}; allowed: {sorted(allowed)}")
     check(params)
 
     def bound_fn(ratio, adv, mask, old_logp, reduce_sum: ReduceSum | None = None):

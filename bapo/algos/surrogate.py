@@ -1,7 +1,9 @@
 """The clipped policy-gradient surrogate, its loss aggregation, and logit helpers.
 
-Every algorithm of the project (GRPO / PPO-clip, clip-higher, BAPO) uses this one
-loss; they differ only in the ratio bounds they pass (see ``bounds.py``). Per
+Every algorithm of the project (GRPO / PPO-clip, PPO with a critic, clip-higher,
+BAPO and its recipe variant) uses this one loss; they differ only in the ratio
+bounds they pass (see ``bounds.py``). The one exception is the card heuristic,
+which is not the paper's method and has its own loss (``card.py``). Per
 response token t (BAPO.md, "Notation"):
 
     r_t = exp(logp_t - old_logp_t)
@@ -9,7 +11,15 @@ response token t (BAPO.md, "Notation"):
         = A_t * min(r_t, ratio_high)                  if A_t > 0
         = A_t * max(r_t, ratio_low)                   if A_t < 0
     dual clip c (optional, c > 1), A_t < 0 only:  s_t = max(s_t, c * A_t)
-    loss = -aggregate(s_t)  [- entropy_coef * aggregate(entropy_t)]
+    loss = -aggregate(s_t)  [- entropy_coef * aggregate(entropy_t)]  [+ kl_coef * aggregate(kl_t)]
+
+The KL term (GRPO's optional penalty; BAPO has none) is an estimate of
+KL(pi || pi_ref) per sampled token, from the current and the frozen reference
+model's log-probs (Schulman's estimators, with x_t = ref_logp_t - logp_t):
+
+    k1 = -x_t                     unbiased, high variance, can be negative
+    k2 = 0.5 * x_t^2              biased, low variance
+    k3 = exp(x_t) - x_t - 1       unbiased, low variance, >= 0 (verl's low_var_kl)
 
 Implementation notes (none of them changes the math for ordinary inputs):
 - The log-ratio is clamped to [-20, 20] before ``exp`` (as verl does), so an extreme
@@ -19,6 +29,8 @@ Implementation notes (none of them changes the math for ordinary inputs):
 - Masked positions are removed with ``torch.where`` (never by multiplying with the
   mask), so NaN or inf there cannot leak into the loss, the gradients or the stats.
 - Stats are detached python floats over this call's own masked tokens.
+- k3's exponent is clamped to [-20, 20] like the ratio (verl clamps it too; we do
+  not clamp the result), so it stays finite for any log-ratio.
 """
 
 from __future__ import annotations
@@ -28,6 +40,7 @@ from collections.abc import Sequence
 import torch
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_ESTIMATORS = ("k1", "k2", "k3")
 LOG_RATIO_CLAMP = 20.0
 
 
@@ -121,6 +134,9 @@ def policy_loss(
     max_len: float | None = None,
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
+    ref_logp: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped-surrogate loss over [B, T] tokens with explicit ratio bounds.
 
@@ -128,14 +144,16 @@ def policy_loss(
     ``dual_clip`` (c > 1) caps the loss of each negative-advantage token at -c * A.
     ``num_tokens``/``num_seqs``/``max_len``: mini-batch normalisers, see ``aggregate``.
     ``entropy`` [B, T] with ``entropy_coef != 0`` subtracts an entropy bonus
-    aggregated the same way.
+    aggregated the same way. ``ref_logp`` [B, T] (the frozen reference model's
+    log-probs) adds ``kl_coef`` x the aggregated ``kl_estimator`` (k1, k2, k3).
 
     Stats (floats): pg_loss, clip_frac_high (A>0 tokens with r > ratio_high, over
     A>0 tokens), clip_frac_low (A<0 tokens with r < ratio_low, over A<0 tokens),
     dual_clip_frac (A<0 tokens with r > c, over A<0 tokens), clip_frac (tokens left
     without gradient by any of the three clips, over all tokens), ratio_mean,
     ratio_max, approx_kl (mean of 0.5 * log_ratio^2, on the clamped log-ratio),
-    pos_token_frac, tokens, and entropy when given.
+    pos_token_frac, tokens, entropy when given, kl_ref (token mean of the KL
+    estimate) when ``ref_logp`` is given.
     """
     _check_loss_args(logp, old_logp, adv, mask, ratio_low, ratio_high, dual_clip)
     m = mask.bool()  # [B, T]
@@ -152,12 +170,56 @@ def policy_loss(
     surrogate = adv * torch.where(pos, ratio.clamp(max=ratio_high), neg_ratio)  # [B, T]
     norms = {"agg": agg, "num_tokens": num_tokens, "num_seqs": num_seqs, "max_len": max_len}
     pg_loss = -aggregate(surrogate, m, **norms)
+    loss, reg_stats = regularised(pg_loss, logp, m, norms, entropy, entropy_coef, ref_logp, kl_coef, kl_estimator)
+    stats = _loss_stats(pg_loss, ratio, log_ratio, m, pos, neg, ratio_low, ratio_high, dual_clip, entropy)
+    return loss, stats | reg_stats
+
+
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, *, kl_estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate [...] of KL(pi || pi_ref) at sampled tokens (k1, k2 or k3; module docstring)."""
+    if kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
+    x = ref_logp - logp  # [...] log(pi_ref / pi)
+    if kl_estimator == "k1":
+        return -x
+    if kl_estimator == "k2":
+        return 0.5 * x.pow(2)
+    x = x.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return torch.exp(x) - x - 1.0
+
+
+def regularised(
+    pg_loss: torch.Tensor,
+    logp: torch.Tensor,
+    m: torch.Tensor,
+    norms: dict,
+    entropy: torch.Tensor | None,
+    entropy_coef: float,
+    ref_logp: torch.Tensor | None,
+    kl_coef: float,
+    kl_estimator: str,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """pg_loss - entropy_coef * agg(entropy) + kl_coef * agg(kl); shared by every loss of the project.
+
+    Returns the loss and {"kl_ref": token mean of the KL estimate} when ``ref_logp`` is given.
+    """
     loss = pg_loss
     if entropy is not None and entropy_coef != 0.0:
         loss = loss - entropy_coef * aggregate(entropy, m, **norms)
-
-    stats = _loss_stats(pg_loss, ratio, log_ratio, m, pos, neg, ratio_low, ratio_high, dual_clip, entropy)
-    return loss, stats
+    if ref_logp is None:
+        if kl_coef != 0.0:
+            raise ValueError(f"kl_coef={kl_coef} needs ref_logp (the reference model's log-probs)")
+        return loss, {}
+    if ref_logp.shape != logp.shape:
+        raise ValueError(f"ref_logp has shape {tuple(ref_logp.shape)}, logp has {tuple(logp.shape)}")
+    zero = torch.zeros_like(logp)
+    kl = kl_estimate(
+        torch.where(m, logp, zero), torch.where(m, ref_logp.to(logp.dtype), zero), kl_estimator=kl_estimator
+    )
+    if kl_coef != 0.0:
+        loss = loss + kl_coef * aggregate(kl, m, **norms)
+    kl_mean = torch.where(m, kl.detach(), zero).double().sum() / m.sum().clamp(min=1)
+    return loss, {"kl_ref": float(kl_mean)}
 
 
 def _check_loss_args(logp, old_logp, adv, mask, ratio_low, ratio_high, dual_clip) -> None:
@@ -166,9 +228,7 @@ def _check_loss_args(logp, old_logp, adv, mask, ratio_low, ratio_high, dual_clip
         if t.shape != shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, logp has {tuple(shape)}")
     if not 0.0 <= ratio_low <= ratio_high:
-        raise ValueError(
-            f"need 0 <= ratio_low <= ratio_high, got ratio_low={ratio_low}, ratio_high={ratio_high}"
-        )
+        raise ValueError(f"need 0 <= ratio_low <= ratio_high, got ratio_low={ratio_low}, ratio_high={ratio_high}")
     if dual_clip is not None and not dual_clip > 1.0:
         raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
 

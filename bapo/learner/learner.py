@@ -1,15 +1,22 @@
 """Single-process learner: micro-batching, gradient accumulation, clipping, AdamW.
 
-The learner holds no RL math. It gets the bound-choice function (BAPO's search
-or fixed bounds) and the loss from ``bapo.algos`` and only decides *when* they
-run:
+The learner holds no RL math. It runs an :class:`bapo.algos.Objective` (a
+parameter chooser and a loss: BAPO's search or fixed bounds feeding the clipped
+surrogate, or the card heuristic) and only decides *when* each part runs:
 
-* ``scope="mini_batch"`` (paper): one pair of bounds per optimizer update. For
-  an adaptive bound function that needs the current ratios of the whole
-  mini-batch before the first backward pass, so the learner runs a no-grad
-  forward over every micro-batch first (one extra forward per update).
-* ``scope="micro_batch"`` (authors' code): bounds are chosen on each
-  micro-batch from the same forward pass that carries the gradient.
+* ``scope="mini_batch"`` (paper): one choice per optimizer update. For an
+  adaptive chooser (BAPO's search, the card's g) that needs the current ratios of
+  the whole mini-batch before the first backward pass, so the learner runs a
+  no-grad forward over every micro-batch first (one extra forward per update;
+  ``scripts/bench_scope.py`` measures it).
+* ``scope="micro_batch"`` (authors' code): the choice is made on each micro-batch
+  from the same forward pass that carries the gradient.
+
+Optional parts, each a built object handed in by the loop: a ``critic``
+(:class:`bapo.learner.critic.Critic`, for GAE; trained on the same micro-batches
+with its own optimizer) and a frozen ``ref_model`` whose log-probs (no grad) feed
+the loss's KL term. An objective with state (the card's eps) is stepped after each
+applied update.
 
 Losses are normalised by mini-batch totals (tokens, sequences), so gradient
 accumulation over micro-batches equals one pass over the whole mini-batch.
@@ -22,12 +29,15 @@ import math
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
-from bapo.algos import entropy_from_logits, policy_loss, token_logp
-from bapo.learner.batching import split
+from bapo.algos import Objective, entropy_from_logits, token_logp
+from bapo.learner.batching import response_rows, split
+from bapo.learner.critic import Critic
 from bapo.types import TrainBatch
 
-BoundFn = Callable[..., tuple[float, float, dict]]
+# Names of the chooser's stats in the metrics (the rest keep their own name).
+STAT_NAMES = {"rho_after": "rho", "rho_before": "rho_before", "steps": "search_steps"}
 
 
 class Learner:
@@ -35,8 +45,7 @@ class Learner:
         self,
         model: torch.nn.Module,
         *,
-        bound_fn: BoundFn,
-        adaptive_bounds: bool,
+        objective: Objective,
         scope: str = "mini_batch",
         lr: float = 1e-4,
         betas: tuple[float, float] = (0.9, 0.999),
@@ -46,24 +55,24 @@ class Learner:
         grad_clip: float = 1.0,
         micro_batch_size: int = 8,
         temperature: float = 1.0,
-        dual_clip: float | None = None,
-        agg: str = "token-mean",
-        entropy_coef: float = 0.0,
         max_response_len: int = 64,
+        critic: Critic | None = None,
+        ref_model: torch.nn.Module | None = None,
         reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ):
         if scope not in ("mini_batch", "micro_batch"):
             raise ValueError(f"scope must be 'mini_batch' or 'micro_batch', got {scope!r}")
         self.model = model.train()
         self.device = next(model.parameters()).device
-        self.bound_fn = bound_fn
-        self.prepass = adaptive_bounds and scope == "mini_batch"
+        self.objective = objective
+        self.prepass = objective.adaptive and scope == "mini_batch"
         self.scope = scope
         self.grad_clip = grad_clip
         self.micro_batch_size = micro_batch_size
         self.temperature = temperature
-        self.loss_kw = dict(dual_clip=dual_clip, agg=agg, entropy_coef=entropy_coef)
         self.max_response_len = max_response_len
+        self.critic = critic
+        self.ref_model = None if ref_model is None else ref_model.eval().requires_grad_(False)
         self.reduce_sum = reduce_sum
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=lr, betas=tuple(betas), weight_decay=weight_decay, eps=eps
@@ -72,21 +81,41 @@ class Learner:
             self.optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps > 0 else 1.0
         )
         self.skipped_updates = 0
+        self._update_stats: dict[str, float] = {}  # the chooser's stats over the last update's tokens
 
     def weights(self) -> dict[str, torch.Tensor]:
         return self.model.state_dict()
 
-    def _forward(self, mb: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, model: torch.nn.Module, mb: TrainBatch, entropy: bool = True):
         ids = mb.input_ids.to(self.device)
-        logits = self.model(input_ids=ids, attention_mask=mb.attention_mask.to(self.device)).logits
+        logits = model(input_ids=ids, attention_mask=mb.attention_mask.to(self.device)).logits
         logits = logits[:, :-1]
         if logits.dtype in (torch.bfloat16, torch.float16):
             logits = logits.float()  # log-softmax in fp32 at least
         logits = logits / self.temperature  # [B, L-1, V]
         logp = token_logp(logits, ids[:, 1:])  # [B, L-1]
-        with torch.set_grad_enabled(self.loss_kw["entropy_coef"] != 0 and torch.is_grad_enabled()):
+        if not entropy:
+            return logp, None
+        with torch.set_grad_enabled(self.objective.loss_kw["entropy_coef"] != 0 and torch.is_grad_enabled()):
             ent = entropy_from_logits(logits)  # [B, L-1]
         return logp, ent
+
+    @torch.no_grad()
+    def _ref_logp(self, mb: TrainBatch) -> torch.Tensor | None:
+        return None if self.ref_model is None else self._forward(self.ref_model, mb, entropy=False)[0]
+
+    @torch.no_grad()
+    def values(self, batch: TrainBatch) -> torch.Tensor | None:
+        """The critic's values [B, T] per response token (right-padded), or None without a critic.
+
+        Called at scoring time, before any update on these samples: GAE's and the value
+        clip's old values.
+        """
+        if self.critic is None:
+            return None
+        rows = [response_rows(self.critic.values(mb), mb.mask) for mb in split(batch, self.micro_batch_size)]
+        width = max(r.shape[1] for r in rows)
+        return torch.cat([F.pad(r, (0, width - r.shape[1])) for r in rows])  # [B, T]
 
     @staticmethod
     def _flat(parts: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
@@ -95,11 +124,10 @@ class Learner:
         masks = [m.bool() for m in cols[2]]
         return tuple(torch.cat([t[m] for t, m in zip(col, masks, strict=True)]) for col in cols)
 
-    def _bounds(self, parts) -> tuple[float, float, dict]:
+    def _choose(self, parts) -> tuple[dict[str, float], dict[str, float]]:
         ratio, adv, mask, old = self._flat(parts)
-        return self.bound_fn(
-            ratio, adv, torch.ones_like(mask, dtype=ratio.dtype), old, reduce_sum=self.reduce_sum
-        )
+        ones = torch.ones_like(mask, dtype=ratio.dtype)
+        return self.objective.choose(ratio, adv, ones, old, reduce_sum=self.reduce_sum)
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer update on a mini-batch; returns its metrics."""
@@ -108,9 +136,13 @@ class Learner:
         if math.isfinite(grad_norm):
             self.optimizer.step()
             self.scheduler.step()
+            after = self.objective.after_update(self._update_stats)
+            out.update({f"{self.objective.prefix}/{k}": float(v) for k, v in after.items()})
         else:
             self.skipped_updates += 1
         self.optimizer.zero_grad(set_to_none=True)
+        if self.critic is not None:
+            out.update(self.critic.step())
         out.update({"learner/grad_norm": grad_norm, "learner/lr": self.scheduler.get_last_lr()[0]})
         out["learner/skipped_updates"] = float(self.skipped_updates)
         return out
@@ -123,55 +155,87 @@ class Learner:
             num_seqs=float((batch.mask.sum(1) > 0).sum()),
             max_len=self.max_response_len,
         )
-        bounds = None
+        chosen = None
         if self.prepass:
             with torch.no_grad():
                 parts = []
                 for mb in micro:
-                    logp, _ = self._forward(mb)
-                    parts.append(
-                        (torch.exp((logp.cpu() - mb.old_logp).clamp(-20, 20)), mb.adv, mb.mask, mb.old_logp)
-                    )
-            bounds = self._bounds(parts)
+                    logp, _ = self._forward(self.model, mb, entropy=False)
+                    ratio = torch.exp((logp.cpu() - mb.old_logp).clamp(-20, 20))  # [B, L-1]
+                    parts.append((ratio, mb.adv, mb.mask, mb.old_logp))
+            chosen = self._choose(parts)
 
         stats: dict[str, float] = {}
-        seen, per_micro_bounds = [], []
+        seen, per_micro = [], []
         for mb in micro:
-            logp, ent = self._forward(mb)
+            logp, ent = self._forward(self.model, mb)
             old, adv, mask = (t.to(self.device) for t in (mb.old_logp, mb.adv, mb.mask))
             ratio = torch.exp((logp.detach() - old).clamp(-20, 20))  # [B, L-1]
             seen.append((ratio.cpu(), mb.adv, mb.mask, mb.old_logp))
-            if bounds is None or self.scope == "micro_batch":
-                lo, hi, bst = self._bounds([seen[-1]]) if mb.num_tokens > 0 else (1.0, 1.0, {})
-                per_micro_bounds.append((lo, hi, bst, mb.num_tokens))
-            else:
-                lo, hi, _ = bounds
-            loss, st = policy_loss(
-                logp, old, adv, mask, ratio_low=lo, ratio_high=hi, entropy=ent, **self.loss_kw, **totals
+            params, cstats = chosen if chosen is not None else self._choose([seen[-1]])
+            per_micro.append((cstats, mb.num_tokens))
+            loss, st = self.objective.loss(
+                logp,
+                old,
+                adv,
+                mask,
+                **params,
+                **self.objective.loss_kw,
+                entropy=ent,
+                ref_logp=self._ref_logp(mb),
+                **totals,
             )
             loss.backward()
+            if self.critic is not None:
+                self.critic.backward(mb, totals)
             w = mb.num_tokens / max(totals["num_tokens"], 1.0)
             for k, v in st.items():
                 stats[k] = stats.get(k, 0.0) + w * float(v)
             stats["loss"] = stats.get("loss", 0.0) + float(loss.detach())
 
+        logged, self._update_stats = self._choice_stats(chosen, per_micro, seen)
         out = {f"learner/{k}": v for k, v in stats.items()}
-        out.update(self._bound_metrics(bounds, per_micro_bounds, seen))
+        out.update({f"{self.objective.prefix}/{STAT_NAMES.get(k, k)}": float(v) for k, v in logged.items()})
         return out
 
-    def _bound_metrics(self, bounds, per_micro, seen) -> dict[str, float]:
-        if bounds is None and self.scope == "mini_batch":
-            bounds = self._bounds(seen)  # fixed bounds: rho over the whole mini-batch, no extra forward
-        if bounds is not None:
-            lo, hi, bst = bounds
-        else:  # micro-batch scope: token-weighted means over micro-batches
-            tot = sum(t for *_, t in per_micro) or 1
-            lo = sum(b[0] * b[3] for b in per_micro) / tot
-            hi = sum(b[1] * b[3] for b in per_micro) / tot
-            keys = {k for b in per_micro for k in b[2]}
-            bst = {k: sum(float(b[2].get(k, 0.0)) * b[3] for b in per_micro) / tot for k in keys}
-        out = {"bapo/ratio_low": float(lo), "bapo/ratio_high": float(hi)}
-        names = {"rho_after": "bapo/rho", "rho_before": "bapo/rho_before", "steps": "bapo/search_steps"}
-        for k, v in bst.items():
-            out[names.get(k, f"bapo/{k}")] = float(v)
-        return out
+    def _choice_stats(self, chosen, per_micro, seen) -> tuple[dict[str, float], dict[str, float]]:
+        """(the chooser's stats to log, its stats over all of the update's tokens).
+
+        Mini-batch scope: one choice, over every token of the update (for fixed bounds,
+        recomputed from the ratios already seen: no extra forward). Micro-batch scope:
+        token-weighted means of the per-micro-batch choices are logged, and a stateful
+        objective steps on a choice over all of the update's tokens.
+        """
+        if chosen is not None:
+            return chosen[1], chosen[1]
+        whole = self._choose(seen)[1] if self.scope == "mini_batch" or self.objective.state is not None else None
+        if self.scope == "mini_batch":
+            return whole, whole
+        tot = sum(n for _, n in per_micro) or 1
+        keys = {k for st, _ in per_micro for k in st}
+        logged = {k: sum(float(st.get(k, 0.0)) * n for st, n in per_micro) / tot for k in keys}
+        return logged, logged if whole is None else whole
+
+    def state_dict(self) -> dict:
+        """Everything an exact resume needs: policy, optimizer, schedule, critic, objective state."""
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "skipped_updates": self.skipped_updates,
+        }
+        if self.critic is not None:
+            state["critic"] = self.critic.state_dict()
+        if self.objective.state is not None:
+            state["objective"] = self.objective.state.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.skipped_updates = state["skipped_updates"]
+        if self.critic is not None:
+            self.critic.load_state_dict(state["critic"])
+        if self.objective.state is not None:
+            self.objective.state.load_state_dict(state["objective"])

@@ -73,9 +73,7 @@ class HFRollout:
         return out
 
     @torch.no_grad()
-    def _generate_chunk(
-        self, prompts: Sequence[Prompt], group0: int, n: int, temperature: float
-    ) -> list[Sample]:
+    def _generate_chunk(self, prompts: Sequence[Prompt], group0: int, n: int, temperature: float) -> list[Sample]:
         width = max(len(p.ids) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         attn = torch.zeros_like(ids)

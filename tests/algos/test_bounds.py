@@ -182,11 +182,7 @@ def _random_tokens(seed, n=40, spread=0.5):
 
 def _as_list(ratio, adv, mask, old_logp, weight):
     w = old_logp.exp() if weight == "behavior_prob" else torch.ones_like(old_logp)
-    return [
-        (r, a, x)
-        for r, a, x, m in zip(ratio.tolist(), adv.tolist(), w.tolist(), mask.tolist(), strict=True)
-        if m
-    ]
+    return [(r, a, x) for r, a, x, m in zip(ratio.tolist(), adv.tolist(), w.tolist(), mask.tolist(), strict=True) if m]
 
 
 @pytest.mark.parametrize("contribution", ["loss_value", "gradient"])
@@ -196,9 +192,7 @@ def test_paper_matches_naive_loop(contribution, weight):
     seen_steps = set()
     for seed in range(60):
         ratio, adv, mask, old_logp, rho0 = _random_tokens(seed, spread=0.2 + 0.02 * seed)
-        got = bapo_bounds(
-            ratio, adv, mask, old_logp, rho0=rho0, contribution=contribution, weight=weight, **hp
-        )
+        got = bapo_bounds(ratio, adv, mask, old_logp, rho0=rho0, contribution=contribution, weight=weight, **hp)
         tokens = _as_list(ratio, adv, mask, old_logp, weight)
         c_low, c_high, steps = naive_paper(tokens, rho0, contribution=contribution, **hp)
         assert got[:2] == (pytest.approx(c_low, abs=1e-12), pytest.approx(c_high, abs=1e-12)), seed
@@ -217,9 +211,7 @@ def test_recipe_matches_naive_loop(contribution, weight):
     for seed in range(60):
         ratio, adv, mask, old_logp, _ = _random_tokens(seed, spread=0.1 + 0.02 * seed)
         target = 0.3 + 1.2 * (seed % 10) / 10
-        got = bapo_bounds(
-            ratio, adv, mask, old_logp, **RECIPE, rho0=target, contribution=contribution, weight=weight
-        )
+        got = bapo_bounds(ratio, adv, mask, old_logp, **RECIPE, rho0=target, contribution=contribution, weight=weight)
         tokens = _as_list(ratio, adv, mask, old_logp, "none")  # the recipe always uses w = 1
         c_low, c_high, steps = naive_recipe(tokens, target, contribution=contribution, **hp)
         assert got[:2] == (pytest.approx(c_low, abs=1e-12), pytest.approx(c_high, abs=1e-12)), seed
@@ -364,9 +356,7 @@ def test_masked_positions_change_nothing(seed, extra, junk):
 @given(seed=seeds, extra=variants, dtype=st.sampled_from([torch.float32, F64]))
 def test_extreme_log_ratios_stay_finite(seed, extra, dtype):
     ratio, adv, mask, old_logp, rho0 = _random_tokens(seed)
-    signs = torch.where(
-        torch.rand(ratio.shape, generator=torch.Generator().manual_seed(seed)) < 0.5, -1.0, 1.0
-    )
+    signs = torch.where(torch.rand(ratio.shape, generator=torch.Generator().manual_seed(seed)) < 0.5, -1.0, 1.0)
     ratio = torch.exp(50.0 * signs).to(dtype)  # log-ratios of +-50
     c_low, c_high, stats = bapo_bounds(ratio, adv.to(dtype), mask, old_logp.to(dtype), rho0=rho0, **extra)
     assert math.isfinite(c_low) and math.isfinite(c_high)
@@ -382,3 +372,55 @@ def test_fake_two_rank_sum_equals_doubled_data(seed, extra):
     one_rank = bapo_bounds(*doubled, rho0=rho0, **extra)
     assert two_ranks[:2] == one_rank[:2]
     assert two_ranks[2] == pytest.approx(one_rank[2])
+
+
+def algorithm1_moves(tokens, rho0, low_range, high_range, low_step, high_step, contribution):
+    """Algorithm 1 written as in the paper, recording every move ("high" or "low") it makes."""
+    moves, kl, kh = [], 0, 0
+
+    def rho():
+        p, n = _naive_sums(tokens, low_range[0] + kl * low_step, high_range[0] + kh * high_step, contribution)
+        return 1.0 if p + n == 0 else p / (p + n)
+
+    while rho() < rho0 - 1e-9 and low_range[0] + (kl + 1) * low_step <= low_range[1] + 1e-9:
+        if high_range[0] + (kh + 1) * high_step <= high_range[1] + 1e-9:
+            kh, move = kh + 1, "high"
+        else:
+            kl, move = kl + 1, "low"
+        moves.append(move)
+    return moves, kl, kh
+
+
+hyper = st.fixed_dictionaries(
+    {
+        "low_range": st.tuples(st.sampled_from([0.5, 0.6, 0.7]), st.sampled_from([0.75, 0.8, 0.9, 0.95])),
+        "high_range": st.tuples(st.sampled_from([1.1, 1.2, 1.3]), st.sampled_from([1.3, 1.5, 2.0, 3.0])),
+        "low_step": st.sampled_from([0.01, 0.02, 0.03, 0.05, 0.1]),
+        "high_step": st.sampled_from([0.05, 0.1, 0.15, 0.25]),
+    }
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    seed=seeds,
+    hp=hyper,
+    contribution=st.sampled_from(["loss_value", "gradient"]),
+    weight=st.sampled_from(["behavior_prob", "none"]),
+    spread=st.floats(0.05, 2.0),
+)
+def test_search_is_algorithm1_move_for_move(seed, hp, contribution, weight, spread):
+    """Same final bounds and the same number of moves as Algorithm 1 for any ranges and steps;
+    the moves are all c_high first, then all c_low, and c_low moves only once c_high is capped."""
+    ratio, adv, mask, old_logp, rho0 = _random_tokens(seed, spread=spread)
+    c_low, c_high, stats = bapo_bounds(
+        ratio, adv, mask, old_logp, rho0=rho0, contribution=contribution, weight=weight, **hp
+    )
+    tokens = _as_list(ratio, adv, mask, old_logp, weight)
+    moves, kl, kh = algorithm1_moves(tokens, rho0, contribution=contribution, **hp)
+    assert stats["steps"] == len(moves)
+    assert c_low == pytest.approx(hp["low_range"][0] + kl * hp["low_step"], abs=1e-9)
+    assert c_high == pytest.approx(hp["high_range"][0] + kh * hp["high_step"], abs=1e-9)
+    assert moves == ["high"] * kh + ["low"] * kl
+    if kl:
+        assert c_high + hp["high_step"] > hp["high_range"][1] + 1e-9  # c_high was at its cap

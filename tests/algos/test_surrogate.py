@@ -150,9 +150,7 @@ def test_entropy_bonus_and_stat():
     logp, old, adv, mask = _random_batch(3)
     entropy = torch.rand(logp.shape, dtype=F64)
     base, _ = policy_loss(logp, old, adv, mask, ratio_low=0.8, ratio_high=1.2)
-    loss, stats = policy_loss(
-        logp, old, adv, mask, ratio_low=0.8, ratio_high=1.2, entropy=entropy, entropy_coef=0.1
-    )
+    loss, stats = policy_loss(logp, old, adv, mask, ratio_low=0.8, ratio_high=1.2, entropy=entropy, entropy_coef=0.1)
     mean_entropy = entropy[mask].mean()
     torch.testing.assert_close(loss, base - 0.1 * mean_entropy)
     assert stats["entropy"] == pytest.approx(mean_entropy.item())
@@ -175,9 +173,7 @@ def test_empty_mask_gives_zero_loss():
     logp, old, adv, mask = _random_batch(0)
     logp.requires_grad_()
     for agg in AGG_MODES:
-        loss, stats = policy_loss(
-            logp, old, adv, torch.zeros_like(mask), ratio_low=0.8, ratio_high=1.2, agg=agg
-        )
+        loss, stats = policy_loss(logp, old, adv, torch.zeros_like(mask), ratio_low=0.8, ratio_high=1.2, agg=agg)
         assert loss.item() == 0.0 and stats["tokens"] == 0.0
         assert all(math.isfinite(v) for v in stats.values())
 
@@ -209,9 +205,7 @@ batch_seeds = st.integers(0, 10_000)
 @given(seed=batch_seeds, agg=st.sampled_from(AGG_MODES), dual=st.sampled_from([None, 3.0]))
 def test_on_policy_means_no_clipping(seed, agg, dual):
     _, old, adv, mask = _random_batch(seed)
-    loss, stats = policy_loss(
-        old.clone(), old, adv, mask, ratio_low=0.8, ratio_high=1.2, dual_clip=dual, agg=agg
-    )
+    loss, stats = policy_loss(old.clone(), old, adv, mask, ratio_low=0.8, ratio_high=1.2, dual_clip=dual, agg=agg)
     # r = 1 everywhere: s_t = A_t, nothing clipped.
     torch.testing.assert_close(loss, -aggregate(adv, mask, agg=agg))
     assert stats["clip_frac"] == 0.0 and stats["ratio_max"] == 1.0 and stats["approx_kl"] == 0.0
@@ -251,12 +245,42 @@ def test_masked_positions_change_nothing(seed, agg, junk):
 )
 def test_extreme_log_ratios_stay_finite(seed, agg, dual, dtype):
     logp, old, adv, mask = _random_batch(seed, dtype=dtype)
-    signs = torch.where(
-        torch.rand(logp.shape, generator=torch.Generator().manual_seed(seed)) < 0.5, -1.0, 1.0
-    )
+    signs = torch.where(torch.rand(logp.shape, generator=torch.Generator().manual_seed(seed)) < 0.5, -1.0, 1.0)
     logp = (old + 50.0 * signs.to(dtype)).requires_grad_()  # log-ratios of +-50
     loss, stats = policy_loss(logp, old, adv, mask, ratio_low=0.8, ratio_high=1.2, dual_clip=dual, agg=agg)
     loss.backward()
     assert torch.isfinite(loss)
     assert torch.isfinite(logp.grad).all()
     assert all(math.isfinite(v) for v in stats.values())
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    seed=batch_seeds,
+    agg=st.sampled_from(AGG_MODES),
+    cuts=st.lists(st.integers(1, 7), min_size=0, max_size=4, unique=True),
+    dual=st.sampled_from([None, 3.0]),
+)
+def test_any_micro_batch_split_equals_the_mini_batch(seed, agg, cuts, dual):
+    """Gradient accumulation with mini-batch normalisers: any split into micro-batches gives the
+    mini-batch's loss and gradient, for every agg mode, with the entropy and KL terms included."""
+    logp, old, adv, mask = _random_batch(seed, b=8, t=6, spread=0.7)
+    g = torch.Generator().manual_seed(seed + 1)
+    entropy = torch.rand(8, 6, dtype=F64, generator=g)
+    ref = old + 0.3 * torch.randn(8, 6, dtype=F64, generator=g)
+    kw = dict(ratio_low=0.8, ratio_high=1.2, dual_clip=dual, agg=agg, entropy_coef=0.01, kl_coef=0.05)
+    full_logp = logp.clone().requires_grad_()
+    full, _ = policy_loss(full_logp, old, adv, mask, entropy=entropy, ref_logp=ref, **kw)
+    full.backward()
+    bounds = [0, *sorted(cuts), 8]
+    parts = [slice(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+    norms = agg_normalisers([mask[p] for p in parts])
+    micro_logp, total = logp.clone().requires_grad_(), 0.0
+    for p in parts:
+        loss, _ = policy_loss(
+            micro_logp[p], old[p], adv[p], mask[p], entropy=entropy[p], ref_logp=ref[p], **kw, **norms
+        )
+        loss.backward()
+        total += loss.item()
+    assert total == pytest.approx(full.item(), abs=1e-12)
+    torch.testing.assert_close(micro_logp.grad, full_logp.grad)

@@ -1,0 +1,96 @@
+"""Training-health monitor: warns once about entropy collapse and saturated positive clipping.
+
+Both failure modes are the ones BAPO is about (BAPO.md, "The problem"):
+
+* ``monitor/entropy_collapse``: the mean of ``learner/entropy`` over the first
+  ``entropy_window`` steps is the reference; the first later step whose entropy is
+  below ``entropy_frac`` x reference logs one warning, and the flag is 1 from that
+  step on (0 before).
+* ``monitor/clip_saturation``: the first time the positive clip fraction
+  (``learner/clip_frac_high``: A > 0 tokens with r > ratio_high) is above
+  ``clip_threshold`` for ``clip_patience`` consecutive optimizer updates, one
+  warning; the flag is 1 from then on.
+
+It reads the metrics the loop already has (the step's means and each update's
+own row) and returns its flags as metrics. It only watches: nothing is changed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+log = logging.getLogger(__name__)
+
+ENTROPY_KEY = "learner/entropy"
+CLIP_KEY = "learner/clip_frac_high"
+
+
+class Monitor:
+    def __init__(self, *, entropy_frac: float, entropy_window: int, clip_threshold: float, clip_patience: int):
+        self.entropy_frac = entropy_frac
+        self.entropy_window = entropy_window
+        self.clip_threshold = clip_threshold
+        self.clip_patience = clip_patience
+        self.early_entropy: list[float] = []
+        self.clip_run = 0  # consecutive updates above the threshold
+        self.entropy_collapse = False
+        self.clip_saturation = False
+
+    @property
+    def entropy_ref(self) -> float | None:
+        """Mean entropy over the first ``entropy_window`` steps, once they are seen."""
+        if len(self.early_entropy) < self.entropy_window:
+            return None
+        return sum(self.early_entropy) / len(self.early_entropy)
+
+    def observe(self, step_metrics: dict[str, float], updates: Sequence[dict[str, float]] = ()) -> dict[str, float]:
+        """Feed one step (its mean metrics and its updates' rows); returns the monitor's metrics."""
+        out = {}
+        entropy = step_metrics.get(ENTROPY_KEY)
+        if entropy is not None:
+            ref = self.entropy_ref
+            if ref is None:
+                self.early_entropy.append(float(entropy))
+            elif not self.entropy_collapse and entropy < self.entropy_frac * ref:
+                self.entropy_collapse = True
+                log.warning(
+                    "entropy collapse: learner/entropy %.4g is below %.2g x %.4g (its mean over the first %d steps)",
+                    entropy,
+                    self.entropy_frac,
+                    ref,
+                    self.entropy_window,
+                )
+            if self.entropy_ref is not None:
+                out["monitor/entropy_ref"] = self.entropy_ref
+        for row in updates:
+            clip = row.get(CLIP_KEY)
+            if clip is None:
+                continue
+            self.clip_run = self.clip_run + 1 if clip > self.clip_threshold else 0
+            if not self.clip_saturation and self.clip_run >= self.clip_patience:
+                self.clip_saturation = True
+                log.warning(
+                    "positive clipping saturated: %s > %.2g for %d consecutive updates; "
+                    "low-probability positive tokens are being kept out of the gradient",
+                    CLIP_KEY,
+                    self.clip_threshold,
+                    self.clip_run,
+                )
+        out["monitor/entropy_collapse"] = float(self.entropy_collapse)
+        out["monitor/clip_saturation"] = float(self.clip_saturation)
+        return out
+
+    def state_dict(self) -> dict:
+        return {
+            "early_entropy": list(self.early_entropy),
+            "clip_run": self.clip_run,
+            "entropy_collapse": self.entropy_collapse,
+            "clip_saturation": self.clip_saturation,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.early_entropy = list(state["early_entropy"])
+        self.clip_run = state["clip_run"]
+        self.entropy_collapse = state["entropy_collapse"]
+        self.clip_saturation = state["clip_saturation"]

@@ -1,0 +1,68 @@
+"""Evaluate a model or a training run on math sets:
+
+    python eval.py checkpoint=outputs/<date>/<run> evalset=[aime24,aime25,math500] k=16 temperature=0.6 top_p=0.95
+
+Writes results.json, results.md and samples_<set>.jsonl to the run folder
+(outputs/eval/<date>/<time>). This is evaluation's composition root, as
+bapo/loop.py is training's: it alone builds the engines (the rollout engine
+and the training verifier) and hands them to bapo/evaluate.py.
+"""
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+
+def run(cfg: DictConfig, run_dir) -> dict:
+    """Evaluate as configured; returns {set: metrics}."""
+    import logging
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from bapo import evaluate as ev
+    from bapo.modeling import load_model, load_tokenizer, model_path, pick_device
+    from bapo.reward import MathVerifier
+    from bapo.rollout import HFRollout
+
+    log = logging.getLogger("eval")
+    job = ev.build_job(cfg)
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    sets = {name: ev.load_evalset(s, limit=job.run.limit) for name, s in job.sets.items()}  # fail before loading
+    m, r = job.model, job.run
+    path = (
+        ev.resolve_checkpoint(r.checkpoint) if r.checkpoint else model_path(m.name_or_path, m.gguf_package, m.gguf_file)
+    )
+    log.info("model %s; sets %s", path, {name: len(p) for name, p in sets.items()})
+    tok = load_tokenizer(path, trust_remote_code=m.trust_remote_code)
+    model = load_model(path, dtype=m.dtype, device=pick_device(r.device), trust_remote_code=m.trust_remote_code)
+    rollout = HFRollout(
+        model, tok, n=r.k, temperature=r.temperature, top_p=r.top_p,
+        max_new_tokens=r.max_new_tokens, batch_size=job.batch_size,
+    )  # fmt: skip
+    config = OmegaConf.to_container(cfg, resolve=True) | {"model_path": path}
+    results = {}
+    with MathVerifier(
+        num_workers=job.reward.num_workers, timeout_s=job.reward.timeout_s, fallback=job.reward.fallback
+    ) as verifier:
+        for name, problems in sets.items():
+            res = ev.evaluate_problems(
+                rollout, verifier, tok, problems, k=r.k, temperature=r.temperature,
+                instruction=r.instruction, max_distinct=r.maj_max_distinct, seed=r.seed,
+            )  # fmt: skip
+            results[name] = res
+            ev.write_samples(run_dir / f"samples_{name}.jsonl", res.samples)
+            ev.write_results(run_dir, results, k=r.k, config=config)  # after each set: a crash keeps what is done
+            log.info("%s: %s", name, " ".join(f"{k}={v:.3f}" for k, v in res.metrics.items()))
+    log.info("results in %s\n%s", run_dir, (run_dir / "results.md").read_text())
+    return {name: res.metrics for name, res in results.items()}
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="eval_config")
+def main(cfg: DictConfig) -> None:
+    run(cfg, HydraConfig.get().runtime.output_dir)
+
+
+if __name__ == "__main__":
+    main()
