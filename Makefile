@@ -39,8 +39,8 @@ bench: install ## benchmarks, each printing a ratio against its baseline
 	$(PY) scripts/bench_reward.py
 	$(PY) scripts/bench_scope.py
 
-eval: install ## evaluate a run's export on the held-out set: make eval RUN=outputs/...
-	$(PY) train.py train.steps=0 model.name_or_path=$(RUN)/export
+eval: install ## evaluate a run on AIME24/25 and MATH-500: make eval RUN=outputs/<date>/<run>
+	$(PY) eval.py checkpoint=$(RUN) eval=[aime24,aime25,math500]
 
 sweep: install ## a small grid with Hydra's basic launcher
 	$(PY) train.py -m algo=bapo,grpo seed=1,2

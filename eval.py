@@ -1,6 +1,7 @@
 """Evaluate a model or a training run on math sets:
 
-    python eval.py checkpoint=outputs/<date>/<run> evalset=[aime24,aime25,math500] k=16 temperature=0.6 top_p=0.95
+    python eval.py checkpoint=outputs/<date>/<run> eval=[aime24,aime25,math500] k=16 temperature=0.6 top_p=0.95
+    python eval.py model=smollm2_135m eval=gsm8k k=4 eval.limit=50
 
 Writes results.json, results.md and samples_<set>.jsonl to the run folder
 (outputs/eval/<date>/<time>). This is evaluation's composition root, as
@@ -8,17 +9,21 @@ bapo/loop.py is training's: it alone builds the engines (the rollout engine
 and the training verifier) and hands them to bapo/evaluate.py.
 """
 
+from pathlib import Path
+
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
+
+# The set group `eval` lives in conf/evaluation/eval (conf/eval is training's held-out config).
+# Hydra reads a relative searchpath from the working directory, so conf/eval_config.yaml names
+# the folder through this resolver and eval.py runs from any directory.
+OmegaConf.register_new_resolver("bapo.conf_dir", lambda: str(Path(__file__).resolve().parent / "conf"), replace=True)
 
 
 def run(cfg: DictConfig, run_dir) -> dict:
     """Evaluate as configured; returns {set: metrics}."""
     import logging
-    from pathlib import Path
-
-    from omegaconf import OmegaConf
 
     from bapo import evaluate as ev
     from bapo.modeling import load_model, load_tokenizer, model_path, pick_device

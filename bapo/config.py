@@ -20,6 +20,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 ROOT = Path(__file__).resolve().parents[1]
+EVAL_SETS_DIR = ROOT / "conf" / "evaluation" / "eval"  # eval.py's `eval` group; training runs them by name
 
 
 class ConfigError(ValueError):
@@ -209,11 +210,15 @@ class RewardConfig:
     num_workers: int = MISSING
     timeout_s: float = MISSING
     fallback: str = MISSING
+    format_reward: float = MISSING  # for an extracted but wrong answer
+    overlong_buffer: int = MISSING  # DAPO's soft overlong penalty zone, in tokens; 0 = off
 
     def __post_init__(self) -> None:
         _require(self.num_workers >= 0, "reward.num_workers", "must be >= 0")
         _require(self.timeout_s > 0, "reward.timeout_s", "must be > 0")
         _choice(self.fallback, "reward.fallback", ("none", "last_number", "final_answer", "last_line"))
+        _require(-1 <= self.format_reward < 1, "reward.format_reward", f"must be in [-1, 1), got {self.format_reward}")
+        _require(self.overlong_buffer >= 0, "reward.overlong_buffer", f"must be >= 0, got {self.overlong_buffer}")
 
 
 @dataclass
@@ -275,11 +280,25 @@ class EvalConfig:
     n: int = MISSING
     temperature: float = MISSING
     greedy: bool = MISSING
+    sets: list[str] = MISSING  # eval.py's sets, by name (conf/evaluation/eval/<name>.yaml)
+    sets_k: int = MISSING
+    sets_limit: int | None = MISSING
+    data_dir: str = MISSING
 
     def __post_init__(self) -> None:
         _require(self.every >= 0, "eval.every", "must be >= 0 (0 = only at start and end)")
         _require(self.n >= 1, "eval.n", "must be >= 1")
         _require(self.temperature >= 0, "eval.temperature", "must be >= 0 (0 = greedy)")
+        known = sorted(p.stem for p in EVAL_SETS_DIR.glob("*.yaml"))
+        for name in self.sets:
+            _require(name in known, "eval.sets", f"unknown set {name!r}; choose from {known}")
+        _require(self.sets_k >= 1, "eval.sets_k", f"must be >= 1, got {self.sets_k}")
+        _require(
+            self.temperature > 0 or self.sets_k == 1 or not self.sets,
+            "eval.sets_k",
+            "greedy decoding (eval.temperature=0) gives sets_k equal samples; use eval.sets_k=1",
+        )
+        _require(self.sets_limit is None or self.sets_limit >= 1, "eval.sets_limit", "must be null or >= 1")
 
 
 @dataclass
@@ -393,6 +412,8 @@ def build(cfg: DictConfig, run_dir: str | Path) -> RunConfig:
     extra = sorted(set(plain) - known)
     _require(not extra, extra[0] if extra else "", f"unknown top-level key(s) {extra}")
     typed = {g: _typed(g, plain[g], s) for g, s in SCHEMAS.items()}
+    buf, max_new = typed["reward"].overlong_buffer, typed["rollout"].max_new_tokens
+    _require(buf < max_new, "reward.overlong_buffer", f"must be < rollout.max_new_tokens ({max_new}), got {buf}")
     sizes = derive_sizes(typed["train"], typed["rollout"], typed["learner"], typed["buffer"])
     return RunConfig(seed=int(plain["seed"]), run_dir=Path(run_dir), sizes=sizes, **typed)
 

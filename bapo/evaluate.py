@@ -28,7 +28,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from bapo import metrics as M
-from bapo.config import ConfigError, ModelConfig, RewardConfig, resolve_path
+from bapo.config import EVAL_SETS_DIR, ConfigError, ModelConfig, RewardConfig, resolve_path
 from bapo.data import ArithSpec, _gsm8k_answer, arith_heldout, load_hub, load_jsonl, render_prompt
 from bapo.reward import normalize_answer
 from bapo.types import Problem, Prompt
@@ -185,7 +185,7 @@ class ArithSetConfig:
 
 @dataclass
 class EvalSetConfig:
-    """One evaluation set (conf/evalset/<name>.yaml); ``name`` is filled in from its key."""
+    """One evaluation set (conf/evaluation/eval/<name>.yaml); ``name`` is filled in from its key."""
 
     name: str = MISSING
     kind: str = MISSING  # jsonl | hub | arith
@@ -198,7 +198,7 @@ class EvalSetConfig:
     arith: ArithSetConfig | None = MISSING
 
     def __post_init__(self) -> None:
-        key = f"evalset.{self.name}"
+        key = f"eval.{self.name}"
         _choice(self.kind, f"{key}.kind", ("jsonl", "hub", "arith"))
         _choice(self.answer_format, f"{key}.answer_format", ("plain", "gsm8k"))
         if self.kind == "arith":
@@ -215,7 +215,7 @@ class EvalSetConfig:
 
 @dataclass
 class EvalRunConfig:
-    """The top-level keys of conf/eval_config.yaml."""
+    """The top-level keys of conf/eval_config.yaml, and ``eval.limit``."""
 
     seed: int = MISSING
     checkpoint: str | None = MISSING
@@ -234,7 +234,7 @@ class EvalRunConfig:
         _require(self.temperature > 0 or self.k == 1, "k", "greedy decoding (temperature=0) gives k equal samples")
         _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         _require(self.max_new_tokens > 0, "max_new_tokens", f"must be > 0, got {self.max_new_tokens}")
-        _require(self.limit is None or self.limit >= 1, "limit", f"must be null or >= 1, got {self.limit}")
+        _require(self.limit is None or self.limit >= 1, "eval.limit", f"must be null or >= 1, got {self.limit}")
         _require(self.maj_max_distinct >= 1, "maj_max_distinct", f"must be >= 1, got {self.maj_max_distinct}")
 
 
@@ -256,8 +256,16 @@ def build_job(cfg: DictConfig) -> EvalJob:
         plain = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except OmegaConfBaseException as e:
         raise ConfigError(f"{e.full_key or 'config'}: {str(e).splitlines()[0]}") from None
-    run = _typed("", {f: plain[f] for f in EvalRunConfig.__dataclass_fields__}, EvalRunConfig)
-    _require(bool(plain.get("evalset")), "evalset", "choose at least one set, e.g. evalset=[aime24,math500]")
+    chosen = dict(plain["eval"])
+    limit = chosen.pop("limit")
+    run = _typed(
+        "", {f: plain[f] for f in EvalRunConfig.__dataclass_fields__ if f != "limit"} | {"limit": limit}, EvalRunConfig
+    )
+    _require(bool(chosen), "eval", "choose at least one set, e.g. eval=[aime24,math500]")
+    for name, node in chosen.items():
+        _require(
+            isinstance(node, dict) and "kind" in node, f"eval.{name}", "not an eval set (see conf/evaluation/eval/)"
+        )
     rollout = plain["rollout"]
     _choice(rollout["engine"], "rollout.engine", ("hf", "vllm"))
     _require(
@@ -266,9 +274,7 @@ def build_job(cfg: DictConfig) -> EvalJob:
         "the vLLM engine is not in this build yet; evaluate with rollout=hf",
     )
     _require(rollout["batch_size"] > 0, "rollout.batch_size", "must be > 0")
-    sets = {
-        name: _typed(f"evalset.{name}", node | {"name": name}, EvalSetConfig) for name, node in plain["evalset"].items()
-    }
+    sets = {name: _typed(f"eval.{name}", node | {"name": name}, EvalSetConfig) for name, node in chosen.items()}
     return EvalJob(
         run=run,
         model=_typed("model", plain["model"], ModelConfig),
@@ -288,6 +294,19 @@ def resolve_checkpoint(path: str) -> str:
     raise ConfigError(
         f"checkpoint: {path} is neither a training run folder (with export/) nor an HF model folder (config.json)"
     )
+
+
+def named_set(name: str, *, data_dir: str) -> EvalSetConfig:
+    """conf/evaluation/eval/<name>.yaml as eval.py composes it, with ``paths.data_dir`` given:
+    how the training loop runs eval.py's sets (``eval.sets``) outside eval.py's config."""
+    node = OmegaConf.merge(
+        {"paths": {"data_dir": data_dir}}, {"eval": {name: OmegaConf.load(EVAL_SETS_DIR / f"{name}.yaml")}}
+    )
+    try:
+        plain = OmegaConf.to_container(node, resolve=True)["eval"][name]
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"eval.{name}: {str(e).splitlines()[0]}") from None
+    return _typed(f"eval.{name}", plain | {"name": name}, EvalSetConfig)
 
 
 def load_evalset(s: EvalSetConfig, *, limit: int | None = None) -> list[Problem]:

@@ -31,12 +31,12 @@ from bapo import algos
 from bapo.buffer import ReplayBuffer
 from bapo.config import AlgoConfig, ConfigError, RunConfig, build
 from bapo.data import ArithSpec, problem_sources, render_prompt
-from bapo.evaluate import evaluate
+from bapo.evaluate import evaluate, evaluate_sets, load_evalset, named_set
 from bapo.learner import Critic, Learner, collate
 from bapo.logging import MetricsLogger
 from bapo.modeling import load_model, load_tokenizer, model_path, pick_device
 from bapo.monitor import Monitor
-from bapo.reward import MathVerifier
+from bapo.reward import MathVerifier, overlong_penalty
 from bapo.rollout import HFRollout
 from bapo.types import Sample, ScoredSample
 
@@ -96,7 +96,10 @@ def build_stages(rc: RunConfig):
         batch_size=r.batch_size,
     )
     verifier = MathVerifier(
-        num_workers=rc.reward.num_workers, timeout_s=rc.reward.timeout_s, fallback=rc.reward.fallback
+        num_workers=rc.reward.num_workers,
+        timeout_s=rc.reward.timeout_s,
+        fallback=rc.reward.fallback,
+        format_reward=rc.reward.format_reward,
     )
     d = rc.data
     train_src, heldout, report = problem_sources(
@@ -154,8 +157,8 @@ def export_hf(model, tok, out: Path) -> None:
     tmp.rename(out)
 
 
-def score(samples: list[Sample], grades, adv, returns, values) -> list[ScoredSample]:
-    """Attach reward, per-token advantages and (with a critic) old values and returns to each sample."""
+def score(samples: list[Sample], grades, rewards, adv, returns, values) -> list[ScoredSample]:
+    """Attach the (shaped) reward, per-token advantages and (with a critic) old values and returns to each sample."""
 
     def row(t, i: int) -> tuple[float, ...] | None:  # sample i's response tokens of a [B, T] tensor
         return None if t is None else tuple(t[i, : len(samples[i].response_ids)].tolist())
@@ -163,7 +166,7 @@ def score(samples: list[Sample], grades, adv, returns, values) -> list[ScoredSam
     return [
         ScoredSample(
             s,
-            g.reward,
+            float(rewards[i]),
             float(adv[i, 0]) if s.response_ids else 0.0,
             g.correct,
             g.extracted,
@@ -175,12 +178,16 @@ def score(samples: list[Sample], grades, adv, returns, values) -> list[ScoredSam
     ]
 
 
-def run_eval(rc: RunConfig, rollout, verifier, prompts) -> dict:
-    t0 = time.perf_counter()
-    out = evaluate(rollout, verifier, prompts, n=rc.eval.n, temperature=rc.eval.temperature, prefix="eval/")
-    if rc.eval.greedy:
+def run_eval(rc: RunConfig, rollout, verifier, prompts, tok, sets: dict) -> dict:
+    """The held-out check (eval/accuracy, ...) and, with eval.sets, eval.py's metrics (eval/<set>/avg@k, ...)."""
+    t0, e = time.perf_counter(), rc.eval
+    out = evaluate(rollout, verifier, prompts, n=e.n, temperature=e.temperature, prefix="eval/")
+    if e.greedy:
         g = evaluate(rollout, verifier, prompts, n=1, temperature=0.0, prefix="eval/greedy_")
         out["eval/accuracy_greedy"] = g["eval/greedy_accuracy"]
+    if sets:
+        kw = dict(k=e.sets_k, temperature=e.temperature, instruction=rc.data.instruction)
+        out |= evaluate_sets(rollout, verifier, tok, sets, **kw)
     out["time/eval_s"] = time.perf_counter() - t0
     return out
 
@@ -212,7 +219,8 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
     a = rc.algo
     adv_kw = dict(group_size=rc.rollout.n, norm_std=a.norm_std, gamma=a.critic.gamma, lam=a.critic.lam)
     monitor = Monitor(**vars(rc.monitor))
-    metrics = {"data/skipped_rows": float(report.skipped)} | run_eval(rc, rollout, verifier, heldout)
+    sets = {n: load_evalset(named_set(n, data_dir=rc.eval.data_dir), limit=rc.eval.sets_limit) for n in rc.eval.sets}
+    metrics = {"data/skipped_rows": float(report.skipped)} | run_eval(rc, rollout, verifier, heldout, tok, sets)
     logger.log(metrics, step=0)
     bar = tqdm(range(1, rc.train.steps + 1), desc="train", disable=not lg.progress, dynamic_ncols=True)
     try:
@@ -228,14 +236,17 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
             t_rollout = time.perf_counter() - t0
             # 2. reward: verify the answers in worker processes
             grades, rstats = verifier.grade([s.text for s in samples], [s.prompt.problem.answer for s in samples])
-            rewards = torch.tensor([g.reward for g in grades], dtype=torch.float64)
+            lengths = [len(s.response_ids) for s in samples]
+            rewards = torch.tensor([g.reward for g in grades], dtype=torch.float64)  # [B]
+            # DAPO's soft overlong penalty shapes the reward only; `correct` (accuracy) stays the verifier's
+            max_len, buf = rc.rollout.max_new_tokens, rc.reward.overlong_buffer
+            rewards = rewards + torch.tensor([overlong_penalty(n, max_len=max_len, buffer=buf) for n in lengths])
             # 3. advantages: GRPO's groups, or GAE on the critic's values taken now, before any update
             values = learner.values(collate(samples, pad_id=rollout.pad_id))  # [B, T]; None without a critic
-            lengths = [len(s.response_ids) for s in samples]
             adv, returns, adv_stats = algos.compute_advantages(
                 rc.algo.advantage, rewards, lengths, values=values, **adv_kw
             )
-            scored = score(samples, grades, adv, returns, values)
+            scored = score(samples, grades, rewards, adv, returns, values)
             # 4. buffer: tag, admit, drop what is too stale for this learner version
             buffer.put(scored)
             batch = buffer.get(sizes.samples_per_step, version)
@@ -254,6 +265,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
                         t_sync += rollout.update_weights(learner.weights(), version)
             t_learn = time.perf_counter() - t0 - t_sync
             metrics = mean_metrics(updates) | rstats.as_dict()
+            metrics["buffer/staleness_max"] = max((u["buffer/staleness_max"] for u in updates), default=0.0)
             metrics |= {f"adv/{k}": float(v) for k, v in adv_stats.items()}
             n_tok = sum(len(s.response_ids) for s in samples)
             metrics |= {
@@ -270,7 +282,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
             } | buffer.metrics()
             metrics |= monitor.observe(metrics, updates)
             if step == rc.train.steps or (rc.eval.every and step % rc.eval.every == 0):
-                metrics |= run_eval(rc, rollout, verifier, heldout)
+                metrics |= run_eval(rc, rollout, verifier, heldout, tok, sets)
             metrics["time/step_s"] = time.perf_counter() - t_step
             logger.log(metrics, step=step)
             bar.write(summary(step, metrics)) if lg.progress else log.info(summary(step, metrics))

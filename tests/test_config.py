@@ -73,6 +73,12 @@ def test_model_fallback_defaults_per_model(tmp_path):
         ("algo.low_range=[0.9,0.6]", "algo.low_range"),
         ("algo.dual_clip=0.5", "algo.dual_clip"),
         ("reward.fallback=guess", "reward.fallback"),
+        ("reward.format_reward=1", "reward.format_reward"),
+        ("eval.sets=[nope]", "eval.sets"),
+        ("eval.sets_k=0", "eval.sets_k"),
+        ("eval.sets_limit=0", "eval.sets_limit"),
+        ("reward.overlong_buffer=-1", "reward.overlong_buffer"),
+        ("reward.overlong_buffer=100000", "reward.overlong_buffer"),  # must leave room below max_new_tokens
         ("learner.lr=0", "learner.lr"),
         ("buffer.sampling=lifo", "buffer.sampling"),
         ("data.kind=csv", "data.kind"),

@@ -13,16 +13,16 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from bapo.config import ConfigError
-from bapo.evaluate import build_job, evaluate, evaluate_problems, evaluate_sets, load_evalset
+from bapo.evaluate import build_job, evaluate, evaluate_problems, evaluate_sets, load_evalset, named_set
 from bapo.reward import MathVerifier
 from bapo.types import Problem, Sample
 from eval import run as eval_run
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
-SETS = sorted(p.stem for p in (CONF / "evalset").glob("*.yaml"))
+SETS = sorted(p.stem for p in (CONF / "evaluation" / "eval").glob("*.yaml"))
 SAMPLE_FIELDS = {"id", "sample", "prompt", "response", "extracted", "gold", "correct", "length", "truncated"}
-TINY_RUN = ["limit=3", "k=2", "max_new_tokens=48"]
+TINY_RUN = ["eval.limit=3", "k=2", "max_new_tokens=48"]
 
 
 def _cfg(overrides):
@@ -106,13 +106,19 @@ def test_evaluate_sets_is_flat_and_evaluate_still_works(tiny_tok):
 
 @pytest.mark.parametrize("name", SETS)
 def test_every_evalset_composes_and_validates(name):
-    job = build_job(_cfg([f"evalset={name}"]))
+    job = build_job(_cfg([f"eval={name}"]))
     assert list(job.sets) == [name]
+
+
+@pytest.mark.parametrize("name", SETS)
+def test_training_loads_a_set_by_name_as_eval_py_composes_it(name):
+    # bapo.loop runs eval.sets through named_set, outside eval.py's Hydra config
+    assert named_set(name, data_dir="/d") == build_job(_cfg([f"eval={name}", "paths.data_dir=/d"])).sets[name]
 
 
 def test_sets_are_the_documented_ones_and_several_compose_at_once():
     assert SETS == ["aime24", "aime25", "amc23", "arith", "gsm8k", "math500"]
-    job = build_job(_cfg(["evalset=[aime24,aime25,math500]", "evalset.math500.answer_key=x"]))
+    job = build_job(_cfg(["eval=[aime24,aime25,math500]", "eval.math500.answer_key=x"]))
     assert list(job.sets) == ["aime24", "aime25", "math500"]
     assert job.sets["math500"].answer_key == "x" and job.sets["aime24"].path.endswith("aime24.jsonl")
 
@@ -120,7 +126,7 @@ def test_sets_are_the_documented_ones_and_several_compose_at_once():
 def test_arith_set_is_the_training_heldout_set():
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
         data = compose(config_name="config").data
-    a = build_job(_cfg(["evalset=arith"])).sets["arith"].arith
+    a = build_job(_cfg(["eval=arith"])).sets["arith"].arith
     assert {k: getattr(a, k) for k in data.arith} == dict(data.arith)
     assert (a.seed, a.heldout_frac, a.size) == (data.heldout_seed, data.heldout_frac, data.heldout_size)
 
@@ -131,13 +137,14 @@ def test_arith_set_is_the_training_heldout_set():
         (["k=0"], "k"),
         (["temperature=0"], "k"),  # greedy with k=4 gives four equal samples
         (["top_p=0"], "top_p"),
-        (["limit=0"], "limit"),
+        (["eval.limit=0"], "eval.limit"),
         (["maj_max_distinct=0"], "maj_max_distinct"),
         (["rollout=vllm"], "rollout.engine"),
         (["model=qwen7b"], "rollout.engine"),
-        (["evalset.arith.kind=csv"], "evalset.arith.kind"),
-        (["evalset.arith.arith.size=0"], "evalset.arith.arith.size"),
-        (["evalset=aime24", "evalset.aime24.path=null"], "evalset.aime24.path"),
+        (["eval.arith.kind=csv"], "eval.arith.kind"),
+        (["eval.arith.arith.size=0"], "eval.arith.arith.size"),
+        (["eval=aime24", "eval.aime24.path=null"], "eval.aime24.path"),
+        (["eval=heldout"], "eval.every"),  # training's held-out config, not a set
         (["model.dtype=int8"], "model.dtype"),
         (["reward.fallback=guess"], "reward.fallback"),
     ],
@@ -159,9 +166,9 @@ def test_hub_style_loader_reads_a_local_file(tmp_path):
     rows = [{"question": f"q{i}", "final": f"#### 1,00{i}"} for i in range(3)]
     path = tmp_path / "set.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    over = [f"evalset.gsm8k.{k}" for k in ("kind=hub", f"path={path}", "split=train", "problem_key=question")]
-    over += ["evalset.gsm8k.answer_key=final", "evalset.gsm8k.answer_format=gsm8k"]
-    s = build_job(_cfg(["evalset=gsm8k", *over])).sets["gsm8k"]
+    over = [f"eval.gsm8k.{k}" for k in ("kind=hub", f"path={path}", "split=train", "problem_key=question")]
+    over += ["eval.gsm8k.answer_key=final", "eval.gsm8k.answer_format=gsm8k"]
+    s = build_job(_cfg(["eval=gsm8k", *over])).sets["gsm8k"]
     problems = load_evalset(s)
     assert [p.problem for p in problems] == ["q0", "q1", "q2"]
     assert [p.answer for p in problems] == ["1000", "1001", "1002"]
@@ -170,15 +177,15 @@ def test_hub_style_loader_reads_a_local_file(tmp_path):
 
 def test_shared_sets_load(shared_data):
     for name, rows in [("aime24", 30), ("aime25", 30), ("amc23", 40), ("math500", 500), ("gsm8k", 1319)]:
-        problems = load_evalset(build_job(_cfg([f"evalset={name}"])).sets[name])
+        problems = load_evalset(build_job(_cfg([f"eval={name}"])).sets[name])
         assert len(problems) == rows and all(p.answer for p in problems), name
     hub = [
-        "evalset.aime24.kind=hub",
-        f"evalset.aime24.path={shared_data / 'aime24.jsonl'}",
-        "evalset.aime24.split=train",
+        "eval.aime24.kind=hub",
+        f"eval.aime24.path={shared_data / 'aime24.jsonl'}",
+        "eval.aime24.split=train",
     ]
-    assert load_evalset(build_job(_cfg(["evalset=aime24", *hub])).sets["aime24"]) == load_evalset(
-        build_job(_cfg(["evalset=aime24"])).sets["aime24"]
+    assert load_evalset(build_job(_cfg(["eval=aime24", *hub])).sets["aime24"]) == load_evalset(
+        build_job(_cfg(["eval=aime24"])).sets["aime24"]
     )
 
 
@@ -208,7 +215,7 @@ def _check_run_folder(out: Path, sets: dict[str, int], k: int) -> dict:
 def test_eval_py_subprocess(tmp_path):
     out = tmp_path / "run"
     env = os.environ | {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    cmd = [sys.executable, "eval.py", "model=tiny", "evalset=arith", *TINY_RUN, f"hydra.run.dir={out}"]
+    cmd = [sys.executable, "eval.py", "model=tiny", "eval=arith", *TINY_RUN, f"hydra.run.dir={out}"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = _check_run_folder(out, {"arith": 3}, 2)
@@ -216,13 +223,13 @@ def test_eval_py_subprocess(tmp_path):
 
 
 def test_eval_compose_api_on_a_shared_set_is_deterministic(tmp_path, shared_data):
-    over = ["evalset=[arith,aime24]", "limit=3", "k=2", "max_new_tokens=8", "reward.num_workers=0", "seed=3"]
+    over = ["eval=[arith,aime24]", "eval.limit=3", "k=2", "max_new_tokens=8", "reward.num_workers=0", "seed=3"]
     first = eval_run(_cfg(over), tmp_path / "a")
     _check_run_folder(tmp_path / "a", {"arith": 3, "aime24": 3}, 2)
     ids = [json.loads(line)["id"] for line in (tmp_path / "a" / "samples_aime24.jsonl").read_text().splitlines()]
     assert ids == ["aime24-I-01"] * 2 + ["aime24-I-02"] * 2 + ["aime24-I-03"] * 2
     # same seed, same samples; and a set's samples do not depend on the sets run before it
-    eval_run(_cfg([*over[1:], "evalset=aime24"]), tmp_path / "b")
+    eval_run(_cfg([*over[1:], "eval=aime24"]), tmp_path / "b")
     assert (tmp_path / "a" / "samples_aime24.jsonl").read_text() == (
         tmp_path / "b" / "samples_aime24.jsonl"
     ).read_text()
@@ -232,7 +239,7 @@ def test_eval_compose_api_on_a_shared_set_is_deterministic(tmp_path, shared_data
 def test_checkpoint_loads_a_run_folders_export(tmp_path, tiny_model, tiny_tok):
     tiny_model.save_pretrained(tmp_path / "run" / "export")
     tiny_tok.save_pretrained(tmp_path / "run" / "export")
-    over = [*TINY_RUN, "evalset=arith", "reward.num_workers=0"]
+    over = [*TINY_RUN, "eval=arith", "reward.num_workers=0"]
     eval_run(_cfg([*over, f"checkpoint={tmp_path / 'run'}"]), tmp_path / "out")
     results = _check_run_folder(tmp_path / "out", {"arith": 3}, 2)
     assert results["config"]["model_path"] == str(tmp_path / "run" / "export")

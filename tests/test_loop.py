@@ -40,7 +40,7 @@ def test_smoke_run_trains_and_logs(tmp_path, algo):
     for r in rows[1:]:
         for k in REQUIRED:
             assert k in r and r[k] is not None and math.isfinite(r[k]), (k, r.get(k))
-        assert r["learner/updates"] == 2 and r["buffer/staleness_max"] <= 1
+        assert r["learner/updates"] == 2 and r["buffer/staleness_max"] == 1  # the second update reuses the batch
     assert rows[-1]["policy/version"] == 6
     if algo == "grpo":
         assert {r["bapo/ratio_low"] for r in rows[1:]} == {0.8}
@@ -53,6 +53,29 @@ def test_smoke_run_trains_and_logs(tmp_path, algo):
     assert (tmp_path / "export" / "model.safetensors").exists()
     assert final["policy/version"] == 6
     assert (tmp_path / "config.yaml").read_text().count("algo:") == 1
+
+
+def test_overlong_penalty_shapes_reward_not_accuracy(tmp_path):
+    # step 1 samples with the initial weights in both runs, so only the reward differs: with
+    # rollout.max_new_tokens=48 and buffer 47, a response of L >= 1 tokens gets (48 - 47 - L) / 47
+    over = ["train.steps=1", "eval.every=0", "eval.greedy=false", "data.heldout_size=4"]
+    base = run(_cfg(over), tmp_path / "base")
+    pen = run(_cfg([*over, "reward.overlong_buffer=47"]), tmp_path / "pen")
+    assert pen["reward/accuracy"] == base["reward/accuracy"]
+    assert pen["rollout/response_len"] == base["rollout/response_len"]
+    expected = base["reward/mean"] + (1 - base["rollout/response_len"]) / 47
+    assert pen["reward/mean"] == pytest.approx(expected) and pen["reward/mean"] < base["reward/mean"]
+
+
+def test_training_eval_runs_eval_py_sets(tmp_path):
+    over = ["train.steps=2", "eval.greedy=false", "data.heldout_size=4"]
+    run(_cfg([*over, "eval.sets=[arith]", "eval.sets_k=2", "eval.sets_limit=3"]), tmp_path)
+    rows = _rows(tmp_path)
+    keys = {"eval/arith/avg@2", "eval/arith/pass@1", "eval/arith/pass@2", "eval/arith/maj@2"}
+    for r in (rows[0], rows[2]):  # at the start and at the end (eval.every=2)
+        assert keys <= set(r) and all(0.0 <= r[k] <= 1.0 for k in keys), r
+        assert r["eval/arith/pass@1"] == pytest.approx(r["eval/arith/avg@2"])
+    assert not any(k.startswith("eval/arith/") for k in rows[1])
 
 
 ALGOS = sorted(p.stem for p in (ROOT / "conf" / "algo").glob("*.yaml"))

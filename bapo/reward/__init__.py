@@ -2,9 +2,11 @@
 
 ``score_math(response, answer)`` is the one-call API. ``MathVerifier`` scores batches
 with a pool of worker processes and returns ``reward/...`` stats for the logger.
+``overlong_penalty`` is DAPO's length shaping, added to the reward by the loop.
 """
 
 from bapo.reward.extract import extract_answer, last_boxed, last_number
+from bapo.reward.shaping import overlong_penalty
 from bapo.reward.verify import (
     Grade,
     MathVerifier,
@@ -23,5 +25,6 @@ __all__ = [
     "last_boxed",
     "last_number",
     "normalize_answer",
+    "overlong_penalty",
     "score_math",
 ]

@@ -96,9 +96,15 @@ class HFRollout:
             return_dict_in_generate=True,
         )
         new = gen.sequences[:, width:].cpu()  # [B*n, T]
-        logits = torch.stack(gen.logits, dim=1).float()  # [B*n, T, V]
         scale = 1.0 if greedy else temperature
-        logp = torch.log_softmax(logits / scale, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1).cpu()
+        # one step at a time: never materialise [B*n, T, V] (vocabularies of real models are large)
+        logp = torch.stack(
+            [
+                torch.log_softmax(step.float() / scale, dim=-1).gather(-1, new[:, t : t + 1].to(step.device))[:, 0]
+                for t, step in enumerate(gen.logits)
+            ],
+            dim=1,
+        ).cpu()  # [B*n, T]
         samples = []
         for row in range(new.shape[0]):
             toks = new[row].tolist()

@@ -110,6 +110,59 @@ RESPONSES = [
     ("", "5", False),
     (r"\boxed{}", "5", False),
     (r"I am not sure how to solve this. \boxed{\text{no solution}}", "5", False),
+    # more of each kind, so every family has true and false cases
+    (r"Half of 0.8 is 0.4, so the answer is $\boxed{0.40}$.", "0.4", True),
+    (r"The ratio simplifies to $\boxed{\dfrac{9}{12}}$, i.e. three quarters.", r"\frac{3}{4}", True),
+    (r"Each share is $\boxed{\dfrac{5}{6}}$ of a pizza.", r"\frac{6}{5}", False),
+    (r"The probability is $1 - 0.35 = \boxed{0.65}$.", r"\frac{13}{20}", True),
+    (r"Solving $2x + 3 = 0$ gives $x = \boxed{-\frac{3}{2}}$.", "-1.5", True),
+    (r"Solving $2x - 3 = 0$ gives $x = \boxed{\frac{3}{2}}$.", "-1.5", False),
+    (r"Completing the square, the vertex is $\boxed{\left( -1, \frac{1}{2} \right)}$.", r"(-1,\frac{1}{2})", True),
+    (r"The center of the circle is $\boxed{\left(2,-3\right)}$.", "(-3,2)", False),
+    (r"Since the triangle is equilateral, each angle measures $\boxed{60^\circ}$.", r"60^\circ", True),
+    (r"The supplement of $35^\circ$ is $\boxed{145^\circ}$.", "135", False),
+    (r"Out of 40 students 14 passed, which is $\frac{14}{40} = \boxed{35\%}$.", "35", True),
+    (r"The population grows by $\boxed{12.5\%}$ per year.", "12.5", True),
+    (r"The tank holds $\boxed{250 \text{ liters}}$ when full.", "250", True),
+    (r"Walking at 3 km/h for 2 hours covers $\boxed{6\text{ km}}$.", "5", False),
+    (r"Since $f(x) = x^2 \ge 0$ and every value is reached, the range is $\boxed{[0, \infty)}$.",
+     r"[0,\infty)", True),
+    (r"The quadratic is negative strictly between its roots, so $x \in \boxed{(-3, 1)}$.", "(-3,1)", True),
+    (r"The possible values of $k$ are $\boxed{\{-1, 0, 1\}}$.", r"\{-1,0,1\}", True),
+    (r"Checking each case, the possible values of $k$ are $\boxed{\{-1, 1\}}$.", r"\{-1,0,1\}", False),
+    (r"Back-substituting, the ordered triple is $\boxed{(1, 2, 3)}$.", "(1,2,3)", True),
+    (r"Back-substituting, the ordered triple is $\boxed{(3, 2, 1)}$.", "(1,2,3)", False),
+    (r"The product is the identity, $\boxed{\begin{pmatrix} 1 & 0 \\ 0 & 1 \end{pmatrix}}$.",
+     r"\begin{pmatrix}1&0\\0&1\end{pmatrix}", True),
+    (r"Rotating by $90^\circ$ gives $\boxed{\begin{pmatrix} 0 & -1 \\ 1 & 0 \end{pmatrix}}$.",
+     r"\begin{pmatrix}0&1\\-1&0\end{pmatrix}", False),
+    (r"Subtracting the equations gives $\boxed{y = -2}$.", "-2", True),
+    (r"Hence $\boxed{x = 5}$.", "x=3", False),
+    (r"The last three digits of $7^{100}$ are $\boxed{001}$.", "1", True),
+    (r"Taking the result modulo 1000 gives $\boxed{070}$.", "7", False),
+    (r"Multiplying out gives $\boxed{123456789012345678901234567890}$.", "123456789012345678901234567890", True),
+    (r"Summing the series gives $\boxed{99999999999999999999}$.", "100000000000000000000", False),
+    (r"Thus $a + b = \fbox{-4}$.", "-4", True),
+    (r"A heptagon has $\frac{7 \cdot 4}{2} = 14$ diagonals, so \fbox{20}.", "14", False),
+    (r"The minimum is at $x = 0$, where $f(0) = 0$; the answer is $\boxed 0$.", "0", True),
+    (r"The answer is $\boxed{\frac{1}{2^{3}}}$.", r"\frac{1}{8}", True),
+    (r"Evaluating the tower from the top, $\boxed{2^{2^{2}}}$.", "16", True),
+    (r"Part (a) gives \boxed{3}. Part (b) gives \boxed{5}, which is what is asked, so \boxed{5}.", "5", True),
+    (r"We get \boxed{4} for the first case and \boxed{9} for the second.", "4", False),
+    (r"The final answer is 42.", "42", False),
+    (r"Therefore the number of arrangements is $5! = 120$.", "120", False),
+]
+# fmt: on
+
+# With fallback="final_answer", an unboxed "final answer is ..." counts; a box still wins.
+# fmt: off
+FINAL_ANSWER_RESPONSES = [
+    (r"Adding gives $17 + 25 = 42$. The final answer is 42.", "42", True),
+    (r"So the final answer is $\frac{3}{4}$.", r"\frac34", True),
+    (r"Therefore, the final answer is $x = 3$.", "3", True),
+    (r"The final answer is 41.", "42", False),
+    (r"I could not finish the computation.", "42", False),
+    (r"The answer is 8, wait, the final answer is \boxed{7}.", "7", True),
 ]
 # fmt: on
 
@@ -125,7 +178,7 @@ def _mismatches(got, table):
 
 
 def test_response_table_size():
-    assert len(RESPONSES) >= 60
+    assert len(RESPONSES) >= 100
     assert {want for _, _, want in RESPONSES} == {True, False}
 
 
@@ -151,6 +204,12 @@ def test_fallback_last_number_scores_unboxed_responses():
     )
     assert rewards == [1.0, 1.0, 0.0]
     assert stats["reward/no_answer"] == 1
+
+
+def test_fallback_final_answer_table():
+    v = MathVerifier(num_workers=0, fallback="final_answer")
+    rewards, _ = v.score([r for r, _, _ in FINAL_ANSWER_RESPONSES], [g for _, g, _ in FINAL_ANSWER_RESPONSES])
+    assert _mismatches(rewards, FINAL_ANSWER_RESPONSES) == []
 
 
 def test_format_reward():
