@@ -271,7 +271,7 @@ def render_prompt(problem: Problem, tokenizer, *, instruction: str = DEFAULT_INS
 # ----------------------------------------------------------------------------- assembly
 
 
-def _gsm8k_answer(p: Problem) -> Problem:
+def gsm8k_answer(p: Problem) -> Problem:
     """GSM8K's hub rows end their worked answer with '#### 72'; keep the number."""
     ans = p.answer.split("####")[-1].strip().replace(",", "")
     return Problem(id=p.id, problem=p.problem, answer=ans, source=p.source)
@@ -310,7 +310,7 @@ def problem_sources(
             rows = load_jsonl(where, **keys)
         else:
             rows = load_hub(where, split=which, subset=subset, **keys)
-        return [_gsm8k_answer(p) for p in rows] if answer_format == "gsm8k" else rows
+        return [gsm8k_answer(p) for p in rows] if answer_format == "gsm8k" else rows
 
     rows = load(path, split)
     if eval_path or (kind == "hub" and eval_split):

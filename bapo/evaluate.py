@@ -29,7 +29,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from bapo import metrics as M
 from bapo.config import EVAL_SETS_DIR, ConfigError, ModelConfig, RewardConfig, resolve_path
-from bapo.data import ArithSpec, _gsm8k_answer, arith_heldout, load_hub, load_jsonl, render_prompt
+from bapo.data import ArithSpec, arith_heldout, gsm8k_answer, load_hub, load_jsonl, render_prompt
 from bapo.reward import normalize_answer
 from bapo.types import Problem, Prompt
 
@@ -321,7 +321,7 @@ def load_evalset(s: EvalSetConfig, *, limit: int | None = None) -> list[Problem]
         keys = dict(problem_key=s.problem_key, answer_key=s.answer_key)
         rows = load_hub(resolve_path(s.path), split=s.split, subset=s.subset, **keys)
     if s.answer_format == "gsm8k":
-        rows = [_gsm8k_answer(p) for p in rows]
+        rows = [gsm8k_answer(p) for p in rows]
     return rows[:limit] if limit else rows
 
 

@@ -185,7 +185,7 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, *, kl_estimator: str
     if kl_estimator == "k2":
         return 0.5 * x.pow(2)
     x = x.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return torch.exp(x) - x - 1.0
+    return torch.expm1(x) - x  # = exp(x) - x - 1, without the cancellation that can dip below 0
 
 
 def regularised(
