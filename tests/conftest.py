@@ -12,6 +12,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+# CI explores the same examples every run (a red CI then always reproduces); locally
+# hypothesis keeps searching fresh ones.
+settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "assets" / "tiny-math"
