@@ -175,6 +175,11 @@ def policy_loss(
     return loss, stats | reg_stats
 
 
+def importance_ratio(logp: torch.Tensor, old_logp: torch.Tensor) -> torch.Tensor:
+    """r = exp(logp - old_logp), with the log-ratio clamped as in ``policy_loss``."""
+    return torch.exp((logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+
+
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, *, kl_estimator: str = "k3") -> torch.Tensor:
     """Per-token estimate [...] of KL(pi || pi_ref) at sampled tokens (k1, k2 or k3; module docstring)."""
     if kl_estimator not in KL_ESTIMATORS:

@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from bapo.algos import Objective, entropy_from_logits, token_logp
+from bapo.algos import Objective, entropy_from_logits, importance_ratio, token_logp
 from bapo.learner.batching import response_rows, split
 from bapo.learner.critic import Critic
 from bapo.types import TrainBatch
@@ -161,7 +161,7 @@ class Learner:
                 parts = []
                 for mb in micro:
                     logp, _ = self._forward(self.model, mb, entropy=False)
-                    ratio = torch.exp((logp.cpu() - mb.old_logp).clamp(-20, 20))  # [B, L-1]
+                    ratio = importance_ratio(logp.cpu(), mb.old_logp)  # [B, L-1]
                     parts.append((ratio, mb.adv, mb.mask, mb.old_logp))
             chosen = self._choose(parts)
 
@@ -170,7 +170,7 @@ class Learner:
         for mb in micro:
             logp, ent = self._forward(self.model, mb)
             old, adv, mask = (t.to(self.device) for t in (mb.old_logp, mb.adv, mb.mask))
-            ratio = torch.exp((logp.detach() - old).clamp(-20, 20))  # [B, L-1]
+            ratio = importance_ratio(logp.detach(), old)  # [B, L-1]
             seen.append((ratio.cpu(), mb.adv, mb.mask, mb.old_logp))
             params, cstats = chosen if chosen is not None else self._choose([seen[-1]])
             per_micro.append((cstats, mb.num_tokens))
