@@ -1,5 +1,7 @@
 """Train a policy with BAPO (or a baseline): python train.py algo=bapo model=tiny"""
 
+import sys
+
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
@@ -9,7 +11,9 @@ from omegaconf import DictConfig
 def main(cfg: DictConfig) -> None:
     from bapo.loop import run
 
-    run(cfg, HydraConfig.get().runtime.output_dir)
+    metrics = run(cfg, HydraConfig.get().runtime.output_dir)
+    if "stopped_by_signal" in metrics:  # SIGTERM / Ctrl-C: checkpoint saved; say so the conventional way
+        sys.exit(128 + int(metrics["stopped_by_signal"]))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,10 @@ Every sample carries the policy version that generated it. The staleness of a
 sample in an update is ``learner_version - sample.version``. With
 ``max_staleness = k`` no update ever uses a sample whose staleness exceeds k:
 :meth:`get` drops such samples (and counts them) before it hands anything out,
-and :meth:`check` refuses a batch that would break the bound.
+looking ``horizon`` updates ahead (a batch taken now is trained on for
+``updates_per_step`` updates), and :meth:`check` refuses a batch that would
+break the bound. Which weights a batch is generated with is decided upstream
+(``bapo/offpolicy.py``); this is the last line of defence and the drop counter.
 
 Samples are kept in prompt groups, because GRPO advantages are defined per
 group and a group is dropped or served whole.
@@ -61,9 +64,13 @@ class ReplayBuffer:
                 keep.append(g)
         self.groups = keep
 
-    def get(self, num_samples: int, version: int) -> list[ScoredSample]:
-        """Remove and return whole groups totalling at most ``num_samples`` samples."""
-        self._evict_stale(version)
+    def get(self, num_samples: int, version: int, horizon: int = 0) -> list[ScoredSample]:
+        """Remove and return whole groups totalling at most ``num_samples`` samples.
+
+        Groups that would exceed the bound at any of the next ``horizon`` updates
+        (learner versions ``version ... version + horizon``) are dropped first.
+        """
+        self._evict_stale(version + horizon)
         if self.sampling == "uniform":
             order = list(range(len(self.groups)))
             self.rng.shuffle(order)
@@ -75,19 +82,30 @@ class ReplayBuffer:
         return out
 
     def check(self, samples: Sequence[ScoredSample], version: int) -> dict[str, float]:
-        """Staleness of ``samples`` at learner ``version``; raises if the bound is broken."""
+        """Staleness of ``samples`` at learner ``version``; raises if the bound is broken.
+
+        Returns the mean, the max and the count of samples at each staleness value
+        (``buffer/staleness_hist/<s>``).
+        """
         stale = [version - s.sample.version for s in samples]
         worst = max(stale, default=0)
         if self.max_staleness is not None and worst > self.max_staleness:
             raise StalenessError(f"sample staleness {worst} exceeds buffer.max_staleness={self.max_staleness}")
-        return {
+        if min(stale, default=0) < 0:
+            raise StalenessError(f"a sample is from the future: version {version - min(stale)} > learner {version}")
+        out = {
             "buffer/staleness_mean": sum(stale) / max(len(stale), 1),
             "buffer/staleness_max": float(worst),
         }
+        for v in stale:
+            key = f"buffer/staleness_hist/{v}"
+            out[key] = out.get(key, 0.0) + 1.0
+        return out
 
     def metrics(self) -> dict[str, float]:
         return {
             "buffer/size": float(len(self)),
+            "buffer/dropped": float(self.dropped_stale + self.dropped_capacity),
             "buffer/dropped_stale": float(self.dropped_stale),
             "buffer/dropped_capacity": float(self.dropped_capacity),
             "buffer/served": float(self.served),

@@ -223,12 +223,18 @@ class RewardConfig:
 
 @dataclass
 class BufferConfig:
-    max_staleness: int | None = MISSING
+    max_staleness: int = MISSING
+    enforce: str = MISSING  # admission (producer waits) | drop (stale samples are dropped)
     capacity: int = MISSING
     sampling: str = MISSING
 
     def __post_init__(self) -> None:
-        _require(self.max_staleness is None or self.max_staleness >= 0, "buffer.max_staleness", "must be >= 0")
+        _require(
+            isinstance(self.max_staleness, int) and self.max_staleness >= 0,
+            "buffer.max_staleness",
+            f"must be an integer >= 0, got {self.max_staleness!r}",
+        )
+        _choice(self.enforce, "buffer.enforce", ("admission", "drop"))
         _require(self.capacity > 0, "buffer.capacity", "must be > 0")
         _choice(self.sampling, "buffer.sampling", ("fifo", "uniform"))
 
@@ -246,9 +252,13 @@ class LearnerConfig:
     ppo_epochs: int = MISSING
     mini_batches_per_rollout: int = MISSING
     micro_batch_size: int = MISSING
+    old_logp: str = MISSING  # rollout: the engine's recorded log-probs | recompute: the learner's, same version
+    max_consecutive_skips: int = MISSING  # stop after this many non-finite updates in a row
 
     def __post_init__(self) -> None:
         _choice(self.kind, "learner.kind", ("single", "fsdp"))
+        _choice(self.old_logp, "learner.old_logp", ("rollout", "recompute"))
+        _require(self.max_consecutive_skips >= 1, "learner.max_consecutive_skips", "must be >= 1")
         _require(self.lr > 0, "learner.lr", f"must be > 0, got {self.lr}")
         _require(
             len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
@@ -306,6 +316,7 @@ class TrainConfig:
     steps: int = MISSING
     prompts_per_step: int = MISSING
     sync_every: int = MISSING
+    async_rollout: bool = MISSING  # generate on a background thread, ahead of the learner (bapo/offpolicy.py)
 
     def __post_init__(self) -> None:
         _require(self.steps >= 0, "train.steps", "must be >= 0")
@@ -329,6 +340,16 @@ class MonitorConfig:
         _require(self.clip_patience >= 1, "monitor.clip_patience", "must be >= 1")
 
 
+@dataclass
+class CheckpointConfig:
+    every: int = MISSING  # steps; 0 = only on SIGTERM / Ctrl-C and at the end
+    keep: int = MISSING  # newest checkpoints kept
+
+    def __post_init__(self) -> None:
+        _require(self.every >= 0, "checkpoint.every", "must be >= 0")
+        _require(self.keep >= 1, "checkpoint.keep", "must be >= 1")
+
+
 SCHEMAS: dict[str, type] = {
     "algo": AlgoConfig,
     "model": ModelConfig,
@@ -341,6 +362,7 @@ SCHEMAS: dict[str, type] = {
     "eval": EvalConfig,
     "train": TrainConfig,
     "monitor": MonitorConfig,
+    "checkpoint": CheckpointConfig,
 }
 
 
@@ -367,7 +389,9 @@ class RunConfig:
     eval: EvalConfig
     train: TrainConfig
     monitor: MonitorConfig
+    checkpoint: CheckpointConfig
     sizes: Sizes
+    resume: str | None = None  # null | auto | a run folder or checkpoint folder
 
 
 def _typed(group: str, node: Any, schema: type) -> Any:
@@ -391,14 +415,14 @@ def derive_sizes(train: TrainConfig, rollout: RolloutConfig, learner: LearnerCon
     )
     updates = learner.ppo_epochs * mb
     reuse = updates - 1
-    if buffer.max_staleness is not None:
-        _require(
-            reuse <= buffer.max_staleness,
-            "buffer.max_staleness",
-            f"learner.ppo_epochs={learner.ppo_epochs} x learner.mini_batches_per_rollout={mb} means up to {reuse} "
-            f"updates on one rollout batch, so buffer.max_staleness must be >= {reuse} "
-            f"(got {buffer.max_staleness})",
-        )
+    need = reuse + train.sync_every - 1  # = bapo.offpolicy.min_staleness
+    _require(
+        need <= buffer.max_staleness,
+        "buffer.max_staleness",
+        f"learner.ppo_epochs={learner.ppo_epochs} x learner.mini_batches_per_rollout={mb} means up to {reuse} "
+        f"updates on one rollout batch, and train.sync_every={train.sync_every} lets the engine lag "
+        f"{train.sync_every - 1} more, so buffer.max_staleness must be >= {need} (got {buffer.max_staleness})",
+    )
     return Sizes(samples, samples // mb, updates, reuse)
 
 
@@ -408,14 +432,16 @@ def build(cfg: DictConfig, run_dir: str | Path) -> RunConfig:
         plain = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except OmegaConfBaseException as e:
         raise ConfigError(f"{e.full_key or 'config'}: {str(e).splitlines()[0]}") from None
-    known = set(SCHEMAS) | {"seed", "paths"}
+    known = set(SCHEMAS) | {"seed", "paths", "resume"}
     extra = sorted(set(plain) - known)
     _require(not extra, extra[0] if extra else "", f"unknown top-level key(s) {extra}")
     typed = {g: _typed(g, plain[g], s) for g, s in SCHEMAS.items()}
     buf, max_new = typed["reward"].overlong_buffer, typed["rollout"].max_new_tokens
     _require(buf < max_new, "reward.overlong_buffer", f"must be < rollout.max_new_tokens ({max_new}), got {buf}")
     sizes = derive_sizes(typed["train"], typed["rollout"], typed["learner"], typed["buffer"])
-    return RunConfig(seed=int(plain["seed"]), run_dir=Path(run_dir), sizes=sizes, **typed)
+    resume = plain.get("resume")
+    _require(resume is None or isinstance(resume, str), "resume", f"must be null, auto or a path, got {resume!r}")
+    return RunConfig(seed=int(plain["seed"]), run_dir=Path(run_dir), sizes=sizes, resume=resume, **typed)
 
 
 def resolve_path(p: str) -> str:

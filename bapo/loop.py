@@ -14,11 +14,16 @@ receives the learner's weights every ``train.sync_every`` updates.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import hashlib
 import json
 import logging
+import math
 import random
 import shutil
+import signal
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -27,18 +32,19 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from bapo import algos
+from bapo import algos, checkpoint, offpolicy
 from bapo.buffer import ReplayBuffer
 from bapo.config import AlgoConfig, ConfigError, RunConfig, build
 from bapo.data import ArithSpec, problem_sources, render_prompt
 from bapo.evaluate import evaluate, evaluate_sets, load_evalset, named_set
 from bapo.learner import Critic, Learner, collate
+from bapo.learner.batching import response_rows, split
 from bapo.logging import MetricsLogger
 from bapo.modeling import load_model, load_tokenizer, model_path, pick_device
 from bapo.monitor import Monitor
 from bapo.reward import MathVerifier, overlong_penalty
 from bapo.rollout import HFRollout
-from bapo.types import Sample, ScoredSample
+from bapo.types import RolloutBatch, Sample, ScoredSample
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +163,7 @@ def export_hf(model, tok, out: Path) -> None:
     tmp.rename(out)
 
 
-def score(samples: list[Sample], grades, rewards, adv, returns, values) -> list[ScoredSample]:
+def score(samples: list[Sample], correct, extracted, rewards, adv, returns, values) -> list[ScoredSample]:
     """Attach the (shaped) reward, per-token advantages and (with a critic) old values and returns to each sample."""
 
     def row(t, i: int) -> tuple[float, ...] | None:  # sample i's response tokens of a [B, T] tensor
@@ -168,19 +174,22 @@ def score(samples: list[Sample], grades, rewards, adv, returns, values) -> list[
             s,
             float(rewards[i]),
             float(adv[i, 0]) if s.response_ids else 0.0,
-            g.correct,
-            g.extracted,
+            c,
+            x,
             token_adv=row(adv, i),
             old_values=row(values, i),
             returns=row(returns, i),
         )
-        for i, (s, g) in enumerate(zip(samples, grades, strict=True))
+        for i, (s, c, x) in enumerate(zip(samples, correct, extracted, strict=True))
     ]
 
 
-def run_eval(rc: RunConfig, rollout, verifier, prompts, tok, sets: dict) -> dict:
-    """The held-out check (eval/accuracy, ...) and, with eval.sets, eval.py's metrics (eval/<set>/avg@k, ...)."""
+def run_eval(rc: RunConfig, rollout, verifier, prompts, tok, sets: dict, step: int) -> dict:
+    """The held-out check (eval/accuracy, ...) and, with eval.sets, eval.py's metrics (eval/<set>/avg@k, ...).
+
+    Seeded by (seed, step), so an evaluation does not depend on what ran before it."""
     t0, e = time.perf_counter(), rc.eval
+    torch.manual_seed(derive_seed(rc.seed, "eval", step))
     out = evaluate(rollout, verifier, prompts, n=e.n, temperature=e.temperature, prefix="eval/")
     if e.greedy:
         g = evaluate(rollout, verifier, prompts, n=1, temperature=0.0, prefix="eval/greedy_")
@@ -188,6 +197,7 @@ def run_eval(rc: RunConfig, rollout, verifier, prompts, tok, sets: dict) -> dict
     if sets:
         kw = dict(k=e.sets_k, temperature=e.temperature, instruction=rc.data.instruction)
         out |= evaluate_sets(rollout, verifier, tok, sets, **kw)
+    out["eval/version"] = float(rollout.version)
     out["time/eval_s"] = time.perf_counter() - t0
     return out
 
@@ -197,13 +207,119 @@ def mean_metrics(rows: list[dict]) -> dict:
     return {k: float(np.mean([r[k] for r in rows if k in r])) for k in keys}
 
 
+def derive_seed(seed: int, purpose: str, index: int) -> int:
+    """A 63-bit seed for one (purpose, index), independent of everything run before it."""
+    tag = int.from_bytes(hashlib.sha256(purpose.encode()).digest()[:4], "little")
+    return int(np.random.SeedSequence([seed, tag, index]).generate_state(2, dtype=np.uint64)[0] >> 1)
+
+
+class TrainingDiverged(RuntimeError):
+    pass
+
+
+class StopRequested:
+    """SIGTERM and Ctrl-C: finish the step, save a checkpoint, exit cleanly. A second Ctrl-C aborts."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._old: dict[int, object] = {}
+
+    def __enter__(self) -> StopRequested:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+        log.warning("%s: saving a checkpoint after this step, then stopping", signal.Signals(signum).name)
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+    def __bool__(self) -> bool:
+        return self.signum is not None
+
+
+def find_resume(rc: RunConfig) -> Path | None:
+    """The checkpoint ``resume`` points at: None (fresh start), the newest in this run (auto), or a path."""
+    if rc.resume is None:
+        return None
+    ckpt_dir = rc.run_dir / "checkpoints"
+    if rc.resume == "auto":
+        checkpoint.clean_partial(ckpt_dir)
+        return checkpoint.latest(ckpt_dir)
+    p = Path(rc.resume)
+    if (p / "state.pt").is_file():
+        return p
+    found = checkpoint.latest(p / "checkpoints")
+    if found is None:
+        raise ConfigError(f"resume: no complete checkpoint in {p} (looked for state.pt and {p}/checkpoints/step_*)")
+    return found
+
+
+def restore_metrics(run_dir: Path, source_run: Path, step: int) -> None:
+    """metrics.jsonl up to ``step`` (lines a killed run wrote after its checkpoint are dropped), atomically."""
+    src = source_run / "metrics.jsonl"
+    keep = []
+    if src.is_file():
+        for line in src.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                break  # a line cut short by the kill: it and anything after it are past the checkpoint
+            if row.get("step", 1 << 60) <= step:
+                keep.append(line)
+    tmp = run_dir / ".metrics.jsonl.tmp"
+    tmp.write_text("".join(x + "\n" for x in keep))
+    tmp.replace(run_dir / "metrics.jsonl")
+
+
 def run(cfg: DictConfig, run_dir: str | Path) -> dict:
     """Train as configured; returns the last logged metrics."""
     rc = build(cfg, run_dir)
     rc.run_dir.mkdir(parents=True, exist_ok=True)
+    final = rc.run_dir / "final_metrics.json"
+    if rc.resume == "auto" and final.is_file():
+        log.info("%s is complete (final_metrics.json exists): nothing to do", rc.run_dir)
+        return json.loads(final.read_text())
+    resume_from = find_resume(rc)
     (rc.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     seed_everything(rc.seed)
     tok, rollout, verifier, train_src, heldout, report, buffer, learner = build_stages(rc)
+    sizes, a, U = rc.sizes, rc.algo, rc.sizes.updates_per_step
+    adv_kw = dict(group_size=rc.rollout.n, norm_std=a.norm_std, gamma=a.critic.gamma, lam=a.critic.lam)
+    monitor = Monitor(**vars(rc.monitor))
+    rng = random.Random(rc.seed)  # mini-batch shuffles
+    mode = "sync" if not rc.train.async_rollout else rc.buffer.enforce
+    recompute = rc.learner.old_logp == "recompute"
+    scratch = copy.deepcopy(learner.model).eval().requires_grad_(False) if recompute else None
+    mailbox = offpolicy.WeightMailbox()
+    start, version, state = 0, 0, None
+    if resume_from is not None:
+        state = checkpoint.load(resume_from)
+        start, version = int(state["step"]), int(state["version"])
+        learner.load_state_dict(state["learner"])
+        buffer.load_state_dict(state["buffer"])
+        monitor.load_state_dict(state["monitor"])
+        train_src.load_state_dict(state["data"])
+        rng.setstate(_rng_tuple(state["rng"]["loop"]))
+        random.setstate(_rng_tuple(state["rng"]["python"]))
+        name, key, *rest = state["rng"]["numpy"]
+        np.random.set_state((name, np.asarray(key, dtype=np.uint32), *rest))
+        torch.set_rng_state(state["rng"]["torch"])
+        for v, snap in state["snapshots"].items():
+            mailbox.publish(int(v), snap, clone=False)
+        restore_metrics(rc.run_dir, resume_from.parent.parent, start)
+        lines = (rc.run_dir / "metrics.jsonl").read_text().splitlines()
+        metrics = {k: v for k, v in json.loads(lines[-1]).items() if k != "step"} if lines else {}
+        log.info("resumed from %s at step %d (policy version %d)", resume_from, start, version)
+    elif (rc.run_dir / "metrics.jsonl").exists():
+        (rc.run_dir / "metrics.jsonl").unlink()  # a fresh start owns its run folder's metrics
+
     lg = rc.logger
     logger = MetricsLogger(
         rc.run_dir,
@@ -215,83 +331,257 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
         name=rc.run_dir.name,
         config=OmegaConf.to_container(cfg, resolve=True),
     )
-    sizes, version, rng = rc.sizes, 0, random.Random(rc.seed)
-    a = rc.algo
-    adv_kw = dict(group_size=rc.rollout.n, norm_std=a.norm_std, gamma=a.critic.gamma, lam=a.critic.lam)
-    monitor = Monitor(**vars(rc.monitor))
-    sets = {n: load_evalset(named_set(n, data_dir=rc.eval.data_dir), limit=rc.eval.sets_limit) for n in rc.eval.sets}
-    metrics = {"data/skipped_rows": float(report.skipped)} | run_eval(rc, rollout, verifier, heldout, tok, sets)
-    logger.log(metrics, step=0)
-    bar = tqdm(range(1, rc.train.steps + 1), desc="train", disable=not lg.progress, dynamic_ncols=True)
-    try:
-        for step in bar:
-            t_step = time.perf_counter()
-            # 1. rollout: sample n responses per prompt with the engine's (possibly older) weights
-            prompts = [
-                render_prompt(next(train_src), tok, instruction=rc.data.instruction)
-                for _ in range(rc.train.prompts_per_step)
+
+    def make_batch(t: int, v: int, weights: dict) -> RolloutBatch:
+        """Generate and verify rollout batch t with the weights of version v (the producer's side)."""
+        t_sync = rollout.update_weights(weights, v) if rollout.version != v else 0.0
+        prompts = [
+            render_prompt(next(train_src), tok, instruction=rc.data.instruction)
+            for _ in range(rc.train.prompts_per_step)
+        ]
+        t0 = time.perf_counter()
+        torch.manual_seed(derive_seed(rc.seed, "rollout", t))
+        samples = rollout.generate(prompts)
+        t_rollout = time.perf_counter() - t0
+        grades, rstats = verifier.grade([s.text for s in samples], [s.prompt.problem.answer for s in samples])
+        n_tok = sum(len(s.response_ids) for s in samples)
+        stats = rstats.as_dict() | {
+            "rollout/tokens_per_s": n_tok / max(t_rollout, 1e-9),
+            "time/rollout_s": t_rollout,
+            "time/reward_s": rstats.verify_s,
+            "time/sync_s": t_sync,
+        }
+        return RolloutBatch(
+            t,
+            v,
+            tuple(samples),
+            tuple(g.reward for g in grades),
+            tuple(g.correct for g in grades),
+            tuple(g.extracted for g in grades),
+            stats,
+        )
+
+    producer = offpolicy.Producer(
+        make_batch,
+        mailbox,
+        mode=mode,
+        updates_per_batch=U,
+        max_staleness=rc.buffer.max_staleness,
+        sync_every=rc.train.sync_every,
+        ahead=max(1, rc.buffer.capacity // sizes.samples_per_step),
+        first_batch=start + 1,
+        last_batch=rc.train.steps,
+    )
+    for item in [] if state is None else state["pending"]:
+        producer.queue.append(item)
+        producer.next_batch += 1
+
+    def publish(mid_step: bool) -> None:
+        """Offer the learner's weights at ``version`` to the producer, if a batch will be generated with them."""
+        if producer.wants(version) and not mailbox.has(version):
+            # sync at a step boundary: the producer loads them before the next update, so no copy
+            mailbox.publish(version, learner.weights(), clone=mode != "sync" or mid_step)
+
+    def release() -> None:
+        mailbox.release_below(producer.release_floor(version, keep_window=recompute))
+
+    def old_logp(batch: RolloutBatch) -> tuple[RolloutBatch, dict]:
+        """``learner.old_logp=recompute``: the learner's own log-probs at the version that generated it."""
+        if not recompute:
+            return batch, {}
+        if batch.version == version:
+            model = learner.model
+        else:
+            _, weights = mailbox.wait(batch.version)
+            scratch.load_state_dict(weights)
+            model = scratch
+        mb = collate(list(batch.samples), pad_id=rollout.pad_id)
+        with torch.no_grad():
+            rows = [
+                response_rows(learner._forward(model, m, entropy=False)[0].cpu(), m.mask)
+                for m in split(mb, rc.learner.micro_batch_size)
             ]
+        new, diffs = [], []
+        offset = 0
+        for r in rows:
+            for i in range(r.shape[0]):
+                s = batch.samples[offset + i]
+                lp = tuple(r[i, : len(s.response_ids)].tolist())
+                diffs.extend(abs(x - y) for x, y in zip(lp, s.logp, strict=True))
+                new.append(dataclasses.replace(s, logp=lp))
+            offset += r.shape[0]
+        stats = {
+            "rollout/logp_mismatch_mean": float(np.mean(diffs)) if diffs else 0.0,
+            "rollout/logp_mismatch_max": float(np.max(diffs)) if diffs else 0.0,
+        }
+        return dataclasses.replace(batch, samples=tuple(new)), stats
+
+    def score_batch(batch: RolloutBatch) -> tuple[list[ScoredSample], dict]:
+        """Shape the rewards, take the critic's values now (before any update on them) and compute advantages."""
+        batch, lp_stats = old_logp(batch)
+        samples = list(batch.samples)
+        lengths = [len(s.response_ids) for s in samples]
+        rewards = torch.tensor(batch.rewards, dtype=torch.float64)  # [B]
+        # DAPO's soft overlong penalty shapes the reward only; `correct` (accuracy) stays the verifier's
+        max_len, buf = rc.rollout.max_new_tokens, rc.reward.overlong_buffer
+        rewards = rewards + torch.tensor([overlong_penalty(n, max_len=max_len, buffer=buf) for n in lengths])
+        values = learner.values(collate(samples, pad_id=rollout.pad_id))  # [B, T]; None without a critic
+        adv, returns, adv_stats = algos.compute_advantages(rc.algo.advantage, rewards, lengths, values=values, **adv_kw)
+        scored = score(samples, batch.correct, batch.extracted, rewards, adv, returns, values)
+        n_tok = sum(lengths)
+        stats = dict(batch.stats) | lp_stats | {f"adv/{k}": float(v) for k, v in adv_stats.items()}
+        stats |= {
+            "reward/mean": float(rewards.mean()),
+            "rollout/response_len": n_tok / len(samples),
+            "rollout/truncated": sum(s.truncated for s in samples) / len(samples),
+            "rollout/version": float(batch.version),
+        }
+        return scored, stats
+
+    def save(step: int) -> None:
+        producer.pause()  # between two batches: the queue and the data cursor agree
+        try:
+            live = version if mailbox.has(version) else None
+            snaps = {v: w for v, w in mailbox.state_dict().items() if v != live}
+            ckpt = {
+                "step": step,
+                "version": version,
+                "learner": learner.state_dict(),
+                "buffer": buffer.state_dict(),
+                "monitor": monitor.state_dict(),
+                "data": train_src.state_dict(),
+                "pending": list(producer.queue),
+                "snapshots": snaps,
+                "rng": {
+                    "loop": rng.getstate(),
+                    "python": random.getstate(),
+                    "numpy": checkpoint.rng_state_plain(np.random.get_state()),
+                    "torch": torch.get_rng_state(),
+                },
+            }
             t0 = time.perf_counter()
-            samples = rollout.generate(prompts)
-            t_rollout = time.perf_counter() - t0
-            # 2. reward: verify the answers in worker processes
-            grades, rstats = verifier.grade([s.text for s in samples], [s.prompt.problem.answer for s in samples])
-            lengths = [len(s.response_ids) for s in samples]
-            rewards = torch.tensor([g.reward for g in grades], dtype=torch.float64)  # [B]
-            # DAPO's soft overlong penalty shapes the reward only; `correct` (accuracy) stays the verifier's
-            max_len, buf = rc.rollout.max_new_tokens, rc.reward.overlong_buffer
-            rewards = rewards + torch.tensor([overlong_penalty(n, max_len=max_len, buffer=buf) for n in lengths])
-            # 3. advantages: GRPO's groups, or GAE on the critic's values taken now, before any update
-            values = learner.values(collate(samples, pad_id=rollout.pad_id))  # [B, T]; None without a critic
-            adv, returns, adv_stats = algos.compute_advantages(
-                rc.algo.advantage, rewards, lengths, values=values, **adv_kw
+            path = checkpoint.save(
+                rc.run_dir / "checkpoints", step, ckpt, keep=rc.checkpoint.keep, meta={"version": version}
             )
-            scored = score(samples, grades, rewards, adv, returns, values)
-            # 4. buffer: tag, admit, drop what is too stale for this learner version
-            buffer.put(scored)
-            batch = buffer.get(sizes.samples_per_step, version)
-            # 5. learner: ppo_epochs passes, mini_batches_per_rollout updates each; version += 1 per update
-            t0, updates, t_sync = time.perf_counter(), [], 0.0
-            for _ in range(rc.learner.ppo_epochs):
-                order = list(range(len(batch)))
-                rng.shuffle(order)
-                for i in range(0, len(order), sizes.mini_batch_size):
-                    mb = [batch[j] for j in order[i : i + sizes.mini_batch_size]]
-                    stale = buffer.check(mb, version)
-                    updates.append(learner.update(collate(mb, pad_id=rollout.pad_id)) | stale)
-                    version += 1
-                    # the one backward edge: new weights go back to the rollout engine
-                    if version % rc.train.sync_every == 0:
-                        t_sync += rollout.update_weights(learner.weights(), version)
-            t_learn = time.perf_counter() - t0 - t_sync
-            metrics = mean_metrics(updates) | rstats.as_dict()
-            metrics["buffer/staleness_max"] = max((u["buffer/staleness_max"] for u in updates), default=0.0)
-            metrics |= {f"adv/{k}": float(v) for k, v in adv_stats.items()}
-            n_tok = sum(len(s.response_ids) for s in samples)
-            metrics |= {
-                "reward/mean": float(rewards.mean()),
-                "rollout/response_len": n_tok / len(samples),
-                "rollout/truncated": sum(s.truncated for s in samples) / len(samples),
-                "rollout/tokens_per_s": n_tok / max(t_rollout, 1e-9),
-                "learner/updates": float(len(updates)),
-                "policy/version": float(version),
-                "time/rollout_s": t_rollout,
-                "time/learner_s": t_learn,
-                "time/sync_s": t_sync,
-                "time/reward_s": rstats.verify_s,
-            } | buffer.metrics()
-            metrics |= monitor.observe(metrics, updates)
-            if step == rc.train.steps or (rc.eval.every and step % rc.eval.every == 0):
-                metrics |= run_eval(rc, rollout, verifier, heldout, tok, sets)
-            metrics["time/step_s"] = time.perf_counter() - t_step
-            logger.log(metrics, step=step)
-            bar.write(summary(step, metrics)) if lg.progress else log.info(summary(step, metrics))
-        export_hf(learner.model, tok, rc.run_dir / "export")
+            log.info("checkpoint %s (%.2f s)", path, time.perf_counter() - t0)
+        finally:
+            producer.resume()
+
+    sets = {n: load_evalset(named_set(n, data_dir=rc.eval.data_dir), limit=rc.eval.sets_limit) for n in rc.eval.sets}
+
+    def evaluate_now(step: int) -> dict:
+        """Evaluate the learner's current weights, borrowing the rollout engine from the producer."""
+        producer.pause()
+        try:
+            if rollout.version != version:
+                rollout.update_weights(learner.weights(), version)
+            return run_eval(rc, rollout, verifier, heldout, tok, sets, step)
+        finally:
+            producer.resume()
+
+    metrics = metrics if state is not None else {}
+    consecutive_skips = 0
+    publish(mid_step=False)
+    try:
+        with StopRequested() as stop:
+            if state is None:
+                metrics = {"data/skipped_rows": float(report.skipped)} | evaluate_now(0)
+                logger.log(metrics, step=0)
+            producer.start()
+            bar = tqdm(
+                range(start + 1, rc.train.steps + 1),
+                desc="train",
+                disable=not lg.progress,
+                dynamic_ncols=True,
+                initial=start,
+                total=rc.train.steps,
+            )
+            for step in bar:
+                t_step = time.perf_counter()
+                # 1-2. rollout + reward (the producer: inline, or ahead on its thread) -> 3. advantages -> 4. buffer
+                item, consumer_wait = producer.take()
+                scored, batch_stats = score_batch(item)
+                buffer.put(scored)
+                rows_stats = [batch_stats]
+                if mode == "drop":
+                    while (more := producer.try_take()) is not None:
+                        sc, st = score_batch(more)
+                        buffer.put(sc)
+                        rows_stats.append(st)
+                batch = buffer.get(sizes.samples_per_step, version, horizon=U - 1)
+                while len(batch) < sizes.samples_per_step:  # drop mode: stale groups went; wait for fresh ones
+                    more, w = producer.take()
+                    consumer_wait += w
+                    sc, st = score_batch(more)
+                    buffer.put(sc)
+                    rows_stats.append(st)
+                    batch += buffer.get(sizes.samples_per_step - len(batch), version, horizon=U - 1)
+                # 5. learner: ppo_epochs passes, mini_batches_per_rollout updates each; version += 1 per update
+                t0, updates = time.perf_counter(), []
+                for _ in range(rc.learner.ppo_epochs):
+                    order = list(range(len(batch)))
+                    rng.shuffle(order)
+                    for i in range(0, len(order), sizes.mini_batch_size):
+                        mb = [batch[j] for j in order[i : i + sizes.mini_batch_size]]
+                        stale = buffer.check(mb, version)
+                        row = learner.update(collate(mb, pad_id=rollout.pad_id)) | stale
+                        updates.append(row)
+                        version += 1
+                        publish(mid_step=len(updates) < U)  # the one backward edge: new weights for the producer
+                        finite = math.isfinite(row["learner/grad_norm"]) and math.isfinite(row["learner/loss"])
+                        consecutive_skips = 0 if finite else consecutive_skips + 1
+                        if consecutive_skips >= rc.learner.max_consecutive_skips:
+                            raise TrainingDiverged(
+                                f"{consecutive_skips} optimizer updates in a row had a non-finite loss or gradient "
+                                f"(learner.max_consecutive_skips={rc.learner.max_consecutive_skips}) at step {step}; "
+                                f"the newest checkpoint is in {rc.run_dir / 'checkpoints'}"
+                            )
+                t_learn = time.perf_counter() - t0
+                release()
+                metrics = step_metrics(updates, rows_stats, U)
+                metrics |= {
+                    "learner/updates": float(len(updates)),
+                    "policy/version": float(version),
+                    "time/learner_s": t_learn,
+                    "buffer/consumer_wait_s": consumer_wait,
+                    "buffer/producer_wait_s": producer.take_wait_s(),
+                } | buffer.metrics()
+                for s_ in range(rc.buffer.max_staleness + 1):
+                    metrics.setdefault(f"buffer/staleness_hist/{s_}", 0.0)
+                metrics |= monitor.observe(metrics, updates)
+                if step == rc.train.steps or (rc.eval.every and step % rc.eval.every == 0):
+                    metrics |= evaluate_now(step)
+                metrics["time/step_s"] = time.perf_counter() - t_step
+                logger.log(metrics, step=step)
+                bar.write(summary(step, metrics)) if lg.progress else log.info(summary(step, metrics))
+                due = rc.checkpoint.every and step % rc.checkpoint.every == 0
+                if due or stop or step == rc.train.steps:
+                    save(step)
+                if stop:
+                    log.warning("stopped at step %d; continue with resume=auto hydra.run.dir=%s", step, rc.run_dir)
+                    metrics["stopped_by_signal"] = float(stop.signum)
+                    return metrics
+            export_hf(learner.model, tok, rc.run_dir / "export")
     finally:
+        producer.stop()
+        mailbox.close()
         logger.close()
         verifier.close()
     (rc.run_dir / "final_metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
     return metrics
+
+
+def _rng_tuple(st) -> tuple:
+    return (st[0], tuple(st[1]), st[2])
+
+
+def step_metrics(updates: list[dict], batches: list[dict], updates_per_step: int) -> dict:
+    """One step's row: means over its updates and its rollout batches; maxima and counts where those are meant."""
+    m = mean_metrics(updates) | mean_metrics(batches)
+    m["buffer/staleness_max"] = max((u["buffer/staleness_max"] for u in updates), default=0.0)
+    for k in {k for u in updates for k in u if k.startswith("buffer/staleness_hist/")}:
+        m[k] = float(sum(u.get(k, 0.0) for u in updates))
+    return m
 
 
 def summary(step: int, m: dict) -> str:

@@ -92,3 +92,18 @@ class TrainBatch:
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    """One rollout batch as the producer hands it to the learner: the samples of
+    ``train.prompts_per_step`` prompts, generated at one policy ``version``, with the
+    verifier's verdicts (reward, correct, extracted answer per sample)."""
+
+    index: int  # the training step that consumes it (1-based)
+    version: int
+    samples: tuple[Sample, ...]
+    rewards: tuple[float, ...]
+    correct: tuple[bool, ...]
+    extracted: tuple[str | None, ...]
+    stats: dict  # reward/... counts and time/... of the producer for this batch

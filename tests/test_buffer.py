@@ -28,7 +28,11 @@ def test_stale_groups_are_dropped_and_counted():
 def test_check_enforces_the_bound():
     buf = ReplayBuffer(max_staleness=1, capacity=100)
     s = make(0, 0)
-    assert buf.check(s, 1) == {"buffer/staleness_mean": 1.0, "buffer/staleness_max": 1.0}
+    assert buf.check(s, 1) == {
+        "buffer/staleness_mean": 1.0,
+        "buffer/staleness_max": 1.0,
+        "buffer/staleness_hist/1": 2.0,
+    }
     with pytest.raises(StalenessError, match="max_staleness=1"):
         buf.check(s, 2)
 
