@@ -370,7 +370,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
         sync_every=rc.train.sync_every,
         ahead=max(1, rc.buffer.capacity // sizes.samples_per_step),
         first_batch=start + 1,
-        last_batch=rc.train.steps,
+        last_batch=None if mode == "drop" else rc.train.steps,  # drop: replacements for dropped batches
     )
     for item in [] if state is None else state["pending"]:
         producer.queue.append(item)
@@ -579,6 +579,8 @@ def step_metrics(updates: list[dict], batches: list[dict], updates_per_step: int
     """One step's row: means over its updates and its rollout batches; maxima and counts where those are meant."""
     m = mean_metrics(updates) | mean_metrics(batches)
     m["buffer/staleness_max"] = max((u["buffer/staleness_max"] for u in updates), default=0.0)
+    if updates:
+        m["learner/skipped_updates"] = updates[-1]["learner/skipped_updates"]  # a running count, not a mean
     for k in {k for u in updates for k in u if k.startswith("buffer/staleness_hist/")}:
         m[k] = float(sum(u.get(k, 0.0) for u in updates))
     return m
