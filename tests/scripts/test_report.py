@@ -1,0 +1,199 @@
+"""scripts/report.py on a hand-written sweep folder: the table's numbers, the plots, the crashed runs."""
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load_report():
+    # scripts/ is not a package; load the file itself (a tests/scripts package would shadow it)
+    spec = importlib.util.spec_from_file_location("bapo_report", ROOT / "scripts" / "report.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+report = _load_report()
+STEPS = 8  # eval at steps 0, 4 and 8
+
+
+def write_run(root, algo, mini_batches, seed, *, acc, grad_norm, entropy, step_s, last=STEPS, **extra):
+    """One Hydra job folder; `acc` is eval/accuracy at steps 0, 4, 8; training metrics at steps 1..last."""
+    d = root / f"algo={algo},learner.mini_batches_per_rollout={mini_batches},seed={seed}"
+    (d / ".hydra").mkdir(parents=True)
+    overrides = [f"algo={algo}", f"learner.mini_batches_per_rollout={mini_batches}", f"seed={seed}"]
+    (d / ".hydra" / "overrides.yaml").write_text(json.dumps(overrides))
+    cfg = {
+        "algo": {"name": algo, "bounds": "bapo" if algo == "bapo" else "fixed", "rho0": 0.4},
+        "buffer": {"max_staleness": 4},
+        "learner": {"ppo_epochs": 1, "mini_batches_per_rollout": mini_batches},
+        "train": {"steps": STEPS},
+        "seed": seed,
+    }
+    (d / "config.yaml").write_text(json.dumps(cfg))  # JSON is YAML
+    rows = [{"step": 0, "eval/accuracy": acc[0], "eval/accuracy_greedy": acc[0], "time/eval_s": 12.0}]
+    for step in range(1, last + 1):
+        row = {"step": step, "reward/mean": 0.1 * step, "learner/entropy": entropy[step - 1]}
+        row |= {"learner/grad_norm": grad_norm[step - 1], "time/step_s": step_s}
+        if algo == "bapo":
+            row |= {"bapo/ratio_low": 0.6, "bapo/ratio_high": 1.2 + 0.1 * step, "bapo/rho": 0.4}
+            row |= {"bapo/rho_before": 0.3}
+        if step % 4 == 0:
+            row |= {"eval/accuracy": acc[step // 4], "eval/accuracy_greedy": acc[step // 4] + 0.1}
+        rows.append(row)
+    lines = [json.dumps(r) for r in rows]
+    for line_no, text in extra.get("bad_lines", {}).items():
+        lines.insert(line_no - 1, text)
+    (d / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    if last == STEPS:
+        (d / "final_metrics.json").write_text(json.dumps(rows[-1]))
+    return d
+
+
+ENT = [0.5] * 7
+
+
+@pytest.fixture()
+def sweep(tmp_path):
+    root = tmp_path / "multirun" / "ablation"
+    # grpo, staleness 0: two complete seeds and one crash at step 5 (traceback in train.log, no checkpoint)
+    write_run(
+        root, "grpo", 1, 1, acc=[0.2, 0.5, 0.4], grad_norm=[1, 1, 1, 1, 1, 10, 1, 1], entropy=ENT + [0.3], step_s=6.0
+    )
+    write_run(
+        root, "grpo", 1, 2, acc=[0.2, 0.3, 0.6], grad_norm=[1, 2, 1, 2, 1, 2, 7, 9], entropy=ENT + [0.5], step_s=13.5
+    )
+    crashed = write_run(root, "grpo", 1, 3, acc=[0.2, 0.9], grad_norm=[1] * 5, entropy=ENT, step_s=6.0, last=5)
+    (crashed / "train.log").write_text(
+        'step 5 ...\nTraceback (most recent call last):\n  File "x.py", line 1\n    f()\nRuntimeError: boom\n'
+    )
+    # bapo, staleness 2: two complete seeds, one with a malformed line and an empty line; one interrupted
+    write_run(root, "bapo", 3, 1, acc=[0.2, 0.7, 0.8], grad_norm=[1] * 8, entropy=ENT + [0.4], step_s=6.0)
+    bad = {4: '{"step": 3, "reward/mean": 0.', 6: ""}
+    write_run(
+        root, "bapo", 3, 2, acc=[0.2, 0.9, 0.6], grad_norm=[1] * 8, entropy=ENT + [0.4], step_s=6.0, bad_lines=bad
+    )
+    resumable = write_run(root, "bapo", 3, 3, acc=[0.2], grad_norm=[1] * 3, entropy=ENT, step_s=6.0, last=3)
+    (resumable / "checkpoints").mkdir()
+    # clip_higher, staleness 4: died before logging anything (Hydra's own config only)
+    d = root / "algo=clip_higher,learner.mini_batches_per_rollout=5,seed=1" / ".hydra"
+    d.mkdir(parents=True)
+    cfg = {"algo": {"name": "clip_higher"}, "learner": {"mini_batches_per_rollout": 5}, "train": {"steps": STEPS}}
+    (d / "config.yaml").write_text(json.dumps(cfg | {"seed": 1}))
+    (root / "multirun.yaml").write_text("hydra: {}\n")
+    # an eval.py folder (no train key, no metrics) is not a training run
+    (root / "eval" / ".hydra").mkdir(parents=True)
+    (root / "eval" / ".hydra" / "config.yaml").write_text(json.dumps({"checkpoint": None, "k": 4}))
+    return root
+
+
+def table(md: str, heading: str) -> list[dict]:
+    """The Markdown table under `## heading`, as one dict per row."""
+    section = md.split(f"## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    rows = [
+        [c.strip() for c in line.strip().strip("|").split(" | ")]
+        for line in section.splitlines()
+        if line.startswith("|")
+    ]
+    return [dict(zip(rows[0], r, strict=True)) for r in rows[2:]]
+
+
+def test_report_table_plots_and_crashes(sweep, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert report.main([str(sweep), "--out", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    rows = {(r["algo"], r["staleness"]): r for r in table(md, "Results")}
+    assert list(rows) == [("grpo", "0"), ("bapo", "2"), ("clip_higher", "4")]  # sorted by staleness
+
+    grpo = rows[("grpo", "0")]
+    # final acc 0.4, 0.6: mean 0.5, sample std sqrt((0.1^2 + 0.1^2) / 1) = 0.1414
+    assert grpo["final acc"] == "0.500 ± 0.141"
+    # best 0.5, 0.6: mean 0.55, std sqrt(2 * 0.05^2) = 0.0707
+    assert grpo["best acc"] == "0.550 ± 0.071"
+    assert grpo["final greedy acc"] == "0.600 ± 0.141"  # greedy = acc + 0.1 at steps 4 and 8
+    assert grpo["entropy (end)"] == "0.400 ± 0.141"  # 0.3 and 0.5
+    # seed 1: step 6's 10 > 3 x median(1,1,1,1,1) -> 1 spike.
+    # seed 2: step 7's 7 > 3 x median(1,2,1,2,1,2) = 4.5 and step 8's 9 > 3 x median(..., 7) = 6 -> 2 spikes;
+    # step 6's 2 is not > 3 x median(1,2,1,2,1) = 3. Mean 1.5, std 0.707.
+    assert grpo["grad-norm spikes"] == "1.5 ± 0.7"
+    # wall: 12 s (step 0 eval) + 8 x 6 s = 60 s = 1 min; 12 + 8 x 13.5 = 120 s = 2 min
+    assert grpo["wall time (min)"] == "1.5 ± 0.7"
+    assert (grpo["seeds"], grpo["incomplete"], grpo["max_staleness"]) == ("2", "1", "4")
+
+    bapo = rows[("bapo", "2")]
+    assert bapo["final acc"] == "0.700 ± 0.141"  # 0.8 and 0.6; the interrupted seed (0.2) is left out
+    assert bapo["best acc"] == "0.850 ± 0.071"  # 0.8 and 0.9
+    assert bapo["grad-norm spikes"] == "0.0 ± 0.0"
+    assert (bapo["seeds"], bapo["incomplete"]) == ("2", "1")
+
+    clip = rows[("clip_higher", "4")]
+    assert (clip["final acc"], clip["seeds"], clip["incomplete"], clip["max_staleness"]) == ("—", "0", "1", "?")
+
+    incomplete = {r["algo"]: r for r in table(md, "Incomplete runs")}
+    assert set(incomplete) == {"grpo", "bapo", "clip_higher"} and "7 runs, 4 complete, 3 incomplete" in md
+    assert incomplete["grpo"]["status"] == "incomplete at step 5 of 8; no checkpoint; train.log: RuntimeError: boom"
+    assert incomplete["grpo"]["seed"] == "3"
+    assert incomplete["bapo"]["status"] == "incomplete at step 3 of 8; resumable (checkpoints/)"
+    assert incomplete["clip_higher"]["status"] == "no metrics logged (of 8); no checkpoint"
+    assert "`algo=bapo,learner.mini_batches_per_rollout=3,seed=3`" == incomplete["bapo"]["run"]
+
+    metrics = sweep / "algo=bapo,learner.mini_batches_per_rollout=3,seed=2" / "metrics.jsonl"
+    assert f"`{metrics}:4: unparseable JSON (" in md
+    assert f"`{metrics}:6: empty line`" in md
+    assert f"{metrics}:4: unparseable JSON" in capsys.readouterr().err
+
+    names = ["curves_eval_accuracy", "curves_reward_mean", "curves_learner_entropy", "curves_learner_grad_norm"]
+    for name in [*names, "bapo_bounds", "bapo_rho"]:
+        png = out / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+        assert f"]({name}.png)" in md
+
+
+def test_default_out_is_inside_the_sweep_and_rerun_is_stable(sweep):
+    assert report.main([str(sweep)]) == 0
+    first = (sweep / "report" / "report.md").read_text()
+    assert report.main([str(sweep)]) == 0  # the report folder is not mistaken for a run
+    assert (sweep / "report" / "report.md").read_text() == first
+
+
+def test_empty_folder_fails(tmp_path):
+    assert report.main([str(tmp_path)]) == 1
+
+
+def test_staleness_of():
+    learner = {"ppo_epochs": 2, "mini_batches_per_rollout": 3}
+    assert report.staleness_of({"learner": learner, "buffer": {"max_staleness": 9}}) == 5
+    assert report.staleness_of({"learner": {"mini_batches_per_rollout": 3}}) == 2  # ppo_epochs defaults to 1
+    assert report.staleness_of({"train": {"async": True}, "learner": learner, "buffer": {"max_staleness": 4}}) == 4
+    assert report.staleness_of({"train": {"async": False}, "learner": learner}) == 5
+    assert report.staleness_of({}) is None
+    assert report.staleness_of({"learner": {"mini_batches_per_rollout": "${x}"}}) is None
+
+
+def test_count_spikes():
+    assert report.count_spikes([1, 100, 1, 1, 1, 1]) == 0  # too little history at step 2
+    assert report.count_spikes([1, 1, 1, 1, 1, 3.01, 3.0]) == 1  # strictly above 3 x median 1
+    assert report.count_spikes([1, 1, math.nan, 1, 1, 1, 4]) == 1  # NaN neither counts nor joins the history
+
+
+def test_repeated_steps_merge_later_wins(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": 1, "a": 1.0, "b": 2.0}, {"step": 2, "a": 5.0}, {"step": 1, "a": 3.0}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + '\n{"a": 1}\n')
+    steps, problems = report.parse_metrics(path)
+    assert steps == {1: {"a": 3.0, "b": 2.0}, 2: {"a": 5.0}}
+    assert problems == [f"{path}:4: no integer 'step'"]
+
+
+def test_label_keeps_algo_overrides(tmp_path):
+    (tmp_path / ".hydra").mkdir()
+    overrides = ["algo=bapo", "algo.contribution=gradient", "seed=2"]
+    (tmp_path / ".hydra" / "overrides.yaml").write_text(json.dumps(overrides))
+    assert report.label_of(tmp_path, {"algo": {"name": "bapo"}}) == "bapo[contribution=gradient]"
