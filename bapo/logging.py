@@ -1,6 +1,7 @@
 """Metrics sinks: ``metrics.jsonl`` in the run folder (always) and wandb (optional,
 offline unless configured otherwise). Each line of ``metrics.jsonl`` is one JSON
-object with a ``step`` key, flushed as soon as it is written."""
+object with a ``step`` key, flushed as soon as it is written. A resumed run passes
+its wandb ``run_id`` so its steps continue the same wandb run."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ class MetricsLogger:
         tags: list[str] | None = None,
         name: str | None = None,
         config: dict | None = None,
+        run_id: str | None = None,
     ):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -47,6 +49,8 @@ class MetricsLogger:
                 dir=str(run_dir),
                 config=config,
                 reinit="finish_previous",
+                id=run_id,
+                resume="allow" if run_id else None,
             )
 
     def log(self, metrics: dict[str, Any], step: int) -> None:

@@ -25,6 +25,7 @@ import signal
 import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -264,6 +265,15 @@ def find_resume(rc: RunConfig) -> Path | None:
     return found
 
 
+def last_logged_step(run_dir: Path) -> int:
+    f = run_dir / "metrics.jsonl"
+    lines = f.read_text().splitlines() if f.is_file() else []
+    try:
+        return int(json.loads(lines[-1])["step"]) if lines else -1
+    except (json.JSONDecodeError, KeyError):
+        return -1
+
+
 def restore_metrics(run_dir: Path, source_run: Path, step: int) -> None:
     """metrics.jsonl up to ``step`` (lines a killed run wrote after its checkpoint are dropped), atomically."""
     src = source_run / "metrics.jsonl"
@@ -286,9 +296,10 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
     rc = build(cfg, run_dir)
     rc.run_dir.mkdir(parents=True, exist_ok=True)
     final = rc.run_dir / "final_metrics.json"
-    if rc.resume == "auto" and final.is_file():
-        log.info("%s is complete (final_metrics.json exists): nothing to do", rc.run_dir)
+    if rc.resume == "auto" and final.is_file() and last_logged_step(rc.run_dir) >= rc.train.steps:
+        log.info("%s is complete (final_metrics.json, step %d): nothing to do", rc.run_dir, rc.train.steps)
         return json.loads(final.read_text())
+    final.unlink(missing_ok=True)  # written again when this run completes
     resume_from = find_resume(rc)
     (rc.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     seed_everything(rc.seed)
@@ -324,6 +335,9 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
         (rc.run_dir / "metrics.jsonl").unlink()  # a fresh start owns its run folder's metrics
 
     lg = rc.logger
+    id_file = rc.run_dir / "wandb_id.txt"  # one wandb run across resumes
+    if state is None or not id_file.is_file():
+        id_file.write_text(uuid.uuid4().hex[:16])
     logger = MetricsLogger(
         rc.run_dir,
         wandb=lg.wandb,
@@ -333,6 +347,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
         tags=list(lg.tags),
         name=rc.run_dir.name,
         config=OmegaConf.to_container(cfg, resolve=True),
+        run_id=id_file.read_text().strip(),
     )
 
     def make_batch(t: int, v: int, weights: dict) -> RolloutBatch:

@@ -167,3 +167,12 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     assert not (tmp_path / "final_metrics.json").exists()
     state = checkpoint.load(saved[-1][1])  # weights_only=True
     assert state["step"] == last and state["version"] == 2 * last
+
+
+def test_resume_auto_extends_a_finished_run_to_more_steps(tmp_path):
+    run(_cfg(["train.steps=1", "eval.every=0"]), tmp_path)
+    run(_cfg(["train.steps=2", "eval.every=0", "resume=auto"]), tmp_path)
+    assert [r["step"] for r in rows(tmp_path)] == [0, 1, 2]
+    assert json.loads((tmp_path / "final_metrics.json").read_text())["policy/version"] == 4
+    with pytest.raises(Exception, match="resume: no complete checkpoint"):
+        run(_cfg(["train.steps=1", f"resume={tmp_path / 'nowhere'}"]), tmp_path / "other")
