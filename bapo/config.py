@@ -263,12 +263,15 @@ class LearnerConfig:
     max_tokens_per_micro_batch: int | None = MISSING  # token budget per micro-batch (packed); null: by rows
     activation_checkpointing: bool = MISSING
     cpu_offload: bool = MISSING
+    packing: bool = MISSING  # concatenate sequences (restarting position ids): no padding in the learner
+    mixed_precision: str = MISSING  # auto (bf16 params + fp32 reduce on GPU, fp32 on CPU) | bf16 | fp32
     old_logp: str = MISSING  # rollout: the engine's recorded log-probs | recompute: the learner's, same version
     max_consecutive_skips: int = MISSING  # stop after this many non-finite updates in a row
 
     def __post_init__(self) -> None:
         _choice(self.kind, "learner.kind", ("single", "fsdp"))
         _choice(self.old_logp, "learner.old_logp", ("rollout", "recompute"))
+        _choice(self.mixed_precision, "learner.mixed_precision", ("auto", "bf16", "fp32"))
         _require(self.max_consecutive_skips >= 1, "learner.max_consecutive_skips", "must be >= 1")
         _require(self.lr > 0, "learner.lr", f"must be > 0, got {self.lr}")
         _require(

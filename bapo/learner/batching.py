@@ -1,8 +1,14 @@
-"""Turning scored samples into padded learner tensors, and splitting them."""
+"""Turning scored samples into padded learner tensors; micro-batches by rows or by token budget; packing.
+
+Packing removes padding from the forward pass only: the loss still sees [B, L-1]
+tensors aligned with the padded batch's mask (``unpack``), so every aggregation mode
+(including the per-sequence ones) is computed exactly as without packing.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -49,24 +55,107 @@ def collate(samples: Sequence[ScoredSample | Sample], *, pad_id: int) -> TrainBa
     return TrainBatch(input_ids, attention_mask, mask, old_logp, adv, versions, extras)
 
 
+def take_rows(batch: TrainBatch, start: int, stop: int) -> TrainBatch:
+    """Rows ``start:stop`` of a right-padded batch, trimmed to their own longest row."""
+    am = batch.attention_mask[start:stop]
+    L = int(am.sum(1).max().item())
+    return TrainBatch(
+        input_ids=batch.input_ids[start:stop, :L],
+        attention_mask=am[:, :L],
+        mask=batch.mask[start:stop, : L - 1],
+        old_logp=batch.old_logp[start:stop, : L - 1],
+        adv=batch.adv[start:stop, : L - 1],
+        versions=batch.versions[start:stop],
+        extras={k: v[start:stop, : L - 1] for k, v in batch.extras.items()},
+    )
+
+
 def split(batch: TrainBatch, size: int) -> list[TrainBatch]:
     """Micro-batches of at most ``size`` rows, each trimmed to its own longest row."""
-    out = []
-    for i in range(0, len(batch), size):
-        am = batch.attention_mask[i : i + size]
-        L = int(am.sum(1).max().item())
-        out.append(
-            TrainBatch(
-                input_ids=batch.input_ids[i : i + size, :L],
-                attention_mask=am[:, :L],
-                mask=batch.mask[i : i + size, : L - 1],
-                old_logp=batch.old_logp[i : i + size, : L - 1],
-                adv=batch.adv[i : i + size, : L - 1],
-                versions=batch.versions[i : i + size],
-                extras={k: v[i : i + size, : L - 1] for k, v in batch.extras.items()},
-            )
-        )
-    return out
+    return [take_rows(batch, i, i + size) for i in range(0, len(batch), size)]
+
+
+def split_by_tokens(batch: TrainBatch, max_tokens: int, *, packed: bool) -> list[TrainBatch]:
+    """Dynamic micro-batches: consecutive rows, as many as fit in a budget of ``max_tokens``.
+
+    The cost of a micro-batch is what the forward pass sees: its real tokens when
+    ``packed``, rows x longest row when padded. A row longer than the budget on its own
+    makes a micro-batch by itself (the budget is then exceeded, never a row cut).
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    lengths = batch.attention_mask.sum(1).tolist()
+    bounds, start, longest, total = [], 0, 0, 0
+    for i, n in enumerate(lengths):
+        longest, total = max(longest, n), total + n
+        cost = total if packed else longest * (i - start + 1)
+        if i > start and cost > max_tokens:
+            bounds.append((start, i))
+            start, longest, total = i, n, n
+    bounds.append((start, len(lengths)))
+    return [take_rows(batch, a, b) for a, b in bounds]
+
+
+def without_tokens(batch: TrainBatch) -> TrainBatch:
+    """The first row of ``batch`` with no response token: a micro-batch that adds exactly 0 to the loss.
+
+    Data-parallel ranks must run the same number of forward/backward passes (FSDP's
+    collectives are per pass); a rank with fewer micro-batches runs these.
+    """
+    one = take_rows(batch, 0, 1)
+    zero = torch.zeros_like(one.mask)
+    return TrainBatch(one.input_ids, one.attention_mask, zero, one.old_logp, zero, one.versions, dict(one.extras))
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A micro-batch's response-bearing rows concatenated into one row, without padding.
+
+    ``position_ids`` restart at 0 for each sequence. With no attention mask, HF's
+    Llama / Qwen2 attention reads the restarts as sequence boundaries: sdpa and eager
+    get a block-diagonal causal mask, flash-attention a varlen call (``cu_seqlens``).
+    ``keep`` are the positions whose logits predict a response token (the only
+    logits computed), ``targets`` the tokens they predict, in the row-major order of
+    the padded batch's ``mask``.
+    """
+
+    input_ids: torch.Tensor  # [1, N] long
+    position_ids: torch.Tensor  # [1, N] long
+    keep: torch.Tensor  # [K] long, K = response tokens
+    targets: torch.Tensor  # [K] long
+    cu_seqlens: torch.Tensor  # [S + 1] int32 sequence starts in the packed row, then N
+    max_seqlen: int
+
+
+def pack(mb: TrainBatch) -> Packed:
+    """Pack a right-padded micro-batch (rows without a response token are dropped, unless all are)."""
+    am = mb.attention_mask.bool()  # [B, L]
+    lengths = am.sum(1)  # [B]
+    if not torch.equal(am, torch.arange(am.shape[1]) < lengths[:, None]):
+        raise ValueError("pack needs right-padded rows (attention_mask = 1...1 0...0)")
+    m = mb.mask.bool()  # [B, L-1]
+    used = m.any(1)  # [B]
+    if not used.any():  # no response token at all: keep one row, so the forward still runs
+        used = torch.arange(len(mb)) == 0
+    lengths = torch.where(used, lengths, torch.zeros_like(lengths))  # [B]
+    offsets = lengths.cumsum(0) - lengths  # [B] start of each row in the packed row
+    tok = am & used[:, None]  # [B, L]
+    b, t = m.nonzero(as_tuple=True)  # [K], [K] row-major, like m-indexing
+    seq = lengths[used]  # [S]
+    return Packed(
+        input_ids=mb.input_ids[tok].unsqueeze(0),
+        position_ids=(am.cumsum(1) - 1)[tok].unsqueeze(0),
+        keep=offsets[b] + t,
+        targets=mb.input_ids[b, t + 1],
+        cu_seqlens=torch.cat([seq.new_zeros(1), seq.cumsum(0)]).to(torch.int32),
+        max_seqlen=int(seq.max()),
+    )
+
+
+def unpack(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[K] per-response-token values (``Packed.keep`` order) -> [B, L-1] aligned with ``mask``; 0 elsewhere."""
+    out = values.new_zeros(mask.shape)  # [B, L-1]
+    return out.masked_scatter(mask.bool().to(values.device), values)
 
 
 def response_rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Single-process learner: micro-batching, gradient accumulation, clipping, AdamW.
+"""The policy learner (one process, or one FSDP rank): micro-batching, gradient accumulation, clipping, AdamW.
 
 The learner holds no RL math. It runs an :class:`bapo.algos.Objective` (a
 parameter chooser and a loss: BAPO's search or fixed bounds feeding the clipped
@@ -21,6 +21,17 @@ applied update.
 Losses are normalised by mini-batch totals (tokens, sequences), so gradient
 accumulation over micro-batches equals one pass over the whole mini-batch.
 An update whose gradient norm is not finite is skipped and counted, never applied.
+
+Micro-batches hold ``micro_batch_size`` rows, or with ``max_tokens_per_micro_batch``
+as many rows as fit in that many tokens. ``packing`` concatenates each micro-batch's
+sequences into one row for the forward pass (``bapo.learner.batching.pack``); the
+loss still sees padded [B, L-1] tensors, so neither choice changes it.
+
+Data parallel (FSDP2, ``bapo.learner.fsdp``): every rank gets its shard of the
+mini-batch. With ``reduce_sum`` the normalisers are the totals over all ranks, so a
+rank's loss is its share of the global loss and the ranks' gradients must be
+*summed* (``fsdp.wrap`` makes FSDP sum them); the logged stats are summed the same
+way. ``reduce_max`` lets the ranks agree on a number of micro-batches.
 """
 
 from __future__ import annotations
@@ -32,12 +43,15 @@ import torch
 import torch.nn.functional as F
 
 from bapo.algos import Objective, entropy_from_logits, importance_ratio, token_logp
-from bapo.learner.batching import response_rows, split
+from bapo.learner.batching import pack, response_rows, split, split_by_tokens, unpack, without_tokens
 from bapo.learner.critic import Critic
 from bapo.types import TrainBatch
 
 # Names of the chooser's stats in the metrics (the rest keep their own name).
 STAT_NAMES = {"rho_after": "rho", "rho_before": "rho_before", "steps": "search_steps"}
+# Loss stats that are a micro-batch's share of the mini-batch's value (mini-batch normalisers) or a count:
+# summed over micro-batches. The others are means over the call's own tokens: token-weighted.
+ADDITIVE_STATS = ("pg_loss", "tokens")
 
 
 class Learner:
@@ -59,6 +73,9 @@ class Learner:
         critic: Critic | None = None,
         ref_model: torch.nn.Module | None = None,
         reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        packing: bool = False,
+        max_tokens_per_micro_batch: int | None = None,
     ):
         if scope not in ("mini_batch", "micro_batch"):
             raise ValueError(f"scope must be 'mini_batch' or 'micro_batch', got {scope!r}")
@@ -74,6 +91,9 @@ class Learner:
         self.critic = critic
         self.ref_model = None if ref_model is None else ref_model.eval().requires_grad_(False)
         self.reduce_sum = reduce_sum
+        self.reduce_max = reduce_max
+        self.packing = packing
+        self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=lr, betas=tuple(betas), weight_decay=weight_decay, eps=eps
         )
@@ -87,18 +107,58 @@ class Learner:
         return self.model.state_dict()
 
     def _forward(self, model: torch.nn.Module, mb: TrainBatch, entropy: bool = True):
+        """(logp [B, L-1], entropy [B, L-1] or None) of a right-padded micro-batch, aligned with ``mb.mask``.
+
+        With packing the model sees one padding-free row and computes logits only where
+        they predict a response token; both outputs are then 0 outside ``mb.mask``.
+        """
+        if self.packing:
+            pk = pack(mb)
+            kw = {}
+            if "flash" in str(getattr(model.config, "_attn_implementation", "")):  # varlen bounds, no per-layer sync
+                cu = pk.cu_seqlens.to(self.device)
+                kw = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=pk.max_seqlen, max_length_k=pk.max_seqlen)
+            logits = model(
+                input_ids=pk.input_ids.to(self.device),
+                position_ids=pk.position_ids.to(self.device),
+                logits_to_keep=pk.keep.to(self.device),
+                use_cache=False,  # with a cache HF ignores the position-id restarts: sequences would see each other
+                **kw,
+            ).logits[0]  # [K, V]
+            # outputs' device, not self.device: with FSDP's CPU offload the parameters live on the CPU
+            logp, ent = self._logp_entropy(logits, pk.targets.to(logits.device), entropy)  # [K], [K]
+            mask = mb.mask.to(logits.device)
+            return unpack(logp, mask), None if ent is None else unpack(ent, mask)
         ids = mb.input_ids.to(self.device)
-        logits = model(input_ids=ids, attention_mask=mb.attention_mask.to(self.device)).logits
-        logits = logits[:, :-1]
+        logits = model(input_ids=ids, attention_mask=mb.attention_mask.to(self.device), use_cache=False).logits
+        return self._logp_entropy(logits[:, :-1], ids[:, 1:].to(logits.device), entropy)  # [B, L-1] each
+
+    def _logp_entropy(self, logits: torch.Tensor, targets: torch.Tensor, entropy: bool):
         if logits.dtype in (torch.bfloat16, torch.float16):
             logits = logits.float()  # log-softmax in fp32 at least
-        logits = logits / self.temperature  # [B, L-1, V]
-        logp = token_logp(logits, ids[:, 1:])  # [B, L-1]
+        logits = logits / self.temperature  # [..., V]
+        logp = token_logp(logits, targets)  # [...]
         if not entropy:
             return logp, None
         with torch.set_grad_enabled(self.objective.loss_kw["entropy_coef"] != 0 and torch.is_grad_enabled()):
-            ent = entropy_from_logits(logits)  # [B, L-1]
+            ent = entropy_from_logits(logits)  # [...]
         return logp, ent
+
+    def micro_batches(self, batch: TrainBatch, *, sync: bool = True) -> list[TrainBatch]:
+        """The micro-batches of ``batch``: by token budget when set, else by ``micro_batch_size`` rows.
+
+        ``sync`` (with ``reduce_max``): ranks agree on the count, and a rank with fewer
+        micro-batches adds ones without response tokens (they add 0 to loss and gradients),
+        since FSDP's collectives need the same number of passes on every rank.
+        """
+        if self.max_tokens_per_micro_batch:
+            micro = split_by_tokens(batch, self.max_tokens_per_micro_batch, packed=self.packing)
+        else:
+            micro = split(batch, self.micro_batch_size)
+        if sync and self.reduce_max is not None:
+            count = int(self.reduce_max(torch.tensor([len(micro)], dtype=torch.float64)).item())
+            micro += [without_tokens(batch) for _ in range(count - len(micro))]
+        return micro
 
     @torch.no_grad()
     def _ref_logp(self, mb: TrainBatch) -> torch.Tensor | None:
@@ -113,9 +173,16 @@ class Learner:
         """
         if self.critic is None:
             return None
-        rows = [response_rows(self.critic.values(mb), mb.mask) for mb in split(batch, self.micro_batch_size)]
+        rows = [response_rows(self.critic.values(mb), mb.mask) for mb in self.micro_batches(batch, sync=False)]
         width = max(r.shape[1] for r in rows)
         return torch.cat([F.pad(r, (0, width - r.shape[1])) for r in rows])  # [B, T]
+
+    def _reduced(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over ranks through ``reduce_sum`` (which may reduce in place and return None)."""
+        if self.reduce_sum is None:
+            return t
+        out = self.reduce_sum(t)
+        return t if out is None else out
 
     @staticmethod
     def _flat(parts: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
@@ -149,12 +216,10 @@ class Learner:
 
     def accumulate(self, batch: TrainBatch) -> dict[str, float]:
         """Forward and backward over the micro-batches of one mini-batch; gradients accumulate."""
-        micro = split(batch, self.micro_batch_size)
-        totals = dict(
-            num_tokens=float(batch.mask.sum()),
-            num_seqs=float((batch.mask.sum(1) > 0).sum()),
-            max_len=self.max_response_len,
-        )
+        micro = self.micro_batches(batch)
+        local = torch.tensor([batch.mask.sum(), (batch.mask.sum(1) > 0).sum()], dtype=torch.float64)
+        num_tokens, num_seqs = self._reduced(local).tolist()  # over all ranks: the loss's normalisers are global
+        totals = dict(num_tokens=num_tokens, num_seqs=num_seqs, max_len=self.max_response_len)
         chosen = None
         if self.prepass:
             with torch.no_grad():
@@ -169,7 +234,7 @@ class Learner:
         seen, per_micro = [], []
         for mb in micro:
             logp, ent = self._forward(self.model, mb)
-            old, adv, mask = (t.to(self.device) for t in (mb.old_logp, mb.adv, mb.mask))
+            old, adv, mask = (t.to(logp.device) for t in (mb.old_logp, mb.adv, mb.mask))
             ratio = importance_ratio(logp.detach(), old)  # [B, L-1]
             seen.append((ratio.cpu(), mb.adv, mb.mask, mb.old_logp))
             params, cstats = chosen if chosen is not None else self._choose([seen[-1]])
@@ -190,9 +255,13 @@ class Learner:
                 self.critic.backward(mb, totals)
             w = mb.num_tokens / max(totals["num_tokens"], 1.0)
             for k, v in st.items():
-                stats[k] = stats.get(k, 0.0) + w * float(v)
+                stats[k] = stats.get(k, 0.0) + (1.0 if k in ADDITIVE_STATS else w) * float(v)
             stats["loss"] = stats.get("loss", 0.0) + float(loss.detach())
 
+        if self.reduce_sum is not None:  # each rank holds its share of the token-weighted means and of the loss
+            keys = sorted(stats)
+            summed = self._reduced(torch.tensor([stats[k] for k in keys], dtype=torch.float64)).tolist()
+            stats = dict(zip(keys, summed, strict=True))
         logged, self._update_stats = self._choice_stats(chosen, per_micro, seen)
         out = {f"learner/{k}": v for k, v in stats.items()}
         out.update({f"{self.objective.prefix}/{STAT_NAMES.get(k, k)}": float(v) for k, v in logged.items()})

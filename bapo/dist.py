@@ -1,0 +1,148 @@
+"""torch.distributed for the learner under torchrun: process group, rank helpers, plain-function collectives.
+
+``torchrun`` sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and the rendezvous address;
+:func:`init` joins the group from them (NCCL when CUDA is there, else gloo). Without
+torchrun every helper degrades to one process: rank 0 of 1, and the collectives
+return their input unchanged, so the same code runs in a plain ``python train.py``.
+
+The collectives are plain functions of tensors or objects, so they can be handed
+to code that must not know about process groups (``Learner(reduce_sum=...)``, the
+bound search in ``bapo.algos``). They accept tensors on any device: under NCCL the
+data goes through this rank's GPU and comes back to where it was.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+
+def launched() -> bool:
+    """True under torchrun (or any launcher that sets WORLD_SIZE)."""
+    return "WORLD_SIZE" in os.environ
+
+
+def active() -> bool:
+    """True when a process group with more than one rank is initialised."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def init(backend: str = "auto", timeout_s: float = 1800.0) -> torch.device:
+    """Join torchrun's process group (once) and return this rank's device.
+
+    ``backend="auto"``: NCCL when CUDA is available (one GPU per local rank), else gloo
+    on CPU. Without torchrun nothing is initialised and the device is cuda:0 or cpu.
+    """
+    cuda = torch.cuda.is_available() and backend != "gloo"
+    device = torch.device("cuda", local_rank()) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if not launched() or (dist.is_available() and dist.is_initialized()):
+        return device
+    if backend == "auto":
+        backend = "nccl" if cuda else "gloo"
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"backend must be 'auto', 'nccl' or 'gloo', got {backend!r}")
+    dist.init_process_group(
+        backend,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device if backend == "nccl" else None,
+    )
+    return device
+
+
+def teardown() -> None:
+    """Leave the process group (a no-op when none was initialised)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    if active():
+        dist.barrier()
+
+
+def _comm_device() -> torch.device:
+    # NCCL moves only CUDA tensors; gloo only CPU ones (for our purposes).
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _all_reduce(t: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:
+    if not active():
+        return t
+    x = t.detach().to(_comm_device(), copy=True)
+    dist.all_reduce(x, op=op)
+    return x.to(t.device)
+
+
+def reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """The element-wise sum of ``t`` over all ranks (a new tensor on ``t``'s device; ``t`` itself unchanged).
+
+    The ``reduce_sum`` hook of ``Learner`` and of the bound search.
+    """
+    return _all_reduce(t, dist.ReduceOp.SUM)
+
+
+def reduce_max(t: torch.Tensor) -> torch.Tensor:
+    """The element-wise max of ``t`` over all ranks (e.g. agreeing on a number of micro-batches)."""
+    return _all_reduce(t, dist.ReduceOp.MAX)
+
+
+def broadcast_object(obj: T, src: int = 0) -> T:
+    """``src``'s picklable ``obj`` on every rank (each rank passes something; only src's counts)."""
+    if not active():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, device=_comm_device())
+    return box[0]
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's picklable ``obj``, as a list in rank order, on every rank."""
+    if not active():
+        return [obj]
+    out: list[Any] = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def shard(items: Sequence[T], rank_: int | None = None, world: int | None = None) -> list[T]:
+    """This rank's share of ``items``: every ``world``-th item from position ``rank`` on.
+
+    Deterministic and a partition (the shards of all ranks together are ``items``, each once),
+    with sizes that differ by at most one. Raises when some rank would get nothing, since a
+    rank with no sample cannot take part in the update's collectives.
+    """
+    r = rank() if rank_ is None else rank_
+    w = world_size() if world is None else world
+    if not 0 <= r < w:
+        raise ValueError(f"rank {r} is not in [0, {w})")
+    if len(items) < w:
+        raise ValueError(f"{len(items)} samples cannot be sharded over {w} ranks: every rank needs at least one")
+    return list(items[r::w])

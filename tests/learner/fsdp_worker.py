@@ -1,0 +1,119 @@
+"""Run under torchrun by tests/learner/test_fsdp.py (and importable for its single-process reference).
+
+Each rank takes its shard of one global mini-batch, runs one FSDP2 update with the real
+BAPO objective and writes what the test compares to ``$OUT/rank{r}.pt``: the full
+gradients before the step, the chosen bounds, the metrics, the post-step weights, the
+weights after a further step taken straight on and after a DCP save/load round trip,
+and the gradients with activation checkpointing and CPU offload on. Rank 0 also
+exports an HF folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from bapo import dist
+from bapo.algos import surrogate_objective, token_logp
+from bapo.learner import Learner, collate
+from bapo.modeling import load_model
+from bapo.types import Problem, Prompt, Sample, ScoredSample
+
+TINY = Path(__file__).resolve().parents[2] / "assets" / "tiny-math"
+LEARNER_KW = dict(lr=1e-3, micro_batch_size=3, max_response_len=40)
+
+
+def objective():
+    """BAPO with its search on (paper defaults), plus entropy and the real aggregation."""
+    return surrogate_objective("bapo", agg="seq-mean-token-mean", entropy_coef=0.01)
+
+
+@torch.no_grad()
+def samples(model, n: int = 11, seed: int = 0, adv_shift: float = 0.0, noise: float = 1.2) -> list[ScoredSample]:
+    """Variable-length responses sampled from ``model``, behaviour log-probs of a perturbed policy
+    (so ratios != 1), advantages mostly negative (so BAPO's search has to move the bounds)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        p, r = int(torch.randint(3, 12, (1,), generator=g)), int(torch.randint(1, 40, (1,), generator=g))
+        ids = torch.randint(3, 340, (1, p), generator=g)
+        for _ in range(r):
+            probs = torch.softmax(model(input_ids=ids).logits[0, -1].double(), -1)
+            ids = torch.cat([ids, torch.multinomial(probs, 1, generator=g)[None]], 1)
+        lp = token_logp(model(input_ids=ids).logits[:, :-1].double(), ids[:, 1:])[0, p - 1 :]
+        lp = lp + noise * torch.randn(lp.shape, generator=g, dtype=lp.dtype)
+        prompt_ids = tuple(ids[0, :p].tolist())
+        prompt = Prompt(Problem(str(i), "p", "1"), "p", prompt_ids)
+        s = Sample(prompt, i // 4, tuple(ids[0, p:].tolist()), tuple(lp.tolist()), "t", 0, False)
+        out.append(ScoredSample(s, 0.0, float(torch.randn(1, generator=g)) + adv_shift, False))
+    return out
+
+
+def full_grads(model) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, p in model.named_parameters():
+        g = p.grad
+        out[k] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().cpu().clone()
+    return out
+
+
+def main(out_dir: str, packing: bool, max_tokens: int | None, dtype: str) -> None:
+    from bapo.learner import fsdp
+
+    device = dist.init("gloo")
+    out = Path(out_dir)
+    model = load_model(str(TINY)).to(getattr(torch, dtype))
+    data = torch.load(out / "samples.pt", weights_only=False)  # written by the test: the same on every rank
+    model = fsdp.wrap(model, device=device)
+
+    def learner(m=model):
+        kw = dict(LEARNER_KW, packing=packing, max_tokens_per_micro_batch=max_tokens)
+        return Learner(m, objective=objective(), reduce_sum=dist.reduce_sum, reduce_max=dist.reduce_max, **kw)
+
+    mine = collate(dist.shard(data), pad_id=0)
+    lrn = learner()
+    metrics = lrn.accumulate(mine)
+    grads = full_grads(model)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), lrn.grad_clip)
+    lrn.optimizer.step()
+    lrn.optimizer.zero_grad(set_to_none=True)
+    after_one = fsdp.full_state_dict(model)
+    fsdp.save_checkpoint(lrn, out / "ckpt")
+    straight = lrn.update(mine)
+    after_two = fsdp.full_state_dict(model)
+    # A fresh learner (new AdamW, new schedule) restored from the checkpoint must take the same second step.
+    lrn = learner()
+    fsdp.load_checkpoint(lrn, out / "ckpt")
+    restored = lrn.update(mine)
+    after_resume = fsdp.full_state_dict(model)
+    fsdp.save_hf(model, out / "export")
+    # Options that must not change the gradients: activation checkpointing and CPU offload.
+    other = load_model(str(TINY)).to(getattr(torch, dtype))
+    other = fsdp.wrap(other, device=device, activation_checkpointing=True, cpu_offload=True)
+    learner(other).accumulate(mine)
+    result = dict(
+        metrics=metrics,
+        grads=grads,
+        grads_ac_offload=full_grads(other),
+        after_one=after_one,
+        after_two=after_two,
+        after_resume=after_resume,
+        straight=straight,
+        restored=restored,
+        shard=[s.prompt.problem.id for s in (x.sample for x in dist.shard(data))],
+        micro_batches=len(lrn.micro_batches(mine, sync=False)),
+    )
+    torch.save(result, out / f"rank{dist.rank()}.pt")
+    dist.teardown()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out_dir")
+    parser.add_argument("--packing", action="store_true")
+    parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument("--dtype", default="float32")
+    a = parser.parse_args()
+    main(a.out_dir, a.packing, a.max_tokens, a.dtype)

@@ -1,0 +1,165 @@
+"""Sequence packing and token-budget micro-batches: the loss and its gradients must not change.
+
+The reference is one padded pass over the whole mini-batch. Every other layout (fixed-size
+micro-batches, token budgets, packed or padded, extra empty micro-batches) is compared
+with it in float64 (only summation order may differ) and in float32 (the production case).
+"""
+
+import copy
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from bapo.algos import surrogate_objective
+from bapo.learner import Learner, collate
+from bapo.learner.batching import pack, split_by_tokens, unpack
+from bapo.types import Problem, Prompt, Sample, ScoredSample
+
+HERE = Path(__file__).resolve().parent
+spec = importlib.util.spec_from_file_location("fsdp_worker", HERE / "fsdp_worker.py")
+W = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(W)
+
+LAYOUTS = {  # name: Learner kwargs
+    "padded/3 rows": dict(micro_batch_size=3),
+    "padded/budget 100": dict(max_tokens_per_micro_batch=100),
+    "packed/3 rows": dict(packing=True, micro_batch_size=3),
+    "packed/budget 60": dict(packing=True, max_tokens_per_micro_batch=60),
+    "packed/all": dict(packing=True, micro_batch_size=64),
+}
+
+
+def sample(prompt, response, adv=1.0):
+    prompt = Prompt(Problem("0", "p", "1"), "p", tuple(prompt))
+    s = Sample(prompt, 0, tuple(response), (-1.0,) * len(response), "", 0, False)
+    return ScoredSample(s, 0.0, adv, False)
+
+
+@pytest.fixture(scope="module")
+def data():
+    from bapo.modeling import load_model
+
+    model = load_model(str(W.TINY)).double()
+    return model, W.samples(model)  # 11 sequences of 4 to 50 tokens
+
+
+def run(model, batch, *, dtype, objective=None, ref=None, **kw):
+    """(metrics, gradients) of one accumulate on a copy of ``model`` in ``dtype``."""
+    m = copy.deepcopy(model).to(dtype)
+    args = dict(W.LEARNER_KW, micro_batch_size=len(batch)) | kw
+    ref_model = None if ref is None else copy.deepcopy(ref).to(dtype)
+    lrn = Learner(m, objective=objective or W.objective(), ref_model=ref_model, **args)
+    metrics = lrn.accumulate(batch)
+    return metrics, {k: p.grad for k, p in m.named_parameters()}
+
+
+def assert_same(a, b, rtol, what=""):
+    (ma, ga), (mb, gb) = a, b
+    assert ma["learner/loss"] == pytest.approx(mb["learner/loss"], rel=rtol), what
+    assert (ma["bapo/ratio_low"], ma["bapo/ratio_high"]) == (mb["bapo/ratio_low"], mb["bapo/ratio_high"]), what
+    for k in gb:  # relative to the tensor's largest entry
+        assert float((ga[k] - gb[k]).abs().max()) <= rtol * float(gb[k].abs().max()), f"{what}: {k}"
+
+
+def test_pack_hand_example():
+    # rows: [5 6 | 7 8 9], [10 11 12 | -] (no response: dropped), [13 | 14 15]
+    batch = collate([sample([5, 6], [7, 8, 9]), sample([10, 11, 12], []), sample([13], [14, 15])], pad_id=0)
+    pk = pack(batch)
+    assert pk.input_ids.tolist() == [[5, 6, 7, 8, 9, 13, 14, 15]]
+    assert pk.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2]]
+    # logits at packed positions 1, 2, 3 predict 7, 8, 9; at 5, 6 they predict 14, 15
+    assert pk.keep.tolist() == [1, 2, 3, 5, 6] and pk.targets.tolist() == [7, 8, 9, 14, 15]
+    assert pk.cu_seqlens.tolist() == [0, 5, 8] and pk.max_seqlen == 5
+    back = unpack(torch.arange(1.0, 6.0), batch.mask)  # [3, 4]
+    assert back.tolist() == [[0, 1, 2, 3], [0, 0, 0, 0], [4, 5, 0, 0]]
+
+
+def test_pack_keeps_one_row_when_there_is_no_response_token():
+    batch = collate([sample([5, 6], []), sample([7], [])], pad_id=0)
+    pk = pack(batch)
+    assert pk.input_ids.tolist() == [[5, 6]] and pk.keep.numel() == 0
+
+
+def test_pack_refuses_left_padding():
+    batch = collate([sample([5, 6], [7, 8]), sample([9], [10])], pad_id=0)
+    left = type(batch)(
+        batch.input_ids.flip(1), batch.attention_mask.flip(1), batch.mask, batch.old_logp, batch.adv, batch.versions
+    )
+    with pytest.raises(ValueError, match="right-padded"):
+        pack(left)
+
+
+def test_split_by_tokens_respects_the_budget():
+    lengths = [5, 9, 3, 12, 4, 4]
+    batch = collate([sample([1] * (n - 1), [2]) for n in lengths], pad_id=0)
+    packed = split_by_tokens(batch, 14, packed=True)  # real tokens, in order: 5 + 9 fits, 3 + 12 does not
+    assert [mb.attention_mask.sum(1).tolist() for mb in packed] == [[5, 9], [3], [12], [4, 4]]
+    padded = split_by_tokens(batch, 14, packed=False)  # rows x longest: [5 9] costs 18 > 14
+    assert [mb.attention_mask.sum(1).tolist() for mb in padded] == [[5], [9], [3], [12], [4, 4]]
+    alone = split_by_tokens(batch, 8, packed=True)  # 9 and 12 exceed the budget: each goes alone
+    assert [mb.attention_mask.sum(1).tolist() for mb in alone] == [[5], [9], [3], [12], [4, 4]]
+    assert all(mb.attention_mask[:, -1].any() for mb in packed + padded + alone)  # each trimmed to its longest row
+
+
+def test_packed_forward_equals_padded(data):
+    model, samples = data
+    batch = collate(samples, pad_id=0)
+    m = copy.deepcopy(model).float()
+    padded, packed = (Learner(m, objective=W.objective(), packing=p) for p in (False, True))
+    with torch.no_grad():
+        (lp_pad, ent_pad), (lp_pack, ent_pack) = padded._forward(m, batch), packed._forward(m, batch)
+    mask = batch.mask.bool()
+    assert lp_pack.shape == lp_pad.shape == batch.mask.shape
+    torch.testing.assert_close(lp_pack[mask], lp_pad[mask], rtol=0, atol=2e-5)  # fp32, different kernels
+    torch.testing.assert_close(ent_pack[mask], ent_pad[mask], rtol=0, atol=2e-5)
+    assert torch.all(lp_pack[~mask] == 0) and torch.all(ent_pack[~mask] == 0)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_loss_and_gradients_equal_for_every_layout_float64(data, agg):
+    model, samples = data
+    batch = collate(samples, pad_id=0)
+    objective = surrogate_objective("bapo", agg=agg, entropy_coef=0.01)
+    ref = run(model, batch, dtype=torch.float64, objective=objective)
+    for name, kw in LAYOUTS.items():
+        got = run(model, batch, dtype=torch.float64, objective=objective, **kw)
+        assert_same(got, ref, rtol=1e-11, what=name)
+
+
+def test_loss_and_gradients_equal_for_every_layout_float32(data):
+    model, samples = data
+    batch = collate(samples, pad_id=0)
+    ref = run(model, batch, dtype=torch.float32)
+    for name, kw in LAYOUTS.items():
+        assert_same(run(model, batch, dtype=torch.float32, **kw), ref, rtol=2e-5, what=name)
+
+
+def test_kl_to_reference_is_the_same_packed(data):
+    model, samples = data
+    batch = collate(samples, pad_id=0)
+    ref_model = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in ref_model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    objective = surrogate_objective("bapo", kl_coef=0.1)
+    a = run(model, batch, dtype=torch.float64, objective=objective, ref=ref_model, micro_batch_size=3)
+    b = run(model, batch, dtype=torch.float64, objective=objective, ref=ref_model, packing=True, micro_batch_size=4)
+    assert a[0]["learner/kl_ref"] > 0
+    assert a[0]["learner/kl_ref"] == pytest.approx(b[0]["learner/kl_ref"], rel=1e-11)
+    assert_same(b, a, rtol=1e-11)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_empty_micro_batches_for_rank_sync_change_nothing(data, packing):
+    """What a data-parallel rank with fewer micro-batches runs: passes with no response token."""
+    model, samples = data
+    batch = collate(samples, pad_id=0)
+    lrn = Learner(copy.deepcopy(model), objective=W.objective(), micro_batch_size=4, reduce_max=lambda t: t + 2)
+    micro = lrn.micro_batches(batch)
+    assert len(micro) == 5 and micro[-1].num_tokens == 0 and micro[-2].num_tokens == 0
+    base = run(model, batch, dtype=torch.float64, micro_batch_size=4, packing=packing)
+    padded = run(model, batch, dtype=torch.float64, micro_batch_size=4, packing=packing, reduce_max=lambda t: t + 2)
+    assert padded[0]["learner/loss"] == base[0]["learner/loss"]
+    assert all(torch.equal(padded[1][k], base[1][k]) for k in base[1])
