@@ -36,8 +36,12 @@ $(VLLM_VENV)/.installed: pyproject.toml
 demo: install ## run the default job: BAPO on the tiny model (about 10 minutes on 2 CPU cores)
 	$(PY) train.py
 
-test: install ## run the test suite (CPU, a few minutes)
+test: install ## run the test suite (CPU, a few minutes); the vLLM tests too when .venv-vllm exists
 	$(PY) -m pytest
+	@if [ -x $(VLLM_VENV)/bin/python ]; then \
+		echo "== vLLM engine and loop (transformers $$($(VLLM_VENV)/bin/python -c 'import transformers as t; print(t.__version__)'), $(VLLM_VENV))"; \
+		$(VLLM_VENV)/bin/python -m pytest tests/rollout; \
+	fi
 
 lint: install ## ruff check and format check
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .

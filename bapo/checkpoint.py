@@ -98,18 +98,34 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save(ckpt_dir: Path, step: int, state: dict, *, keep: int, meta: dict | None = None) -> Path:
-    """Write ``state`` as checkpoint ``step`` atomically, then keep only the newest ``keep``."""
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
-    final = ckpt_dir / f"step_{step:06d}"
-    tmp = ckpt_dir / f".tmp-{final.name}-{os.getpid()}"
+def prepare(tmp: Path) -> None:
+    """An empty temporary folder for a checkpoint that several writers fill (ranks, DCP)."""
     if tmp.exists():
         shutil.rmtree(tmp)
-    tmp.mkdir()
-    with open(tmp / "state.pt", "wb") as f:
+    tmp.mkdir(parents=True)
+
+
+def write(path: Path, state: dict) -> None:
+    """One file of a checkpoint: encoded, flushed and fsynced (its folder is renamed into place later)."""
+    with open(path, "wb") as f:
         torch.save(to_plain(state), f)
         f.flush()
         os.fsync(f.fileno())
+
+
+def save(
+    ckpt_dir: Path, step: int, state: dict, *, keep: int, meta: dict | None = None, tmp: Path | None = None
+) -> Path:
+    """Write ``state`` as checkpoint ``step`` atomically, then keep only the newest ``keep``.
+
+    ``tmp``: a folder from :func:`prepare` that other writers already filled; it becomes the checkpoint.
+    """
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    final = ckpt_dir / f"step_{step:06d}"
+    if tmp is None:
+        tmp = ckpt_dir / f".tmp-{final.name}-{os.getpid()}"
+        prepare(tmp)
+    write(tmp / "state.pt", state)
     info = {"step": step, "time": time.time()} | (meta or {})
     with open(tmp / "meta.json", "w") as f:
         json.dump(info, f, indent=2, sort_keys=True)

@@ -203,6 +203,8 @@ class RolloutConfig:
     batch_size: int = MISSING
     gpu_memory_utilization: float = MISSING
     tensor_parallel_size: int = MISSING
+    enable_sleep_mode: bool = MISSING  # vLLM: free weights + KV cache during learner updates (GPU, sync mode)
+    enforce_eager: bool = MISSING  # vLLM: no torch.compile / CUDA graphs
 
     def __post_init__(self) -> None:
         _choice(self.engine, "rollout.engine", ("hf", "vllm"))

@@ -24,6 +24,9 @@ import torch.distributed as dist
 T = TypeVar("T")
 
 
+_JOINED = False  # did init() create the process group (and so teardown() own it)?
+
+
 def launched() -> bool:
     """True under torchrun (or any launcher that sets WORLD_SIZE)."""
     return "WORLD_SIZE" in os.environ
@@ -66,6 +69,8 @@ def init(backend: str = "auto", timeout_s: float = 1800.0) -> torch.device:
         backend = "nccl" if cuda else "gloo"
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"backend must be 'auto', 'nccl' or 'gloo', got {backend!r}")
+    global _JOINED
+    _JOINED = True
     dist.init_process_group(
         backend,
         timeout=datetime.timedelta(seconds=timeout_s),
@@ -75,10 +80,12 @@ def init(backend: str = "auto", timeout_s: float = 1800.0) -> torch.device:
 
 
 def teardown() -> None:
-    """Leave the process group (a no-op when none was initialised)."""
-    if dist.is_available() and dist.is_initialized():
+    """Leave the process group that :func:`init` joined (a no-op otherwise: vLLM, for one, sets up its own)."""
+    global _JOINED
+    if _JOINED and dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    _JOINED = False
 
 
 def barrier() -> None:

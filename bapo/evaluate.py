@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -34,9 +33,11 @@ from bapo.reward import normalize_answer
 from bapo.types import Problem, Prompt
 
 
-def evaluate(rollout, verifier, prompts: Sequence[Prompt], *, n: int, temperature: float, prefix: str) -> dict:
+def evaluate(
+    rollout, verifier, prompts: Sequence[Prompt], *, n: int, temperature: float, prefix: str, seed: int | None = None
+) -> dict:
     """avg@n accuracy (mean per-sample correctness), pass@n, mean length and truncation rate."""
-    samples = rollout.generate(prompts, n=n, temperature=temperature)
+    samples = rollout.generate(prompts, n=n, temperature=temperature, seed=seed)
     grades, _ = verifier.grade([s.text for s in samples], [s.prompt.problem.answer for s in samples])
     correct = [g.correct for g in grades]
     per_problem = [any(correct[i * n : (i + 1) * n]) for i in range(len(prompts))]
@@ -91,10 +92,8 @@ def evaluate_problems(
     With ``seed`` the generator is reseeded first, so a set's samples do not depend
     on which sets ran before it.
     """
-    if seed is not None:
-        torch.manual_seed(seed)
     prompts = [render_prompt(p, tokenizer, instruction=instruction) for p in problems]
-    samples = rollout.generate(prompts, n=k, temperature=temperature)
+    samples = rollout.generate(prompts, n=k, temperature=temperature, seed=seed)
     if len(samples) != len(prompts) * k:
         raise RuntimeError(f"the rollout engine returned {len(samples)} samples for {len(prompts)} prompts x k={k}")
     grades, _ = verifier.grade([s.text for s in samples], [s.prompt.problem.answer for s in samples])

@@ -33,12 +33,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from bapo import algos, checkpoint, offpolicy
+from bapo import algos, checkpoint, dist, offpolicy
 from bapo.buffer import ReplayBuffer
 from bapo.config import AlgoConfig, ConfigError, RunConfig, build
 from bapo.data import ArithSpec, problem_sources, render_prompt
 from bapo.evaluate import evaluate, evaluate_sets, load_evalset, named_set
-from bapo.learner import Critic, Learner, collate
+from bapo.learner import Critic, Learner, collate, fsdp
 from bapo.learner.batching import response_rows, split
 from bapo.logging import MetricsLogger
 from bapo.modeling import load_model, load_tokenizer, model_path, pick_device
@@ -82,22 +82,52 @@ def make_objective(a: AlgoConfig) -> algos.Objective:
     return algos.surrogate_objective(a.bounds, contribution=a.contribution, weight=a.weight, **bound_kw, **loss_kw)
 
 
-def build_stages(rc: RunConfig):
-    if rc.rollout.engine != "hf" or rc.learner.kind != "single":
+def check_combination(rc: RunConfig, world: int) -> None:
+    """Combinations this build refuses at startup, each with the keys involved."""
+    fsdp_on = rc.learner.kind == "fsdp"
+    if fsdp_on and rc.algo.advantage == "gae":
+        raise ConfigError("learner.kind=fsdp: algo.advantage=gae (the PPO critic) is single-process only for now")
+    if fsdp_on and rc.learner.old_logp == "recompute" and rc.train.async_rollout:
         raise ConfigError(
-            f"rollout.engine={rc.rollout.engine} / learner.kind={rc.learner.kind}: the vLLM engine and the "
-            "FSDP2 learner are not in this build yet; use rollout=hf learner=single"
+            "learner.old_logp=recompute with learner=fsdp needs train.async_rollout=false "
+            "(the learner recomputes at its current version; older versions would need a sharded snapshot)"
         )
-    device = pick_device(rc.learner.device)
-    path = model_path(rc.model.name_or_path, rc.model.gguf_package, rc.model.gguf_file)
-    tok = load_tokenizer(path, trust_remote_code=rc.model.trust_remote_code)
-    m = rc.model
-    policy = load_model(
-        path, dtype=m.dtype, device=device, trust_remote_code=m.trust_remote_code, init=m.init, arch=m.arch
-    )
+    if world > 1 and rc.train.async_rollout and rc.buffer.enforce == "drop":
+        raise ConfigError(
+            "buffer.enforce=drop under torchrun: what is dropped depends on timing, so ranks would disagree; "
+            "use buffer.enforce=admission"
+        )
+    if world > 1 and rc.train.prompts_per_step < world:
+        raise ConfigError(f"train.prompts_per_step={rc.train.prompts_per_step} < {world} ranks: each rank needs one")
+    if world > 1 and rc.sizes.mini_batch_size < world:
+        raise ConfigError(
+            f"a mini-batch of {rc.sizes.mini_batch_size} samples cannot be shared by {world} ranks "
+            "(train.prompts_per_step x rollout.n / learner.mini_batches_per_rollout)"
+        )
+
+
+def build_rollout(rc: RunConfig, path: str, tok, model):
+    """The generation engine: HF generate on its own copy of the weights, or vLLM's offline engine."""
     r = rc.rollout
-    rollout = HFRollout(
-        copy.deepcopy(policy),
+    if r.engine == "vllm":
+        from bapo.rollout.vllm import VLLMRollout  # lazy: vllm is an optional extra
+
+        return VLLMRollout(
+            path,
+            tok,
+            n=r.n,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            max_new_tokens=r.max_new_tokens,
+            gpu_memory_utilization=r.gpu_memory_utilization,
+            tensor_parallel_size=r.tensor_parallel_size,
+            dtype=rc.model.dtype,
+            enable_sleep_mode=r.enable_sleep_mode,
+            enforce_eager=r.enforce_eager,
+            seed=rc.seed,
+        )
+    return HFRollout(
+        model,
         tok,
         n=r.n,
         temperature=r.temperature,
@@ -105,6 +135,35 @@ def build_stages(rc: RunConfig):
         max_new_tokens=r.max_new_tokens,
         batch_size=r.batch_size,
     )
+
+
+def build_stages(rc: RunConfig):
+    fsdp_on = rc.learner.kind == "fsdp"
+    device = dist.init() if fsdp_on else pick_device(rc.learner.device)
+    check_combination(rc, dist.world_size())
+    path = model_path(rc.model.name_or_path, rc.model.gguf_package, rc.model.gguf_file)
+    tok = load_tokenizer(path, trust_remote_code=rc.model.trust_remote_code)
+    m = rc.model
+    load = dict(trust_remote_code=m.trust_remote_code, init=m.init, arch=m.arch)
+    # FSDP keeps fp32 master weights (mixed precision computes in bf16 on GPU); the engine gets its own copy
+    policy = load_model(path, dtype="float32" if fsdp_on else m.dtype, device=device, **load)
+    engine_model = None
+    if rc.rollout.engine == "hf":
+        engine_model = load_model(path, dtype=m.dtype, device=device, **load) if fsdp_on else copy.deepcopy(policy)
+        if m.init == "random":
+            engine_model.load_state_dict(policy.state_dict())  # the same random draw as the policy
+    ref_model = copy.deepcopy(policy).eval() if rc.algo.kl_coef > 0 else None
+    if fsdp_on:
+        lc = rc.learner
+        policy = fsdp.wrap(
+            policy,
+            device=device,
+            mixed_precision=lc.mixed_precision,
+            activation_checkpointing=lc.activation_checkpointing,
+            cpu_offload=lc.cpu_offload,
+        )
+    rollout = build_rollout(rc, path, tok, engine_model)
+    r = rc.rollout
     verifier = MathVerifier(
         num_workers=rc.reward.num_workers,
         timeout_s=rc.reward.timeout_s,
@@ -145,7 +204,7 @@ def build_stages(rc: RunConfig):
         policy,
         objective=make_objective(a),
         critic=critic,
-        ref_model=copy.deepcopy(policy).eval() if a.kl_coef > 0 else None,
+        ref_model=ref_model,
         scope=a.scope,
         lr=lc.lr,
         warmup_steps=lc.warmup_steps,
@@ -153,6 +212,10 @@ def build_stages(rc: RunConfig):
         **opt_kw,
         temperature=r.temperature,
         max_response_len=r.max_new_tokens,
+        reduce_sum=dist.reduce_sum if fsdp_on else None,
+        reduce_max=dist.reduce_max if fsdp_on else None,
+        packing=lc.packing,
+        max_tokens_per_micro_batch=lc.max_tokens_per_micro_batch,
     )
     return tok, rollout, verifier, train_src, heldout_prompts, report, buffer, learner
 
@@ -193,14 +256,14 @@ def run_eval(rc: RunConfig, rollout, verifier, prompts, tok, sets: dict, step: i
 
     Seeded by (seed, step), so an evaluation does not depend on what ran before it."""
     t0, e = time.perf_counter(), rc.eval
-    torch.manual_seed(derive_seed(rc.seed, "eval", step))
-    out = evaluate(rollout, verifier, prompts, n=e.n, temperature=e.temperature, prefix="eval/")
+    seed = derive_seed(rc.seed, "eval", step)
+    out = evaluate(rollout, verifier, prompts, n=e.n, temperature=e.temperature, prefix="eval/", seed=seed)
     if e.greedy:
         g = evaluate(rollout, verifier, prompts, n=1, temperature=0.0, prefix="eval/greedy_")
         out["eval/accuracy_greedy"] = g["eval/greedy_accuracy"]
     if sets:
         kw = dict(k=e.sets_k, temperature=e.temperature, instruction=rc.data.instruction)
-        out |= evaluate_sets(rollout, verifier, tok, sets, **kw)
+        out |= evaluate_sets(rollout, verifier, tok, sets, **kw, seed=derive_seed(rc.seed, "eval_sets", step))
     out["eval/version"] = float(rollout.version)
     out["time/eval_s"] = time.perf_counter() - t0
     return out
@@ -219,6 +282,16 @@ def derive_seed(seed: int, purpose: str, index: int) -> int:
 
 class TrainingDiverged(RuntimeError):
     pass
+
+
+class NullLogger:
+    """What ranks other than 0 log to."""
+
+    def log(self, metrics: dict, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 class StopRequested:
@@ -246,6 +319,11 @@ class StopRequested:
 
     def __bool__(self) -> bool:
         return self.signum is not None
+
+    def agree(self, any_rank: bool) -> None:
+        """Under torchrun: stop when any rank was signalled."""
+        if any_rank and self.signum is None:
+            self.signum = signal.SIGTERM
 
 
 def find_resume(rc: RunConfig) -> Path | None:
@@ -299,67 +377,97 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
     if rc.resume == "auto" and final.is_file() and last_logged_step(rc.run_dir) >= rc.train.steps:
         log.info("%s is complete (final_metrics.json, step %d): nothing to do", rc.run_dir, rc.train.steps)
         return json.loads(final.read_text())
-    final.unlink(missing_ok=True)  # written again when this run completes
     resume_from = find_resume(rc)
-    (rc.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     seed_everything(rc.seed)
     tok, rollout, verifier, train_src, heldout, report, buffer, learner = build_stages(rc)
+    world, rank, main = dist.world_size(), dist.rank(), dist.is_main()
+    if not main:  # rank 0 reports; the others only warn
+        logging.getLogger("bapo").setLevel(logging.WARNING)
+    fsdp_on = rc.learner.kind == "fsdp"
+    if main:
+        final.unlink(missing_ok=True)  # written again when this run completes
+        (rc.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     sizes, a, U = rc.sizes, rc.algo, rc.sizes.updates_per_step
     adv_kw = dict(group_size=rc.rollout.n, norm_std=a.norm_std, gamma=a.critic.gamma, lam=a.critic.lam)
     monitor = Monitor(**vars(rc.monitor))
     rng = random.Random(rc.seed)  # mini-batch shuffles
     mode = "sync" if not rc.train.async_rollout else rc.buffer.enforce
     recompute = rc.learner.old_logp == "recompute"
-    scratch = copy.deepcopy(learner.model).eval().requires_grad_(False) if recompute else None
+    scratch = copy.deepcopy(learner.model).eval().requires_grad_(False) if recompute and not fsdp_on else None
+    # the learner's full weights: a plain state_dict, or (FSDP) gathered on every rank: a collective
+    weights_fn = (lambda: fsdp.full_state_dict(learner.model, rank0_only=False)) if fsdp_on else learner.weights
     mailbox = offpolicy.WeightMailbox()
-    start, version, state = 0, 0, None
+    start, version, state, pstate = 0, 0, None, None
     if resume_from is not None:
         state = checkpoint.load(resume_from)
+        pfile = resume_from / f"producer_rank{rank}.pt"
+        if not pfile.is_file():
+            raise checkpoint.CheckpointError(
+                f"{pfile}: missing; this checkpoint was written by a different number of ranks "
+                "(the model reshards, the rollout producer's queue does not)"
+            )
+        pstate = checkpoint.load(pfile)
         start, version = int(state["step"]), int(state["version"])
-        learner.load_state_dict(state["learner"])
+        if fsdp_on:
+            fsdp.load_checkpoint(learner, resume_from / "learner")
+        else:
+            learner.load_state_dict(state["learner"])
         buffer.load_state_dict(state["buffer"])
         monitor.load_state_dict(state["monitor"])
-        train_src.load_state_dict(state["data"])
+        train_src.load_state_dict(pstate["data"])
         rng.setstate(_rng_tuple(state["rng"]["loop"]))
         random.setstate(_rng_tuple(state["rng"]["python"]))
         name, key, *rest = state["rng"]["numpy"]
         np.random.set_state((name, np.asarray(key, dtype=np.uint32), *rest))
         torch.set_rng_state(state["rng"]["torch"])
-        for v, snap in state["snapshots"].items():
+        for v, snap in pstate["snapshots"].items():
             mailbox.publish(int(v), snap, clone=False)
-        restore_metrics(rc.run_dir, resume_from.parent.parent, start)
+        if main:
+            restore_metrics(rc.run_dir, resume_from.parent.parent, start)
+        dist.barrier()
         lines = (rc.run_dir / "metrics.jsonl").read_text().splitlines()
         metrics = {k: v for k, v in json.loads(lines[-1]).items() if k != "step"} if lines else {}
         log.info("resumed from %s at step %d (policy version %d)", resume_from, start, version)
-    elif (rc.run_dir / "metrics.jsonl").exists():
+    elif main and (rc.run_dir / "metrics.jsonl").exists():
         (rc.run_dir / "metrics.jsonl").unlink()  # a fresh start owns its run folder's metrics
 
     lg = rc.logger
     id_file = rc.run_dir / "wandb_id.txt"  # one wandb run across resumes
-    if state is None or not id_file.is_file():
+    if main and (state is None or not id_file.is_file()):
         id_file.write_text(uuid.uuid4().hex[:16])
-    logger = MetricsLogger(
-        rc.run_dir,
-        wandb=lg.wandb,
-        project=lg.project,
-        mode=lg.mode,
-        group=lg.group,
-        tags=list(lg.tags),
-        name=rc.run_dir.name,
-        config=OmegaConf.to_container(cfg, resolve=True),
-        run_id=id_file.read_text().strip(),
+    logger = (
+        MetricsLogger(
+            rc.run_dir,
+            wandb=lg.wandb,
+            project=lg.project,
+            mode=lg.mode,
+            group=lg.group,
+            tags=list(lg.tags),
+            name=rc.run_dir.name,
+            config=OmegaConf.to_container(cfg, resolve=True),
+            run_id=id_file.read_text().strip(),
+        )
+        if main
+        else NullLogger()
     )
 
     def make_batch(t: int, v: int, weights: dict) -> RolloutBatch:
-        """Generate and verify rollout batch t with the weights of version v (the producer's side)."""
+        """Generate and verify rollout batch t with the weights of version v (the producer's side).
+
+        Under torchrun every rank draws the same prompts and generates its share of them
+        (prompts rank, rank + world, ...) with its own seed; the learner thread gathers the
+        shares (:func:`gather_batch`), so every rank then holds the same batch."""
         t_sync = rollout.update_weights(weights, v) if rollout.version != v else 0.0
         prompts = [
             render_prompt(next(train_src), tok, instruction=rc.data.instruction)
             for _ in range(rc.train.prompts_per_step)
         ]
+        mine = prompts[rank::world]
         t0 = time.perf_counter()
-        torch.manual_seed(derive_seed(rc.seed, "rollout", t))
-        samples = rollout.generate(prompts)
+        purpose = "rollout" if rank == 0 else f"rollout/rank{rank}"
+        samples = rollout.generate(mine, seed=derive_seed(rc.seed, purpose, t))
+        if world > 1:  # group ids: the prompt's index in the whole batch
+            samples = [dataclasses.replace(s, group=rank + world * s.group) for s in samples]
         t_rollout = time.perf_counter() - t0
         grades, rstats = verifier.grade([s.text for s in samples], [s.prompt.problem.answer for s in samples])
         n_tok = sum(len(s.response_ids) for s in samples)
@@ -379,6 +487,10 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
             stats,
         )
 
+    def take() -> tuple[RolloutBatch, float]:
+        item, waited = producer.take()
+        return (gather_batch(dist.all_gather_object(item)) if world > 1 else item), waited
+
     producer = offpolicy.Producer(
         make_batch,
         mailbox,
@@ -390,15 +502,17 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
         first_batch=start + 1,
         last_batch=None if mode == "drop" else rc.train.steps,  # drop: replacements for dropped batches
     )
-    for item in [] if state is None else state["pending"]:
+    for item in [] if pstate is None else pstate["pending"]:
         producer.queue.append(item)
         producer.next_batch += 1
 
     def publish(mid_step: bool) -> None:
         """Offer the learner's weights at ``version`` to the producer, if a batch will be generated with them."""
-        if producer.wants(version) and not mailbox.has(version):
-            # sync at a step boundary: the producer loads them before the next update, so no copy
-            mailbox.publish(version, learner.weights(), clone=mode != "sync" or mid_step)
+        if producer.wants(version):  # the same answer on every rank: weights_fn may be a collective
+            weights = weights_fn()
+            if not mailbox.has(version):
+                # sync at a step boundary: the producer loads them before the next update, so no copy
+                mailbox.publish(version, weights, clone=mode != "sync" or mid_step)
 
     def release() -> None:
         mailbox.release_below(producer.release_floor(version, keep_window=recompute))
@@ -457,31 +571,45 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
         return scored, stats
 
     def save(step: int) -> None:
+        """Checkpoint ``step``: shared state from rank 0 (state.pt), each rank's producer (queue, data cursor,
+        snapshots), and under FSDP the sharded learner (DCP); renamed into place when all are written."""
         producer.pause()  # between two batches: the queue and the data cursor agree
         try:
-            live = version if mailbox.has(version) else None
-            snaps = {v: w for v, w in mailbox.state_dict().items() if v != live}
-            ckpt = {
-                "step": step,
-                "version": version,
-                "learner": learner.state_dict(),
-                "buffer": buffer.state_dict(),
-                "monitor": monitor.state_dict(),
+            t0 = time.perf_counter()
+            ckpt_dir = rc.run_dir / "checkpoints"
+            tmp = ckpt_dir / f".tmp-step_{step:06d}"
+            if main:
+                checkpoint.prepare(tmp)
+            dist.barrier()
+            live = version if mailbox.has(version) else None  # the current weights: restored from the model
+            own = {
                 "data": train_src.state_dict(),
                 "pending": list(producer.queue),
-                "snapshots": snaps,
-                "rng": {
-                    "loop": rng.getstate(),
-                    "python": random.getstate(),
-                    "numpy": checkpoint.rng_state_plain(np.random.get_state()),
-                    "torch": torch.get_rng_state(),
-                },
+                "snapshots": {v: w for v, w in mailbox.state_dict().items() if v != live},
             }
-            t0 = time.perf_counter()
-            path = checkpoint.save(
-                rc.run_dir / "checkpoints", step, ckpt, keep=rc.checkpoint.keep, meta={"version": version}
-            )
-            log.info("checkpoint %s (%.2f s)", path, time.perf_counter() - t0)
+            checkpoint.write(tmp / f"producer_rank{rank}.pt", own)
+            if fsdp_on:
+                fsdp.save_checkpoint(learner, tmp / "learner")
+            dist.barrier()
+            if main:
+                shared = {
+                    "step": step,
+                    "version": version,
+                    "buffer": buffer.state_dict(),
+                    "monitor": monitor.state_dict(),
+                    "rng": {
+                        "loop": rng.getstate(),
+                        "python": random.getstate(),
+                        "numpy": checkpoint.rng_state_plain(np.random.get_state()),
+                        "torch": torch.get_rng_state(),
+                    },
+                }
+                if not fsdp_on:
+                    shared["learner"] = learner.state_dict()
+                meta = {"version": version, "world_size": world}
+                path = checkpoint.save(ckpt_dir, step, shared, keep=rc.checkpoint.keep, meta=meta, tmp=tmp)
+                log.info("checkpoint %s (%.2f s)", path, time.perf_counter() - t0)
+            dist.barrier()
         finally:
             producer.resume()
 
@@ -491,9 +619,10 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
         """Evaluate the learner's current weights, borrowing the rollout engine from the producer."""
         producer.pause()
         try:
+            weights = weights_fn()  # on every rank (a collective under FSDP), whatever its engine holds
             if rollout.version != version:
-                rollout.update_weights(learner.weights(), version)
-            return run_eval(rc, rollout, verifier, heldout, tok, sets, step)
+                rollout.update_weights(weights, version)
+            return run_eval(rc, rollout, verifier, heldout, tok, sets, step) if main else {}
         finally:
             producer.resume()
 
@@ -509,7 +638,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
             bar = tqdm(
                 range(start + 1, rc.train.steps + 1),
                 desc="train",
-                disable=not lg.progress,
+                disable=not lg.progress or not main,
                 dynamic_ncols=True,
                 initial=start,
                 total=rc.train.steps,
@@ -517,7 +646,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
             for step in bar:
                 t_step = time.perf_counter()
                 # 1-2. rollout + reward (the producer: inline, or ahead on its thread) -> 3. advantages -> 4. buffer
-                item, consumer_wait = producer.take()
+                item, consumer_wait = take()
                 scored, batch_stats = score_batch(item)
                 buffer.put(scored)
                 rows_stats = [batch_stats]
@@ -528,13 +657,15 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
                         rows_stats.append(st)
                 batch = buffer.get(sizes.samples_per_step, version, horizon=U - 1)
                 while len(batch) < sizes.samples_per_step:  # drop mode: stale groups went; wait for fresh ones
-                    more, w = producer.take()
+                    more, w = take()
                     consumer_wait += w
                     sc, st = score_batch(more)
                     buffer.put(sc)
                     rows_stats.append(st)
                     batch += buffer.get(sizes.samples_per_step - len(batch), version, horizon=U - 1)
                 # 5. learner: ppo_epochs passes, mini_batches_per_rollout updates each; version += 1 per update
+                if mode == "sync" and hasattr(rollout, "sleep"):
+                    rollout.sleep()  # vLLM on a GPU frees its memory for the update; it wakes to load or generate
                 t0, updates = time.perf_counter(), []
                 for _ in range(rc.learner.ppo_epochs):
                     order = list(range(len(batch)))
@@ -542,7 +673,8 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
                     for i in range(0, len(order), sizes.mini_batch_size):
                         mb = [batch[j] for j in order[i : i + sizes.mini_batch_size]]
                         stale = buffer.check(mb, version)
-                        row = learner.update(collate(mb, pad_id=rollout.pad_id)) | stale
+                        mine = dist.shard(mb) if world > 1 else mb  # each rank its share; FSDP sums the gradients
+                        row = learner.update(collate(mine, pad_id=rollout.pad_id)) | stale
                         updates.append(row)
                         version += 1
                         publish(mid_step=len(updates) < U)  # the one backward edge: new weights for the producer
@@ -572,6 +704,8 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
                 metrics["time/step_s"] = time.perf_counter() - t_step
                 logger.log(metrics, step=step)
                 bar.write(summary(step, metrics)) if lg.progress else log.info(summary(step, metrics))
+                if world > 1:  # a signal may reach the ranks at different steps: stop together
+                    stop.agree(bool(dist.reduce_max(torch.tensor(float(bool(stop)))).item()))
                 due = rc.checkpoint.every and step % rc.checkpoint.every == 0
                 if due or stop or step == rc.train.steps:
                     save(step)
@@ -579,14 +713,46 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
                     log.warning("stopped at step %d; continue with resume=auto hydra.run.dir=%s", step, rc.run_dir)
                     metrics["stopped_by_signal"] = float(stop.signum)
                     return metrics
-            export_hf(learner.model, tok, rc.run_dir / "export")
+            if fsdp_on:
+                fsdp.save_hf(learner.model, rc.run_dir / "export", tokenizer=tok)
+            elif main:
+                export_hf(learner.model, tok, rc.run_dir / "export")
     finally:
         producer.stop()
         mailbox.close()
         logger.close()
         verifier.close()
-    (rc.run_dir / "final_metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
+    if main:
+        (rc.run_dir / "final_metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
+    dist.teardown()
     return metrics
+
+
+def gather_batch(parts: list[RolloutBatch]) -> RolloutBatch:
+    """The ranks' shares of one rollout batch, as one batch in rank order (the same on every rank)."""
+    first = parts[0]
+    if any(p.index != first.index or p.version != first.version for p in parts):
+        raise RuntimeError(f"ranks produced different rollout batches: {[(p.index, p.version) for p in parts]}")
+    stats: dict[str, float] = {}
+    for key in {k for p in parts for k in p.stats}:
+        vals = [float(p.stats[key]) for p in parts if key in p.stats]
+        if key.startswith("time/"):
+            stats[key] = max(vals)  # the ranks generate in parallel: the step waits for the slowest
+        elif key.endswith("tokens_per_s") or (key.startswith("reward/") and key != "reward/accuracy"):
+            stats[key] = sum(vals)  # counts and throughput add up
+        else:
+            stats[key] = float(np.mean(vals))
+    correct = tuple(c for p in parts for c in p.correct)
+    stats["reward/accuracy"] = sum(correct) / max(len(correct), 1)
+    return RolloutBatch(
+        first.index,
+        first.version,
+        tuple(s for p in parts for s in p.samples),
+        tuple(r for p in parts for r in p.rewards),
+        correct,
+        tuple(x for p in parts for x in p.extracted),
+        stats,
+    )
 
 
 def _rng_tuple(st) -> tuple:

@@ -182,10 +182,14 @@ class Producer:
         return batch_version(t, **self.kw)
 
     def needed_versions(self, upto: int) -> set[int]:
-        """Versions <= ``upto`` that batches not yet generated will ask for (admission/sync)."""
+        """Versions <= ``upto`` that batches not yet consumed ask for (admission/sync).
+
+        Counted from the consumer's side, not the producer's: the answer then depends on
+        the learner's progress only, so every rank of a torchrun job agrees on it (and on
+        the collective weight gather it triggers) however far its producer has got."""
         if self.mode == "drop":
             return set()
-        out, t = set(), self.next_batch
+        out, t = set(), self.consumed + 1
         while (self.last_batch is None or t <= self.last_batch) and (v := self.version_for(t)) <= upto:
             out.add(v)
             t += 1

