@@ -200,7 +200,7 @@ class Learner:
         """One optimizer update on a mini-batch; returns its metrics."""
         out = self.accumulate(batch)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
-        if math.isfinite(grad_norm):
+        if math.isfinite(grad_norm) and math.isfinite(out.get("learner/loss", 0.0)):
             self.optimizer.step()
             self.scheduler.step()
             after = self.objective.after_update(self._update_stats)
