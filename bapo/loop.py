@@ -372,6 +372,10 @@ def restore_metrics(run_dir: Path, source_run: Path, step: int) -> None:
 def run(cfg: DictConfig, run_dir: str | Path) -> dict:
     """Train as configured; returns the last logged metrics."""
     rc = build(cfg, run_dir)
+    if rc.learner.kind == "fsdp":
+        dist.init()
+        if dist.world_size() > 1:  # Hydra's ${now} run folder may differ by a second between ranks: use rank 0's
+            rc = dataclasses.replace(rc, run_dir=Path(dist.broadcast_object(str(rc.run_dir))))
     rc.run_dir.mkdir(parents=True, exist_ok=True)
     final = rc.run_dir / "final_metrics.json"
     if rc.resume == "auto" and final.is_file() and last_logged_step(rc.run_dir) >= rc.train.steps:
