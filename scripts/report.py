@@ -75,11 +75,11 @@ def _as_int(x) -> int | None:
 def staleness_of(cfg: dict) -> int | None:
     """The staleness a sample can reach in an update: the group key of the report.
 
-    With `train.async` the rollouts lag the learner, and `buffer.max_staleness` bounds the lag.
+    With `train.async_rollout` the rollouts lag the learner, and `buffer.max_staleness` bounds the lag.
     Otherwise experience reuse alone sets it: ppo_epochs x mini_batches_per_rollout - 1.
     None when the keys it needs are missing.
     """
-    if cfg_get(cfg, "train.async") is True:
+    if cfg_get(cfg, "train.async_rollout") is True:
         return _as_int(cfg_get(cfg, "buffer.max_staleness"))
     epochs = _as_int(cfg_get(cfg, "learner.ppo_epochs", 1))
     mini_batches = _as_int(cfg_get(cfg, "learner.mini_batches_per_rollout"))
@@ -407,7 +407,7 @@ def render(sweep: Path, runs: list[Run], groups, plots: list[Path], out: Path) -
         f"Sweep `{sweep}`: {len(runs)} runs, {len(runs) - len(bad)} complete, {len(bad)} incomplete.",
         "",
         "Mean ± std (sample std) over the completed seeds of each algo × staleness. Staleness is "
-        "`ppo_epochs × mini_batches_per_rollout − 1` (with `train.async`, `buffer.max_staleness`). "
+        "`ppo_epochs × mini_batches_per_rollout − 1` (with `train.async_rollout`, `buffer.max_staleness`). "
         "Accuracy is `eval/accuracy` at the last eval step (final) and its maximum (best); entropy is the "
         f"last logged `learner/entropy`; a grad-norm spike is a step whose grad norm exceeds {SPIKE_FACTOR:g}× "
         f"the median of all earlier steps (from the {SPIKE_MIN_HISTORY + 1}th step on); wall time sums "
