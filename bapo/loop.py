@@ -343,6 +343,21 @@ def find_resume(rc: RunConfig) -> Path | None:
     return found
 
 
+def load_producer_state(ckpt: Path, rank: int) -> dict:
+    """This rank's producer state. At another world size (DCP reshards the model), a checkpoint
+    whose producers held no batches ahead resumes from rank 0's (all ranks draw the same prompts)."""
+    pfile = ckpt / f"producer_rank{rank}.pt"
+    if pfile.is_file():
+        return checkpoint.load(pfile)
+    state = checkpoint.load(ckpt / "producer_rank0.pt")
+    if state["pending"]:
+        raise checkpoint.CheckpointError(
+            f"{pfile}: missing; this checkpoint was written by a different number of ranks while the "
+            "rollout producer had batches queued (async): resume it with the world size that wrote it"
+        )
+    return state
+
+
 def last_logged_step(run_dir: Path) -> int:
     f = run_dir / "metrics.jsonl"
     lines = f.read_text().splitlines() if f.is_file() else []
@@ -404,13 +419,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
     start, version, state, pstate = 0, 0, None, None
     if resume_from is not None:
         state = checkpoint.load(resume_from)
-        pfile = resume_from / f"producer_rank{rank}.pt"
-        if not pfile.is_file():
-            raise checkpoint.CheckpointError(
-                f"{pfile}: missing; this checkpoint was written by a different number of ranks "
-                "(the model reshards, the rollout producer's queue does not)"
-            )
-        pstate = checkpoint.load(pfile)
+        pstate = load_producer_state(resume_from, rank)
         start, version = int(state["step"]), int(state["version"])
         if fsdp_on:
             fsdp.load_checkpoint(learner, resume_from / "learner")

@@ -13,13 +13,14 @@ from tests.test_resume import rows, untimed
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+ONE = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
 ARGS = ["train.py", "learner=fsdp", "debug=smoke", "learner.lr=1e-3", "train.steps=4", "checkpoint.every=2"]
 
 
-def torchrun(run_dir: Path, *extra: str) -> str:
+def torchrun(run_dir: Path, *extra: str, launcher=TORCHRUN) -> str:
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
     p = subprocess.run(
-        [*TORCHRUN, *ARGS, *extra, f"hydra.run.dir={run_dir}"],
+        [*launcher, *ARGS, *extra, f"hydra.run.dir={run_dir}"],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -55,3 +56,12 @@ def test_two_rank_fsdp_run_trains_checkpoints_and_resumes_exactly(tmp_path, mode
     out = torchrun(tmp_path / "resumed", *mode, "resume=auto")
     assert "resumed from" in out and "step_000002" in out
     assert untimed(rows(tmp_path / "resumed")) == untimed(full)
+
+
+def test_a_two_rank_sync_checkpoint_resumes_on_one_rank(tmp_path):
+    torchrun(tmp_path / "two", "train.steps=2")
+    shutil.copytree(tmp_path / "two", tmp_path / "one")
+    (tmp_path / "one" / "final_metrics.json").unlink()
+    out = torchrun(tmp_path / "one", "train.steps=3", "resume=auto", launcher=ONE)  # DCP reshards to 1 rank
+    assert "resumed from" in out
+    assert [r["step"] for r in rows(tmp_path / "one")] == [0, 1, 2, 3]
