@@ -52,6 +52,8 @@ format: install ## ruff format and autofix
 bench: install ## benchmarks, each printing a ratio against its baseline
 	$(PY) scripts/bench_reward.py
 	$(PY) scripts/bench_scope.py
+	$(PY) scripts/bench_learner.py
+	@if [ -x $(VLLM_VENV)/bin/python ]; then $(VLLM_VENV)/bin/python scripts/bench_rollout.py; fi
 
 eval: install ## evaluate a run on AIME24/25 and MATH-500: make eval RUN=outputs/<date>/<run>
 	$(PY) eval.py checkpoint=$(RUN) eval=[aime24,aime25,math500]
