@@ -171,7 +171,9 @@ def test_staleness_of():
     learner = {"ppo_epochs": 2, "mini_batches_per_rollout": 3}
     assert report.staleness_of({"learner": learner, "buffer": {"max_staleness": 9}}) == 5
     assert report.staleness_of({"learner": {"mini_batches_per_rollout": 3}}) == 2  # ppo_epochs defaults to 1
-    assert report.staleness_of({"train": {"async_rollout": True}, "learner": learner, "buffer": {"max_staleness": 4}}) == 4
+    assert (
+        report.staleness_of({"train": {"async_rollout": True}, "learner": learner, "buffer": {"max_staleness": 4}}) == 4
+    )
     assert report.staleness_of({"train": {"async_rollout": False}, "learner": learner}) == 5
     assert report.staleness_of({}) is None
     assert report.staleness_of({"learner": {"mini_batches_per_rollout": "${x}"}}) is None
