@@ -39,7 +39,6 @@ from bapo.config import AlgoConfig, ConfigError, RunConfig, build
 from bapo.data import ArithSpec, problem_sources, render_prompt
 from bapo.evaluate import evaluate, evaluate_sets, load_evalset, named_set
 from bapo.learner import Critic, Learner, collate, fsdp
-from bapo.learner.batching import response_rows, split
 from bapo.logging import MetricsLogger
 from bapo.modeling import load_model, load_tokenizer, model_path, pick_device
 from bapo.monitor import Monitor
@@ -540,21 +539,12 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
             _, weights = mailbox.wait(batch.version)
             scratch.load_state_dict(weights)
             model = scratch
-        mb = collate(list(batch.samples), pad_id=rollout.pad_id)
-        with torch.no_grad():
-            rows = [
-                response_rows(learner._forward(model, m, entropy=False)[0].cpu(), m.mask)
-                for m in split(mb, rc.learner.micro_batch_size)
-            ]
+        lp = learner.response_logp(collate(list(batch.samples), pad_id=rollout.pad_id), model)  # [B, T]
         new, diffs = [], []
-        offset = 0
-        for r in rows:
-            for i in range(r.shape[0]):
-                s = batch.samples[offset + i]
-                lp = tuple(r[i, : len(s.response_ids)].tolist())
-                diffs.extend(abs(x - y) for x, y in zip(lp, s.logp, strict=True))
-                new.append(dataclasses.replace(s, logp=lp))
-            offset += r.shape[0]
+        for i, s in enumerate(batch.samples):
+            row = tuple(lp[i, : len(s.response_ids)].tolist())
+            diffs.extend(abs(x - y) for x, y in zip(row, s.logp, strict=True))
+            new.append(dataclasses.replace(s, logp=row))
         stats = {
             "rollout/logp_mismatch_mean": float(np.mean(diffs)) if diffs else 0.0,
             "rollout/logp_mismatch_max": float(np.max(diffs)) if diffs else 0.0,

@@ -184,6 +184,18 @@ class Learner:
         out = self.reduce_sum(t)
         return t if out is None else out
 
+    @torch.no_grad()
+    def response_logp(self, batch: TrainBatch, model: torch.nn.Module | None = None) -> torch.Tensor:
+        """Log-probs [B, T] of each row's response tokens (right-padded) under ``model`` (default: the
+        policy): ``learner.old_logp=recompute``'s behaviour log-probs, in the learner's own numerics."""
+        model = self.model if model is None else model
+        rows = [
+            response_rows(self._forward(model, mb, entropy=False)[0].cpu(), mb.mask)
+            for mb in split(batch, self.micro_batch_size)
+        ]
+        width = max(r.shape[1] for r in rows)
+        return torch.cat([F.pad(r, (0, width - r.shape[1])) for r in rows])  # [B, T]
+
     @staticmethod
     def _flat(parts: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
         """Concatenate per-micro-batch (ratio, adv, mask, old_logp) as 1-D tensors of masked tokens."""
