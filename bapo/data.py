@@ -5,21 +5,34 @@ Three sources, one interface (an iterable of :class:`Problem`):
 * ``arith``: a synthetic arithmetic generator with its own seed. Train and
   held-out problems are split by a hash of the problem text, so the two splits
   never overlap however many problems are drawn.
-* ``jsonl``: local JSONL files with ``problem`` and ``answer`` fields. A
-  malformed row is reported with its file and line, skipped and counted.
-* ``hub``: any ``datasets`` dataset, by hub name or local path.
+* ``jsonl``: local JSONL files with ``problem`` and ``answer`` fields. The file
+  is read as bytes and each line decoded on its own, so one bad row never sinks
+  the load: a malformed row (invalid UTF-8, invalid JSON, a missing or empty
+  field) is logged with its ``file:line``, skipped and counted in
+  :class:`LoadReport`. A UTF-8 byte-order mark before row 1 is dropped.
+* ``hub``: any ``datasets`` dataset, by hub name or local path. ``datasets``
+  parses a local file as a whole, so an empty or unparsable file is a
+  ``ValueError`` naming the file (use ``jsonl`` to skip bad rows one by one);
+  rows that parse but lack a field are skipped and counted as above.
 
 Prompts go through the tokenizer's chat template with an instruction to put the
-final answer in ``\\boxed{}``.
+final answer in ``\\boxed{}``. A prompt longer than ``max_prompt_tokens`` tokens
+is skipped like a malformed row (counted in ``skipped`` and in ``too_long``,
+logged once with its problem id): :func:`render_prompts` for fixed sets,
+:class:`PromptStream` for the training stream. Absurd inputs are never
+tokenized: a problem over ``MAX_CHARS_PER_TOKEN * max_prompt_tokens``
+characters is skipped on its length alone (see :data:`MAX_CHARS_PER_TOKEN`).
+``max_prompt_tokens=None`` means no limit.
 """
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import logging
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +41,17 @@ from bapo.types import Problem, Prompt
 log = logging.getLogger(__name__)
 
 DEFAULT_INSTRUCTION = "Put the final answer in \\boxed{}."
+
+# Rows with more than this many characters per allowed prompt token are skipped without
+# tokenizing. It is a policy, not a proof: characters alone cannot bound the token count
+# from above (a character can be several byte-level tokens), and a very long vocabulary
+# entry could in principle cover more than 64 characters. Real tokenizers average 3-5
+# characters per token on English and LaTeX, so a row this long is over the limit by a
+# wide margin; the cap keeps a 1 MB row from reaching the tokenizer (and the rollout).
+MAX_CHARS_PER_TOKEN = 64
+# A source with no known epoch (an endless generator) whose next this many draws are all
+# too long has a limit nothing fits under; raise rather than spin.
+MAX_SKIP_STREAK = 10_000
 
 
 # ----------------------------------------------------------------------------- arithmetic
@@ -140,10 +164,16 @@ def arith_heldout(n: int, *, seed: int, heldout_frac: float, spec: ArithSpec) ->
 
 @dataclass
 class LoadReport:
-    """What a loader read, and what it had to skip."""
+    """What the loaders read, and what they and the prompt renderers had to skip.
+
+    ``rows`` counts rows the loaders parsed. ``skipped`` counts every row dropped for any
+    reason, in a loader or at rendering; ``too_long`` counts those of them dropped because
+    the prompt was over ``max_prompt_tokens``.
+    """
 
     rows: int = 0
     skipped: int = 0
+    too_long: int = 0
 
 
 def _row_to_problem(row: object, where: str, problem_key: str, answer_key: str, idx: int) -> Problem:
@@ -160,6 +190,15 @@ def _row_to_problem(row: object, where: str, problem_key: str, answer_key: str, 
     return Problem(id=str(row.get("id", idx)), problem=prob, answer=str(ans), source=str(row.get("source", "")))
 
 
+def _row_error(where: str, e: ValueError) -> str:
+    """One line for the log: where, and what was wrong with the row."""
+    if isinstance(e, UnicodeDecodeError):
+        return f"{where}: invalid UTF-8 (byte 0x{e.object[e.start]:02x} at column {e.start + 1})"
+    if isinstance(e, json.JSONDecodeError):
+        return f"{where}: invalid JSON ({e.msg})"
+    return str(e)
+
+
 def load_jsonl(
     path: str | Path,
     *,
@@ -167,24 +206,30 @@ def load_jsonl(
     answer_key: str = "answer",
     report: LoadReport | None = None,
 ) -> list[Problem]:
-    """Read problems from a JSONL file. Malformed rows are logged with file:line and skipped."""
+    """Read problems from a JSONL file. Malformed rows are logged with file:line and skipped.
+
+    Lines are decoded one at a time (bytes, then UTF-8), so an invalid byte costs its own
+    row only; a byte-order mark before row 1 is dropped rather than spoiling that row.
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"data file not found: {path}")
     report = report if report is not None else LoadReport()
     out = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if lineno == 1 and raw.startswith(codecs.BOM_UTF8):
+                raw = raw[len(codecs.BOM_UTF8) :]
+            if not raw.strip():
                 continue
             where = f"{path}:{lineno}"
             try:
+                line = raw.decode("utf-8")
                 out.append(_row_to_problem(json.loads(line), where, problem_key, answer_key, lineno))
                 report.rows += 1
-            except (json.JSONDecodeError, ValueError) as e:
+            except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
                 report.skipped += 1
-                msg = f"{where}: invalid JSON ({e.msg})" if isinstance(e, json.JSONDecodeError) else str(e)
-                log.warning("skipping malformed row: %s", msg)
+                log.warning("skipping malformed row: %s", _row_error(where, e))
     if not out:
         raise ValueError(f"{path}: no valid rows ({report.skipped} skipped)")
     return out
@@ -199,13 +244,26 @@ def load_hub(
     answer_key: str = "answer",
     report: LoadReport | None = None,
 ) -> list[Problem]:
-    """Load problems through ``datasets`` (a hub name, a local folder, or a data file)."""
+    """Load problems through ``datasets`` (a hub name, a local folder, or a data file).
+
+    ``datasets`` parses a local file as a whole: an empty or unparsable file is a
+    ``ValueError`` that names it (``datasets`` itself raises a bare ``StopIteration`` on an
+    empty JSONL file). Rows that parse but are malformed are skipped and counted.
+    """
     import datasets
 
     report = report if report is not None else LoadReport()
     p = Path(name)
     if p.is_file():
-        ds = datasets.load_dataset(p.suffix.lstrip(".").replace("jsonl", "json"), data_files=str(p), split=split)
+        if p.stat().st_size == 0:
+            raise ValueError(f"{p}: the data file is empty")
+        try:
+            ds = datasets.load_dataset(p.suffix.lstrip(".").replace("jsonl", "json"), data_files=str(p), split=split)
+        except Exception as e:  # StopIteration, ValueError, DatasetGenerationError, ...: all mean "this file"
+            raise ValueError(
+                f"{p}: datasets could not load split {split!r} from this file ({type(e).__name__}: {e}); "
+                "data.kind=jsonl reads a JSONL file row by row and skips malformed rows"
+            ) from e
     else:
         ds = datasets.load_dataset(name, subset, split=split)
     out = []
@@ -230,6 +288,11 @@ class ListSource:
         self.shuffle = shuffle
         self.epoch, self.pos = 0, 0
         self.order = self._new_order()
+
+    @property
+    def epoch_size(self) -> int:
+        """Problems per epoch; :class:`PromptStream` uses it to tell when nothing fits."""
+        return len(self.problems)
 
     def _new_order(self) -> list[int]:
         order = list(range(len(self.problems)))
@@ -266,6 +329,130 @@ def render_prompt(problem: Problem, tokenizer, *, instruction: str = DEFAULT_INS
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return Prompt(problem=problem, text=text, ids=tuple(ids))
+
+
+def _check_limit(max_prompt_tokens: int | None) -> None:
+    if max_prompt_tokens is not None and (isinstance(max_prompt_tokens, bool) or max_prompt_tokens < 1):
+        raise ValueError(f"max_prompt_tokens must be a positive integer or None, got {max_prompt_tokens!r}")
+
+
+def _fit_prompt(
+    problem: Problem, tokenizer, *, instruction: str, max_prompt_tokens: int | None
+) -> tuple[Prompt | None, str]:
+    """The rendered prompt, or ``None`` and why it is over the limit.
+
+    A problem over ``MAX_CHARS_PER_TOKEN * max_prompt_tokens`` characters is rejected
+    before the chat template or the tokenizer ever see it."""
+    if max_prompt_tokens is None:
+        return render_prompt(problem, tokenizer, instruction=instruction), ""
+    n_chars, char_cap = len(problem.problem), MAX_CHARS_PER_TOKEN * max_prompt_tokens
+    if n_chars > char_cap:
+        why = f"{n_chars} characters > {MAX_CHARS_PER_TOKEN} x max_prompt_tokens={max_prompt_tokens}, not tokenized"
+        return None, why
+    prompt = render_prompt(problem, tokenizer, instruction=instruction)
+    if len(prompt.ids) > max_prompt_tokens:
+        return None, f"{len(prompt.ids)} tokens > max_prompt_tokens={max_prompt_tokens}"
+    return prompt, ""
+
+
+def _count_too_long(problem: Problem, why: str, report: LoadReport) -> None:
+    report.skipped += 1
+    report.too_long += 1
+    source = f" ({problem.source})" if problem.source else ""
+    log.warning("skipping over-long prompt: problem %r%s: %s", problem.id, source, why)
+
+
+def render_prompts(
+    problems: Iterable[Problem],
+    tokenizer,
+    *,
+    instruction: str = DEFAULT_INSTRUCTION,
+    max_prompt_tokens: int | None,
+    report: LoadReport | None = None,
+) -> list[Prompt]:
+    """Render a fixed set (held-out, eval), skipping prompts over ``max_prompt_tokens``.
+
+    Each skipped problem is logged with its id and counted in ``report.skipped`` and
+    ``report.too_long``. A non-empty set with nothing under the limit is a ``ValueError``:
+    evaluating on nothing would look like a result.
+    """
+    _check_limit(max_prompt_tokens)
+    report = report if report is not None else LoadReport()
+    out, n = [], 0
+    for problem in problems:
+        n += 1
+        prompt, why = _fit_prompt(problem, tokenizer, instruction=instruction, max_prompt_tokens=max_prompt_tokens)
+        if prompt is None:
+            _count_too_long(problem, why, report)
+        else:
+            out.append(prompt)
+    if n and not out:
+        raise ValueError(f"all {n} prompts are longer than max_prompt_tokens={max_prompt_tokens}")
+    return out
+
+
+class PromptStream:
+    """The training stream of prompts: renders each problem of ``problems_iter`` and skips
+    those over ``max_prompt_tokens``, as :func:`render_prompts` does.
+
+    The stream holds no state of its own that the output depends on and draws nothing
+    ahead, so ``state_dict``/``load_state_dict`` are the source's, and a resumed stream
+    continues exactly. Over an endless source a problem comes back every epoch; it is
+    logged and counted once per stream (a set of row digests remembers which).
+
+    Nothing fits under the limit: with a source that has an ``epoch_size`` (a
+    :class:`ListSource` of N rows), ``2N - 1`` skips in a row contain one whole epoch
+    (wherever the streak started), so every row is too long and that raises; with a
+    source of unknown size (``ArithSource``) :data:`MAX_SKIP_STREAK` skips in a row raise.
+    A finite plain iterator simply ends.
+    """
+
+    def __init__(
+        self,
+        problems_iter: Iterable[Problem],
+        tokenizer,
+        *,
+        instruction: str = DEFAULT_INSTRUCTION,
+        max_prompt_tokens: int | None,
+        report: LoadReport | None = None,
+    ):
+        _check_limit(max_prompt_tokens)
+        self.source = problems_iter
+        self._it = iter(problems_iter)
+        self.tokenizer = tokenizer
+        self.instruction = instruction
+        self.max_prompt_tokens = max_prompt_tokens
+        self.report = report if report is not None else LoadReport()
+        epoch = getattr(problems_iter, "epoch_size", None)
+        self._max_streak = 2 * epoch - 1 if epoch else MAX_SKIP_STREAK
+        self._streak_means = f"a whole epoch of the {epoch} rows" if epoch else "a source of unknown size"
+        self._counted: set[bytes] = set()
+
+    def __iter__(self) -> Iterator[Prompt]:
+        return self
+
+    def __next__(self) -> Prompt:
+        for _ in range(self._max_streak):
+            problem = next(self._it)
+            prompt, why = _fit_prompt(
+                problem, self.tokenizer, instruction=self.instruction, max_prompt_tokens=self.max_prompt_tokens
+            )
+            if prompt is not None:
+                return prompt
+            key = hashlib.sha1(f"{problem.id}\0{problem.problem}".encode()).digest()
+            if key not in self._counted:
+                self._counted.add(key)
+                _count_too_long(problem, why, self.report)
+        raise ValueError(
+            f"no prompt fits max_prompt_tokens={self.max_prompt_tokens}: the last {self._max_streak} problems drawn "
+            f"({self._streak_means}) were all too long"
+        )
+
+    def state_dict(self) -> dict:
+        return self.source.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.source.load_state_dict(state)
 
 
 # ----------------------------------------------------------------------------- assembly

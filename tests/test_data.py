@@ -1,7 +1,11 @@
+import contextlib
 import json
+import re
+import signal
 
 import pytest
 
+from bapo import data
 from bapo.data import (
     ArithSource,
     ArithSpec,
@@ -16,6 +20,7 @@ from bapo.data import (
     problem_sources,
     render_prompt,
 )
+from bapo.types import Problem
 
 
 def test_arith_answers_are_right():
@@ -153,3 +158,196 @@ def test_render_prompt_uses_chat_template(tiny_tok):
     assert p.text.startswith("<|im_start|>user\nWhat is 2 + 3?\nPut the final answer in \\boxed{}.")
     assert p.text.endswith("<|im_start|>assistant\n")
     assert tiny_tok.decode(list(p.ids)) == p.text
+
+
+# ----------------------------------------------------------------------------- issue 11: hardening
+# The new API is reached through the module (``data.X``) so that, on the code before the fix,
+# each test fails on its own instead of the whole file failing to import.
+
+
+@contextlib.contextmanager
+def hang_guard(seconds: int = 60):
+    """A generous guard so an endless loop fails the test instead of hanging the suite."""
+
+    def _raise(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, _raise)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+class CountingTokenizer:
+    """The tiny tokenizer, recording the length of every text it is asked to render or encode."""
+
+    def __init__(self, tok):
+        self.tok, self.seen = tok, []
+
+    def apply_chat_template(self, messages, **kw):
+        self.seen.append(sum(len(m["content"]) for m in messages))
+        return self.tok.apply_chat_template(messages, **kw)
+
+    def __call__(self, text, **kw):
+        self.seen.append(len(text))
+        return self.tok(text, **kw)
+
+
+def as_key(p) -> tuple:
+    """A prompt by value, whatever container its ids travel in."""
+    return p.problem, p.text, [int(i) for i in p.ids]
+
+
+def n_tokens(tok, problem: Problem) -> int:
+    return len(render_prompt(problem, tok).ids)
+
+
+def test_jsonl_invalid_utf8_line_is_skipped_with_its_line_number(tmp_path, caplog):
+    f = tmp_path / "d.jsonl"
+    f.write_bytes(
+        b'{"problem": "1+1?", "answer": "2"}\n'
+        b'{"problem": "caf\xe9?", "answer": "1"}\n'  # latin-1 e-acute: not UTF-8
+        b'{"problem": "\xc3\xa9 + 1?", "answer": "3"}\n'  # the same letter in UTF-8 is fine
+    )
+    rep = LoadReport()
+    with caplog.at_level("WARNING"):
+        rows = load_jsonl(f, report=rep)
+    assert [r.problem for r in rows] == ["1+1?", "\u00e9 + 1?"]
+    assert rep.rows == 2 and rep.skipped == 1
+    assert f"{f}:2: invalid UTF-8 (byte 0xe9" in caplog.text
+    assert f"{f}:1" not in caplog.text and f"{f}:3" not in caplog.text
+
+
+def test_jsonl_bom_before_row_1_is_dropped(tmp_path):
+    f = tmp_path / "bom.jsonl"
+    f.write_bytes(b'\xef\xbb\xbf{"problem": "1+1?", "answer": "2"}\r\n{"problem": "2+2?", "answer": "4"}\r\n')
+    rep = LoadReport()
+    rows = load_jsonl(f, report=rep)
+    assert [(r.id, r.problem, r.answer) for r in rows] == [("1", "1+1?", "2"), ("2", "2+2?", "4")]
+    assert rep.skipped == 0
+
+
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        (b"", "is empty"),
+        (b"\n\n", "could not load"),
+        (b'{"problem": "1+1?", "answer": "2"}\nnot json\n', "could not load"),
+    ],
+)
+def test_hub_unreadable_local_file_is_a_value_error_naming_it(tmp_path, content, why):
+    f = tmp_path / "bad.jsonl"
+    f.write_bytes(content)
+    with pytest.raises(ValueError, match=re.escape(str(f)) + ".*" + why):
+        load_hub(str(f), split="train")
+
+
+def test_hub_rows_missing_a_field_stay_per_row_skips(tmp_path):
+    f = tmp_path / "t.jsonl"
+    f.write_text('{"problem": "1+1?", "answer": "2"}\n{"problem": "2+2?", "answer": null}\n')
+    rep = LoadReport()
+    rows = load_hub(str(f), split="train", report=rep)
+    assert [r.problem for r in rows] == ["1+1?"] and rep.rows == 1 and rep.skipped == 1
+
+
+def test_render_prompts_skips_over_long_rows_and_counts_them(tiny_tok, caplog):
+    short, fits = Problem("s", "What is 2 + 3?", "5"), Problem("f", "What is 2 + 3 + 4?", "9")
+    limit = n_tokens(tiny_tok, fits)  # exactly at the limit is allowed
+    long = Problem("l", "What is " + " + ".join(["7"] * 20) + "?", "140")  # under the character cap
+    absurd = Problem("a", "9" * (data.MAX_CHARS_PER_TOKEN * limit + 1), "0")
+    assert n_tokens(tiny_tok, long) > limit and len(long.problem) <= data.MAX_CHARS_PER_TOKEN * limit
+    tok = CountingTokenizer(tiny_tok)
+    rep = LoadReport(rows=4)
+    with caplog.at_level("WARNING"):
+        out = data.render_prompts([short, long, absurd, fits], tok, max_prompt_tokens=limit, report=rep)
+    assert [p.problem.id for p in out] == ["s", "f"]
+    assert as_key(out[0]) == as_key(render_prompt(short, tiny_tok))
+    assert (rep.rows, rep.skipped, rep.too_long) == (4, 2, 2)
+    assert max(tok.seen) < len(absurd.problem)  # the absurd row never reached the template or tokenizer
+    logged = [r.getMessage() for r in caplog.records]
+    assert sum("'l'" in m and "tokens > max_prompt_tokens" in m for m in logged) == 1
+    assert sum("'a'" in m and "not tokenized" in m for m in logged) == 1
+    # no limit: everything is rendered; a bad limit names the key
+    assert len(data.render_prompts([short, long], tiny_tok, max_prompt_tokens=None)) == 2
+    with pytest.raises(ValueError, match="max_prompt_tokens"):
+        data.render_prompts([short], tiny_tok, max_prompt_tokens=0)
+    with pytest.raises(ValueError, match="all 1 prompts are longer"):
+        data.render_prompts([long], tiny_tok, max_prompt_tokens=limit)
+
+
+def long_and_short(tok, n_short: int, n_long: int) -> tuple[list[Problem], int]:
+    """A shuffled-looking mix of problems under and over a limit, and that limit."""
+    short = [Problem(f"s{i}", f"What is {i} + 1?", str(i + 1)) for i in range(n_short)]
+    long = [Problem(f"l{i}", f"What is {i} + " + " + ".join(["7"] * 20) + "?", "0") for i in range(n_long)]
+    limit = max(n_tokens(tok, p) for p in short)
+    assert min(n_tokens(tok, p) for p in long) > limit
+    mixed = [p for pair in zip(long, short, strict=False) for p in pair] + long[len(short) :] + short[len(long) :]
+    return mixed, limit
+
+
+def test_prompt_stream_skips_over_long_rows_and_counts_each_once(tiny_tok, caplog):
+    problems, limit = long_and_short(tiny_tok, n_short=4, n_long=3)
+    rep = LoadReport()
+    stream = data.PromptStream(ListSource(problems, seed=5), tiny_tok, max_prompt_tokens=limit, report=rep)
+    with caplog.at_level("WARNING"), hang_guard():
+        got = [next(stream) for _ in range(12)]  # three epochs of the four short rows
+    # the reference: the same source, filtered by hand
+    ref_src = ListSource(problems, seed=5)
+    ref = [p for p in (next(ref_src) for _ in range(21)) if p.id.startswith("s")]
+    assert [p.problem.id for p in got] == [p.id for p in ref]
+    assert all(len(p.ids) <= limit for p in got) and as_key(got[0]) == as_key(render_prompt(ref[0], tiny_tok))
+    assert (rep.skipped, rep.too_long) == (3, 3)  # each long row once, though drawn every epoch
+    assert sorted(r.getMessage().split("'")[1] for r in caplog.records) == ["l0", "l1", "l2"]
+
+
+def test_prompt_stream_state_round_trip_is_exact(tiny_tok):
+    problems, limit = long_and_short(tiny_tok, n_short=5, n_long=5)
+    stream = data.PromptStream(ListSource(problems, seed=0), tiny_tok, max_prompt_tokens=limit)
+    for _ in range(7):
+        next(stream)
+    state = json.loads(json.dumps(stream.state_dict()))
+    assert state == json.loads(json.dumps(stream.source.state_dict()))
+    after = [next(stream).problem.id for _ in range(9)]
+    resumed = data.PromptStream(ListSource(problems, seed=1), tiny_tok, max_prompt_tokens=limit)
+    resumed.load_state_dict(state)
+    assert [next(resumed).problem.id for _ in range(9)] == after
+
+    # an endless arithmetic source, with a limit between the 2-term and 4-term prompts
+    spec = ArithSpec(min_terms=2, max_terms=4)
+    limit = n_tokens(tiny_tok, Problem("", "What is 10 + 10 + 10?", ""))
+    arith = data.PromptStream(
+        ArithSource(seed=3, split="train", heldout_frac=0.1, spec=spec), tiny_tok, max_prompt_tokens=limit
+    )
+    for _ in range(10):
+        next(arith)
+    state = json.loads(json.dumps(arith.state_dict()))
+    after = [as_key(next(arith)) for _ in range(20)]
+    assert arith.report.too_long > 0 and all(len(ids) <= limit for _, _, ids in after)
+    resumed = data.PromptStream(
+        ArithSource(seed=99, split="train", heldout_frac=0.1, spec=spec), tiny_tok, max_prompt_tokens=limit
+    )
+    resumed.load_state_dict(state)
+    assert [as_key(next(resumed)) for _ in range(20)] == after
+
+
+def test_prompt_stream_with_nothing_under_the_limit_raises(tiny_tok, monkeypatch):
+    problems, limit = long_and_short(tiny_tok, n_short=1, n_long=6)
+    only_long = [p for p in problems if p.id.startswith("l")]
+    stream = data.PromptStream(ListSource(only_long, seed=0), tiny_tok, max_prompt_tokens=limit)
+    with hang_guard(), pytest.raises(ValueError, match=f"max_prompt_tokens={limit}.*whole epoch of the 6 rows"):
+        next(stream)
+    assert stream.report.too_long == 6
+    # one usable row among six long ones: streaks of skips span reshuffled epochs, yet never raise
+    mixed = data.PromptStream(ListSource(problems, seed=0), tiny_tok, max_prompt_tokens=limit)
+    with hang_guard():
+        assert {next(mixed).problem.id for _ in range(100)} == {"s0"}
+    # an endless source of unknown size gives up after MAX_SKIP_STREAK skips in a row
+    monkeypatch.setattr(data, "MAX_SKIP_STREAK", 30)
+    arith = data.PromptStream(
+        ArithSource(seed=0, split="train", heldout_frac=0.1, spec=ArithSpec()), tiny_tok, max_prompt_tokens=3
+    )
+    with hang_guard(), pytest.raises(ValueError, match="last 30 problems.*unknown size"):
+        next(arith)
