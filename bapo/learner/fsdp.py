@@ -18,23 +18,36 @@ throughout on CPU. Activation checkpointing is HF's (non-reentrant) on each deco
 layer. CPU offload is FSDP2's ``CPUOffloadPolicy`` (sharded parameters, gradients
 and optimizer state live on the CPU; useful on GPU only).
 
-Checkpoints are torch.distributed.checkpoint folders: every rank writes its shard,
-and a load reshards, so a run can resume at another world size. The learner's small
-state (LR schedule, skip count, the card's eps) rides along in the same folder.
+Checkpoints are torch.distributed.checkpoint (DCP) folders: every rank writes its shard,
+and a load reshards, so a run can resume at another world size. DCP itself would
+unpickle on load (its ``.metadata`` with ``pickle.load``, non-tensor entries with
+``torch.load(weights_only=False)``), so a checkpoint could run code. Here DCP holds
+tensors only; the learner's small non-tensor state (optimizer hyper-parameters, LR
+schedule, skip count, the card's eps) goes to ``plain.pt`` beside it, read with
+``weights_only=True``; and ``.metadata`` is read by :class:`MetadataUnpickler`, which
+admits DCP's own metadata classes and nothing else, then checked (file names, no
+transforms, no non-tensor entries) before DCP sees it. Inside a checkpoint folder the
+files are also checked against its manifest (:mod:`bapo.checkpoint`), and the loaded
+tensors must be finite. Every failure is a CheckpointError raised on all ranks together.
 """
 
 from __future__ import annotations
 
 import contextlib
-import shutil
-import tempfile
+import copy
+import pickle
+import re
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -43,7 +56,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from bapo.learner.learner import Learner
+from bapo import checkpoint
+from bapo.checkpoint import CheckpointError
+
+if TYPE_CHECKING:  # not at run time: the learner's strategy imports this module
+    from bapo.learner.learner import Learner
 
 MIXED_PRECISION = ("auto", "bf16", "fp32")
 
@@ -116,39 +133,156 @@ def save_hf(model: nn.Module, out: str | Path, *, tokenizer=None, dtype: torch.d
     """Write an HF folder (config + safetensors, and the tokenizer if given) that ``from_pretrained`` loads.
 
     A collective (the weights are gathered); rank 0 writes, under a temporary name renamed
-    into place, so an interrupted export leaves no half-written folder.
+    into place (:func:`bapo.checkpoint.staged_folder`: an interrupted export leaves no half-written
+    folder, and the folder is readable as the umask allows). A failure (a full disk) raises on every rank.
     """
     sd = full_state_dict(model, rank0_only=True)
-    if dist.is_initialized() and dist.get_rank() != 0:
-        dist.barrier()
-        return
-    if dtype is not None:
-        sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+    err = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        if dtype is not None:
+            sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
+        try:
+            with checkpoint.staged_folder(Path(out)) as tmp:
+                model.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(tmp)
+        except Exception as e:
+            err = e
+    _raise_together(err, f"writing {out}")
+
+
+PLAIN = "plain.pt"  # the non-tensor part of the learner's state, beside DCP's files
+TENSOR_REF = "__dcp_tensor__"  # in plain.pt, where a tensor stored by DCP goes back
+
+
+def _split(state: Any, path: str = "", tensors: dict | None = None) -> tuple[dict[str, torch.Tensor], Any]:
+    """``state`` as (flat {path: tensor} for DCP, the rest with ``{TENSOR_REF: path}`` where tensors were)."""
+    tensors = {} if tensors is None else tensors
+    if isinstance(state, torch.Tensor):
+        if path in tensors:
+            raise ValueError(f"two tensors of the learner's state flatten to the same name {path!r}")
+        tensors[path] = state
+        return tensors, {TENSOR_REF: path}
+    if isinstance(state, dict):
+        rest = {k: _split(v, f"{path}.{k}" if path else str(k), tensors)[1] for k, v in state.items()}
+        return tensors, rest
+    if isinstance(state, (list, tuple)):
+        rest = [_split(v, f"{path}.{i}" if path else str(i), tensors)[1] for i, v in enumerate(state)]
+        return tensors, type(state)(rest)
+    return tensors, state
+
+
+def _merge(plain: Any, tensors: dict[str, torch.Tensor], where: Path) -> Any:
+    """Put the loaded tensors back where :func:`_split` took them from."""
+    if isinstance(plain, dict):
+        if set(plain) == {TENSOR_REF}:
+            if plain[TENSOR_REF] not in tensors:
+                raise CheckpointError(f"{where}: names a tensor {plain[TENSOR_REF]!r} this learner does not have")
+            return tensors[plain[TENSOR_REF]]
+        return {k: _merge(v, tensors, where) for k, v in plain.items()}
+    if isinstance(plain, (list, tuple)):
+        return type(plain)(_merge(v, tensors, where) for v in plain)
+    return plain
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a DCP ``.metadata`` file admitting only the classes such a file is made of.
+
+    Anything else (``os.system``, ``builtins.eval``, any other callable) is refused before it can be
+    called: a crafted file fails closed with a CheckpointError naming the file and the refused global.
+    """
+
+    ALLOWED = {
+        "torch.distributed.checkpoint.metadata": {
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",  # parsed so that the refusal can say why (see _check_metadata)
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        },
+        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+        "torch.serialization": {"_get_layout"},  # looks a layout up by name in a fixed table
+        "torch": {"Size"},
+        "pathlib": {"PosixPath", "PurePosixPath"},
+        "collections": {"OrderedDict"},
+    }
+
+    def __init__(self, file, name: Path):
+        super().__init__(file)
+        self.name = name
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in self.ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout)):
+            return getattr(torch, name)
+        raise CheckpointError(f"{self.name}: refused to load global {module}.{name} (not DCP metadata)")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise CheckpointError(f"{self.name}: refused a persistent id (not DCP metadata)")
+
+
+STORAGE_FILE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")  # a plain file name in the DCP folder
+
+
+def read_metadata(path: Path) -> dcp_metadata.Metadata:
+    """The DCP folder's ``.metadata``, unpickled by :class:`MetadataUnpickler` and checked: tensors only,
+    stored in plain files of this folder, with no storage transforms."""
+    f = Path(path) / ".metadata"
     try:
-        model.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-        if dist.is_initialized():
-            dist.barrier()
+        with open(f, "rb") as fh:
+            md = MetadataUnpickler(fh, f).load()
+    except CheckpointError:
+        raise
+    except Exception as e:  # truncated or garbled
+        raise CheckpointError(f"{f}: unreadable ({type(e).__name__}: {e})") from e
+    if type(md) is not dcp_metadata.Metadata:
+        raise CheckpointError(f"{f}: holds a {type(md).__name__}, not DCP Metadata")
+    entries = md.state_dict_metadata if isinstance(md.state_dict_metadata, dict) else {None: None}
+    for key, entry in entries.items():
+        if not isinstance(entry, dcp_metadata.TensorStorageMetadata):
+            raise CheckpointError(
+                f"{f}: entry {key!r} is not a tensor ({type(entry).__name__}); this format keeps non-tensor "
+                f"state in {PLAIN} (a checkpoint written by an older version cannot be loaded safely)"
+            )
+    if not isinstance(md.storage_data, dict):
+        raise CheckpointError(f"{f}: storage_data is not a dict")
+    for idx, info in md.storage_data.items():
+        if not isinstance(idx, dcp_metadata.MetadataIndex) or not isinstance(info, _StorageInfo):
+            raise CheckpointError(f"{f}: storage_data holds {type(idx).__name__} -> {type(info).__name__}")
+        if not isinstance(info.relative_path, str) or not STORAGE_FILE.match(info.relative_path):
+            raise CheckpointError(f"{f}: {idx.fqn!r} is stored in {info.relative_path!r}, not a file of {path}")
+        if info.transform_descriptors:
+            raise CheckpointError(f"{f}: {idx.fqn!r} has storage transforms {info.transform_descriptors!r}")
+    return md
 
 
-def _learner_state(learner: Learner) -> dict:
-    if learner.critic is not None:
-        raise NotImplementedError("DCP checkpoints of a learner with a critic (algo=ppo) are not supported yet")
-    extra = {"scheduler": learner.scheduler.state_dict(), "skipped_updates": learner.skipped_updates}
-    if learner.objective.state is not None:
-        extra["objective"] = learner.objective.state.state_dict()
-    model_sd, optim_sd = get_state_dict(learner.model, learner.optimizer)
-    return {"model": model_sd, "optimizer": optim_sd, "learner": extra}
+class _CheckedReader(FileSystemReader):
+    """DCP's file reader, handed metadata already read by :func:`read_metadata` instead of unpickling it.
+
+    ``read_metadata`` takes no ``**kwargs``: DCP then never falls back to per-rank metadata files.
+    """
+
+    def __init__(self, path: Path, metadata: dcp_metadata.Metadata):
+        super().__init__(path)
+        self._checked = metadata
+
+    def read_metadata(self) -> dcp_metadata.Metadata:
+        md = copy.deepcopy(self._checked)
+        if md.storage_meta is None:
+            md.storage_meta = dcp_metadata.StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+
+class _TensorsOnlyPlanner(DefaultLoadPlanner):
+    """Refuses DCP's non-tensor path, which would ``torch.load(weights_only=False)`` the bytes."""
+
+    def load_bytes(self, read_item, value) -> None:
+        raise CheckpointError(f"refused to unpickle non-tensor DCP entry {read_item.dest_index.fqn!r}")
 
 
 @contextlib.contextmanager
@@ -159,27 +293,120 @@ def _single_process_ok():
         yield
 
 
-def save_checkpoint(learner: Learner, path: str | Path) -> None:
-    """Write the learner (sharded model and AdamW state, schedule, skip count, objective state) to a DCP folder.
+def _raise_together(err: BaseException | None, doing: str, cleanup: Path | None = None) -> None:
+    """Make a failure on any rank a failure on every rank, so that no rank is left waiting in a collective.
 
-    A collective: every rank calls it with the same ``path`` and writes its own shard.
+    ``doing``: "writing <folder>" or "reading <folder>", for the message. ``cleanup``: a partial write
+    that rank 0 removes on failure. A full disk on any rank becomes CheckpointError("no space left on
+    device while writing <folder>"); otherwise a failing rank re-raises its own error, the others a
+    CheckpointError naming that rank.
     """
-    with _single_process_ok():
-        dcp.save(_learner_state(learner), checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    full = err is not None and checkpoint.is_enospc(err)
+    mine = None if err is None else "ENOSPC" if full else f"{type(err).__name__}: {str(err).strip()[-2000:]}"
+    msgs = [mine]
+    if dist.is_initialized():
+        msgs = [None] * dist.get_world_size()
+        dist.all_gather_object(msgs, mine)
+    failed = [(r, m) for r, m in enumerate(msgs) if m is not None]
+    if not failed:
+        return
+    if cleanup is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+        checkpoint.discard_partial(cleanup)
+    if any(m == "ENOSPC" for _, m in failed):
+        gone = "" if cleanup is None else " (removed the partial write)"
+        raise CheckpointError(f"no space left on device while {doing}{gone}") from err
+    if err is not None:
+        raise err
+    rank, msg = failed[0]
+    raise CheckpointError(f"{doing} failed on rank {rank}: {msg}")
 
 
-def load_checkpoint(learner: Learner, path: str | Path) -> None:
-    """Restore what :func:`save_checkpoint` wrote, resharding to the current world size (a collective)."""
-    state = _learner_state(learner)
-    with _single_process_ok():
-        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
-    set_state_dict(
-        learner.model,
-        learner.optimizer,
-        model_state_dict=state["model"],
-        optim_state_dict=state["optimizer"],
-    )
-    extra = state["learner"]
+def save_state(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict) -> None:
+    """Write ``model`` and ``optimizer`` (sharded: every rank its part, as DCP tensors) and ``extra`` (small
+    plain state: numbers, strings, containers, tensors) to the folder ``path``. Optimizer hyper-parameters and
+    ``extra``'s non-tensor values go to ``plain.pt``, rank 0's copy (they are the same on every rank).
+
+    A collective: every rank calls it with the same ``path``. A failure on any rank (a full disk) raises
+    CheckpointError on all of them, after rank 0 removes the partial checkpoint.
+    """
+    path = Path(path)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    tensors, plain = _split({"model": model_sd, "optimizer": optim_sd, "learner": extra})
+    err = None
+    try:
+        with _single_process_ok():
+            dcp.save(tensors, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            checkpoint.write(path / PLAIN, plain)
+    except (Exception, dcp.CheckpointException) as e:  # DCP's is a BaseException; it gathers every rank's
+        err = e
+    _raise_together(err, f"writing {checkpoint.partial_root(path)}", cleanup=path)
+
+
+def load_state(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, verify: bool = True) -> dict:
+    """Restore ``model`` and ``optimizer`` from what :func:`save_state` wrote, resharding to the current world
+    size, and return its ``extra`` (a collective).
+
+    Never unpickles a class (module docstring). ``verify``: first check the files against the manifest of the
+    checkpoint folder around ``path`` (rank 0 hashes, every rank gets the verdict); ``False`` for a bare DCP
+    folder written outside :func:`bapo.checkpoint.save`. Non-finite weights or optimizer moments are refused.
+    """
+    path = Path(path)
+    err, md, plain = None, None, None
+    try:
+        if verify and (not dist.is_initialized() or dist.get_rank() == 0):
+            _verify_files(path)
+        md = read_metadata(path)
+        plain = torch.load(path / PLAIN, map_location="cpu", weights_only=True)
+    except CheckpointError as e:
+        err = e
+    except Exception as e:
+        err = CheckpointError(f"{path / PLAIN}: cannot be read ({type(e).__name__}: {e})")
+    _raise_together(err, f"reading {path}")
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    tensors, _ = _split({"model": model_sd, "optimizer": optim_sd})
+    for key, entry in md.state_dict_metadata.items():  # extra's tensors: whole, as saved
+        if key.startswith("learner."):
+            tensors[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
+    try:
+        with _single_process_ok():
+            reader, planner = _CheckedReader(path, md), _TensorsOnlyPlanner()
+            dcp.load(tensors, storage_reader=reader, planner=planner, no_dist=not dist.is_initialized())
+    except dcp.CheckpointException as e:  # raised on every rank alike (DCP gathers the failures)
+        raise CheckpointError(f"{path}: DCP could not load it into this model and optimizer: {e}") from e
+    try:
+        checkpoint.check_finite(tensors, str(path))
+        state = _merge(plain, tensors, path / PLAIN)
+    except CheckpointError as e:
+        err = e
+    _raise_together(err, f"reading {path}")
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    return state["learner"]
+
+
+def _verify_files(path: Path) -> None:
+    """The DCP folder against the manifest of the checkpoint around it: see :func:`load_state`."""
+    root = next((p for p in (path, path.parent) if (p / checkpoint.MANIFEST).is_file()), None)
+    if root is None:
+        raise CheckpointError(f"{path}: no {checkpoint.MANIFEST} here or in {path.parent} to verify it against")
+    checkpoint.verify(root, only=path)
+
+
+def save_checkpoint(learner: Learner, path: str | Path) -> None:
+    """:func:`save_state` of the learner: policy, AdamW, LR schedule, skip count, objective state."""
+    if learner.critic is not None:
+        raise NotImplementedError("DCP checkpoints of a learner with a critic (algo=ppo) are not supported yet")
+    extra = {"scheduler": learner.scheduler.state_dict(), "skipped_updates": learner.skipped_updates}
+    if learner.objective.state is not None:
+        extra["objective"] = learner.objective.state.state_dict()
+    save_state(path, model=learner.model, optimizer=learner.optimizer, extra=extra)
+
+
+def load_checkpoint(learner: Learner, path: str | Path, *, verify: bool = True) -> None:
+    """Restore what :func:`save_checkpoint` wrote (:func:`load_state`, resharding; a collective)."""
+    if learner.critic is not None:
+        raise NotImplementedError("DCP checkpoints of a learner with a critic (algo=ppo) are not supported yet")
+    extra = load_state(path, model=learner.model, optimizer=learner.optimizer, verify=verify)
     learner.scheduler.load_state_dict(extra["scheduler"])
     learner.skipped_updates = int(extra["skipped_updates"])
     if learner.objective.state is not None:

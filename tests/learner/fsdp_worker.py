@@ -5,17 +5,23 @@ BAPO objective and writes what the test compares to ``$OUT/rank{r}.pt``: the ful
 gradients before the step, the chosen bounds, the metrics, the post-step weights, the
 weights after a further step taken straight on and after a DCP save/load round trip,
 and the gradients with activation checkpointing and CPU offload on. Rank 0 also
-exports an HF folder.
+exports an HF folder. Last, three broken checkpoints (a metadata file carrying a payload,
+a bit-flipped shard that only rank 0 verifies, a full disk on rank 0 only) must each raise
+CheckpointError on *both* ranks: none may hang in a collective while the other fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import os
+import pickle
+import shutil
 from pathlib import Path
 
 import torch
 
-from bapo import dist
+from bapo import checkpoint, dist
 from bapo.algos import surrogate_objective, token_logp
 from bapo.learner import Learner, collate
 from bapo.modeling import load_model
@@ -59,6 +65,59 @@ def full_grads(model) -> dict[str, torch.Tensor]:
     return out
 
 
+class Payload:
+    """Unpickling it calls ``os.system(cmd)``."""
+
+    def __init__(self, cmd: str):
+        self.cmd = cmd
+
+    def __reduce__(self):
+        return (os.system, (self.cmd,))
+
+
+def broken_checkpoints(lrn, out: Path) -> dict[str, str | None]:
+    """The CheckpointError each broken case raised on this rank (None: it raised nothing, a failure)."""
+    from bapo.learner import fsdp
+
+    main, seen = dist.rank() == 0, {}
+    if main:
+        meta, shard = out / "bad_metadata", out / "bad_shard"
+        shutil.copytree(out / "ckpt", meta)
+        (meta / ".metadata").write_bytes(pickle.dumps(Payload(f"touch {out / 'pwned'}")))
+        checkpoint.write_manifest(meta)  # re-signed, as an attacker would
+        shutil.copytree(out / "ckpt", shard)
+        data = bytearray((shard / "__1_0.distcp").read_bytes())
+        data[len(data) // 2] ^= 1
+        (shard / "__1_0.distcp").write_bytes(bytes(data))
+    dist.barrier()
+    for case in ("bad_metadata", "bad_shard"):
+        try:
+            fsdp.load_checkpoint(lrn, out / case)
+            seen[case] = None
+        except checkpoint.CheckpointError as e:
+            seen[case] = str(e)
+    real = checkpoint.write
+
+    def full_disk_on_rank0(path, state):
+        if main:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(path, state)
+
+    checkpoint.write = full_disk_on_rank0
+    tmp = out / "checkpoints" / ".tmp-step_000009"
+    if main:
+        checkpoint.prepare(tmp)
+    dist.barrier()
+    try:
+        fsdp.save_checkpoint(lrn, tmp / "learner")
+        seen["full_disk"] = None
+    except checkpoint.CheckpointError as e:
+        seen["full_disk"] = str(e)
+    finally:
+        checkpoint.write = real
+    return seen
+
+
 def main(out_dir: str, packing: bool, max_tokens: int | None, dtype: str) -> None:
     from bapo.learner import fsdp
 
@@ -81,6 +140,10 @@ def main(out_dir: str, packing: bool, max_tokens: int | None, dtype: str) -> Non
     lrn.optimizer.zero_grad(set_to_none=True)
     after_one = fsdp.full_state_dict(model)
     fsdp.save_checkpoint(lrn, out / "ckpt")
+    dist.barrier()
+    if dist.rank() == 0:  # as bapo.checkpoint.save would, so that the loads below verify it
+        checkpoint.write_manifest(out / "ckpt")
+    dist.barrier()
     straight = lrn.update(mine)
     after_two = fsdp.full_state_dict(model)
     # A fresh learner (new AdamW, new schedule) restored from the checkpoint must take the same second step.
@@ -93,7 +156,9 @@ def main(out_dir: str, packing: bool, max_tokens: int | None, dtype: str) -> Non
     other = load_model(str(TINY)).to(getattr(torch, dtype))
     other = fsdp.wrap(other, device=device, activation_checkpointing=True, cpu_offload=True)
     learner(other).accumulate(mine)
+    broken = broken_checkpoints(lrn, out)
     result = dict(
+        broken=broken,
         metrics=metrics,
         grads=grads,
         grads_ac_offload=full_grads(other),

@@ -2,8 +2,9 @@
 
 One torchrun launch (``fsdp_worker.py``, about 15 s on 2 cores) runs, on each rank's
 shard: packing, a token budget that gives the ranks different numbers of micro-batches,
-BAPO's bound search with its sums all-reduced, an update, a DCP checkpoint round trip,
-and an HF export. The reference is the plain single-process learner, padded, fixed-size
+BAPO's bound search with its sums all-reduced, an update, a DCP checkpoint round trip
+(tensors only in DCP, verified against a manifest), an HF export, and three broken
+checkpoints that must fail on both ranks alike. The reference is the plain single-process learner, padded, fixed-size
 micro-batches. float64, so that any difference beyond summation order is a bug.
 """
 
@@ -103,9 +104,12 @@ def test_dcp_checkpoint_of_two_ranks_resumes_in_one_plain_process(run):
     from bapo.modeling import load_model
 
     out, ranks, _, data = run
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "plain.pt"} <= {p.name for p in (out / "ckpt").iterdir()}
+    md = fsdp_mod.read_metadata(out / "ckpt")  # the restricted unpickler reads a real 2-rank file
+    assert all(type(e).__name__ == "TensorStorageMetadata" for e in md.state_dict_metadata.values())
     model = load_model(str(W.TINY)).double()
     lrn = Learner(model, objective=W.objective(), **W.LEARNER_KW)
-    fsdp_mod.load_checkpoint(lrn, out / "ckpt")  # written by 2 FSDP ranks, resharded to 1 unsharded model
+    fsdp_mod.load_checkpoint(lrn, out / "ckpt")  # written by 2 FSDP ranks, resharded to 1, verified
     assert max_rel(dict(model.state_dict()), ranks[0]["after_one"]) == 0.0
     lrn.update(collate(data, pad_id=0))
     assert max_rel(dict(model.state_dict()), ranks[0]["after_two"]) < 1e-12
@@ -119,3 +123,16 @@ def test_hf_export_loads_with_transformers(run):
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert max_rel(dict(model.state_dict()), ranks[0]["after_resume"]) == 0.0
     assert (out / "export" / "model.safetensors").exists()
+
+
+def test_a_broken_checkpoint_fails_on_every_rank_without_a_hang(run):
+    out, ranks, _, _ = run
+    for r in ranks:
+        assert "refused to load global posix.system" in r["broken"]["bad_metadata"]
+        assert r["broken"]["full_disk"].startswith("no space left on device while writing ")
+        assert ".tmp-step_000009" in r["broken"]["full_disk"]
+    assert not (out / "pwned").exists()
+    # the shard's checksum is checked on rank 0; rank 1 learns the verdict from it
+    assert "__1_0.distcp: checksum mismatch" in ranks[0]["broken"]["bad_shard"]
+    assert ranks[1]["broken"]["bad_shard"].startswith(f"reading {out / 'bad_shard'} failed on rank 0: CheckpointError")
+    assert not (out / "checkpoints" / ".tmp-step_000009").exists()  # rank 0 removed the partial write
