@@ -129,9 +129,11 @@ def _recency(meta: dict, step: int) -> tuple:
 
 
 def _by_recency(ckpt_dir: Path, lineage: str | None, warn: bool = False) -> list[tuple[Path, dict]]:
-    """Checkpoints with a readable meta.json, newest write first, of ``lineage`` only when given."""
+    """``step_*`` folders with a readable meta.json, newest write first, of ``lineage`` only when given."""
     rows = []
-    for step, p in step_dirs(ckpt_dir):
+    folders = [p for p in ckpt_dir.iterdir() if p.is_dir() and STEP_DIR.match(p.name)] if ckpt_dir.is_dir() else []
+    for p in folders:
+        step = int(STEP_DIR.match(p.name).group(1))
         try:
             meta = read_meta(p)
         except CheckpointError as e:
@@ -144,9 +146,9 @@ def _by_recency(ckpt_dir: Path, lineage: str | None, warn: bool = False) -> list
 
 
 def latest(ckpt_dir: Path, lineage: str | None = None) -> Path | None:
-    """The most recently written checkpoint (of ``lineage`` when given), unverified; None if there is none."""
-    rows = _by_recency(ckpt_dir, lineage)
-    return rows[0][0] if rows else None
+    """The most recently written complete-looking checkpoint (of ``lineage`` when given), unverified."""
+    rows = [p for p, _ in _by_recency(ckpt_dir, lineage) if (p / "state.pt").is_file()]
+    return rows[0] if rows else None
 
 
 def latest_intact(ckpt_dir: Path, lineage: str | None = None) -> Path | None:
@@ -266,6 +268,16 @@ def verify(ckpt_path: Path, only: Path | None = None) -> None:
         raise CheckpointError(f"{root / extra[0]}: not in {root / MANIFEST} (not written with this checkpoint)")
     if scope and not any(inside(rel) for rel in files):
         raise CheckpointError(f"{root / scope}: not in {root / MANIFEST}")
+
+
+def verify_part(path: Path) -> None:
+    """Verify one file or sub-folder of a checkpoint against the manifest of the checkpoint around it
+    (``path`` itself, or up to two folders up)."""
+    path = Path(path)
+    root = next((p for p in (path, path.parent, path.parent.parent) if (p / MANIFEST).is_file()), None)
+    if root is None:
+        raise CheckpointError(f"{path}: no {MANIFEST} in it or the two folders above to verify it against")
+    verify(root, only=path)
 
 
 # ---------------------------------------------------------------- writing
@@ -470,14 +482,15 @@ def staged_folder(out: Path) -> Iterator[Path]:
 def load(path: Path, *, verify_checksum: bool = True) -> dict:
     """Read a checkpoint folder's ``state.pt`` (or one file of it) with ``weights_only=True``.
 
-    The file is first checked against the folder's manifest (cheap after :func:`verify` of the same folder).
+    The file is first checked against the manifest of its checkpoint (:func:`verify_part`; cheap after
+    :func:`verify` of the same folder). ``verify_checksum=False`` reads a file outside any checkpoint.
     """
     path = Path(path)
     f = path / "state.pt" if path.is_dir() else path
     if not f.is_file():
         raise CheckpointError(f"{f}: no such checkpoint file")
     if verify_checksum:
-        verify(f.parent, only=f)
+        verify_part(f)
     try:
         state = torch.load(f, map_location="cpu", weights_only=True)
     except Exception as e:

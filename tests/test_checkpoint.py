@@ -188,8 +188,8 @@ def test_dcp_round_trip_keeps_only_tensors_in_dcp_and_restores_everything(tmp_pa
 def test_dcp_extra_state_may_hold_tensors(tmp_path):
     learner = small_learner()
     extra = {"rng": torch.arange(5, dtype=torch.int64), "note": "x", "pair": (1, 2.5)}
-    fsdp.save_state(tmp_path / "d", model=learner.model, optimizer=learner.optimizer, extra=extra)
-    back = fsdp.load_state(tmp_path / "d", model=learner.model, optimizer=learner.optimizer, verify=False)
+    fsdp.save_sharded(tmp_path / "d", model=learner.model, optimizer=learner.optimizer, extra=extra)
+    back = fsdp.load_sharded(tmp_path / "d", model=learner.model, optimizer=learner.optimizer, verify=False)
     assert torch.equal(back["rng"], extra["rng"]) and back["note"] == "x" and back["pair"] == (1, 2.5)
 
 
@@ -266,6 +266,11 @@ def test_load_of_one_file_checks_only_that_file(tmp_path):
     flip_byte(ckpt / "learner" / "__0_0.distcp")  # another file's damage does not stop this read
     assert torch.equal(checkpoint.load(ckpt / "producer_rank0.pt")["cursor"], torch.arange(6))
     assert checkpoint.load(ckpt)["step"] == 3
+    assert checkpoint.load(ckpt / "learner" / "plain.pt")["learner"]["skipped_updates"] == 2  # a sub-folder's file
+    checkpoint.write(tmp_path / "loose.pt", {"a": 1})
+    with pytest.raises(CheckpointError, match="loose.pt: no manifest.json in it or the two folders above"):
+        checkpoint.load(tmp_path / "loose.pt")
+    assert checkpoint.load(tmp_path / "loose.pt", verify_checksum=False) == {"a": 1}
 
 
 def test_fsdp_load_refuses_a_bit_flipped_shard(tmp_path):
@@ -280,14 +285,16 @@ def test_fsdp_load_refuses_a_bit_flipped_shard(tmp_path):
 
 
 def test_latest_intact_skips_a_damaged_newest_checkpoint_with_a_warning(tmp_path, caplog):
-    for step in (1, 2, 3):
+    for step in (1, 2, 3, 4):
         loop_save(tmp_path, step, small_learner())
+    (tmp_path / "step_000004" / "state.pt").unlink()
     flip_byte(tmp_path / "step_000003" / "learner" / "__0_0.distcp")
     with open(tmp_path / "step_000002" / "state.pt", "r+b") as f:
         f.truncate(10)
     with caplog.at_level(logging.WARNING, logger="bapo.checkpoint"):
         assert checkpoint.latest_intact(tmp_path) == tmp_path / "step_000001"
     text = caplog.text
+    assert "skipping damaged checkpoint step_000004" in text and "step_000004/state.pt: missing" in text
     assert "skipping damaged checkpoint step_000003" in text and "__0_0.distcp: checksum mismatch" in text
     assert "skipping damaged checkpoint step_000002" in text and "state.pt: truncated" in text
     assert checkpoint.latest(tmp_path) == tmp_path / "step_000003"  # unverified: just the newest

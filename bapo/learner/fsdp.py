@@ -196,7 +196,7 @@ class MetadataUnpickler(pickle.Unpickler):
         "torch.distributed.checkpoint.metadata": {
             "Metadata",
             "TensorStorageMetadata",
-            "BytesStorageMetadata",  # parsed so that the refusal can say why (see _check_metadata)
+            "BytesStorageMetadata",  # parsed so that read_metadata can refuse it with a reason
             "ChunkStorageMetadata",
             "TensorProperties",
             "MetadataIndex",
@@ -321,7 +321,7 @@ def _raise_together(err: BaseException | None, doing: str, cleanup: Path | None 
     raise CheckpointError(f"{doing} failed on rank {rank}: {msg}")
 
 
-def save_state(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict) -> None:
+def save_sharded(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict) -> None:
     """Write ``model`` and ``optimizer`` (sharded: every rank its part, as DCP tensors) and ``extra`` (small
     plain state: numbers, strings, containers, tensors) to the folder ``path``. Optimizer hyper-parameters and
     ``extra``'s non-tensor values go to ``plain.pt``, rank 0's copy (they are the same on every rank).
@@ -343,8 +343,8 @@ def save_state(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Opt
     _raise_together(err, f"writing {checkpoint.partial_root(path)}", cleanup=path)
 
 
-def load_state(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, verify: bool = True) -> dict:
-    """Restore ``model`` and ``optimizer`` from what :func:`save_state` wrote, resharding to the current world
+def load_sharded(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, verify: bool = True) -> dict:
+    """Restore ``model`` and ``optimizer`` from what :func:`save_sharded` wrote, resharding to the current world
     size, and return its ``extra`` (a collective).
 
     Never unpickles a class (module docstring). ``verify``: first check the files against the manifest of the
@@ -355,7 +355,7 @@ def load_state(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Opt
     err, md, plain = None, None, None
     try:
         if verify and (not dist.is_initialized() or dist.get_rank() == 0):
-            _verify_files(path)
+            checkpoint.verify_part(path)
         md = read_metadata(path)
         plain = torch.load(path / PLAIN, map_location="cpu", weights_only=True)
     except CheckpointError as e:
@@ -384,29 +384,21 @@ def load_state(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Opt
     return state["learner"]
 
 
-def _verify_files(path: Path) -> None:
-    """The DCP folder against the manifest of the checkpoint around it: see :func:`load_state`."""
-    root = next((p for p in (path, path.parent) if (p / checkpoint.MANIFEST).is_file()), None)
-    if root is None:
-        raise CheckpointError(f"{path}: no {checkpoint.MANIFEST} here or in {path.parent} to verify it against")
-    checkpoint.verify(root, only=path)
-
-
 def save_checkpoint(learner: Learner, path: str | Path) -> None:
-    """:func:`save_state` of the learner: policy, AdamW, LR schedule, skip count, objective state."""
+    """:func:`save_sharded` of the learner: policy, AdamW, LR schedule, skip count, objective state."""
     if learner.critic is not None:
         raise NotImplementedError("DCP checkpoints of a learner with a critic (algo=ppo) are not supported yet")
     extra = {"scheduler": learner.scheduler.state_dict(), "skipped_updates": learner.skipped_updates}
     if learner.objective.state is not None:
         extra["objective"] = learner.objective.state.state_dict()
-    save_state(path, model=learner.model, optimizer=learner.optimizer, extra=extra)
+    save_sharded(path, model=learner.model, optimizer=learner.optimizer, extra=extra)
 
 
 def load_checkpoint(learner: Learner, path: str | Path, *, verify: bool = True) -> None:
-    """Restore what :func:`save_checkpoint` wrote (:func:`load_state`, resharding; a collective)."""
+    """Restore what :func:`save_checkpoint` wrote (:func:`load_sharded`, resharding; a collective)."""
     if learner.critic is not None:
         raise NotImplementedError("DCP checkpoints of a learner with a critic (algo=ppo) are not supported yet")
-    extra = load_state(path, model=learner.model, optimizer=learner.optimizer, verify=verify)
+    extra = load_sharded(path, model=learner.model, optimizer=learner.optimizer, verify=verify)
     learner.scheduler.load_state_dict(extra["scheduler"])
     learner.skipped_updates = int(extra["skipped_updates"])
     if learner.objective.state is not None:
