@@ -6,6 +6,10 @@ fast path), some box an equivalent form (decimal for a fraction, "x = 5", "5.0",
 \\dfrac), some box a wrong answer, and some never box. Every measured batch uses
 fresh problems, so no method profits from caches warmed by another.
 
+It also times worker start-up: a fresh verifier scoring one pair that the string
+fast path cannot decide (so a worker must start and answer), then the same after
+``close()`` (a restart, which is what replacing a killed worker costs).
+
     python scripts/bench_reward.py [--workers 2] [--batches 3]
 """
 
@@ -88,6 +92,19 @@ def timed(fn) -> tuple[float, object]:
     return time.perf_counter() - start, out
 
 
+def startup(workers: int, timeout_s: float, restarts: int = 3) -> tuple[float, list[float]]:
+    """Seconds to the first verdict on a fresh verifier, and after each of ``restarts`` close() calls."""
+    pair = ([r"\boxed{0.5}"], [r"\frac12"])  # equal, but only math-verify can tell
+    verifier = MathVerifier(num_workers=workers, timeout_s=timeout_s)
+    first, _ = timed(lambda: verifier.score(*pair))
+    again = []
+    for _ in range(restarts):
+        verifier.close()
+        again.append(timed(lambda: verifier.score(*pair))[0])
+    verifier.close()
+    return first, again
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=2)
@@ -96,6 +113,10 @@ def main() -> None:
     args = parser.parse_args()
     batches = make_batches(3 * args.batches + 1)
     size = len(batches[0][0])
+
+    first, again = startup(args.workers, args.timeout_s)
+    print(f"start-up of {args.workers} workers to the first verdict: {first:.3f} s")
+    print(f"restart after close(): {' '.join(f'{t:.3f}' for t in again)} s")
 
     with MathVerifier(num_workers=args.workers, timeout_s=args.timeout_s) as pool:
         cold, (_, stats) = timed(lambda: pool.score(*batches[0]))  # includes starting the workers

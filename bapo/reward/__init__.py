@@ -1,20 +1,14 @@
 """Reward stage: extract the final answer from a response and check it against the gold answer.
 
 ``score_math(response, answer)`` is the one-call API. ``MathVerifier`` scores batches
-with a pool of worker processes and returns ``reward/...`` stats for the logger.
+with a pool of worker subprocesses and returns ``reward/...`` stats for the logger.
 ``overlong_penalty`` is DAPO's length shaping, added to the reward by the loop.
 """
 
 from bapo.reward.extract import extract_answer, last_boxed, last_number
+from bapo.reward.pool import Grade, MathVerifier, RewardStats, score_math
 from bapo.reward.shaping import overlong_penalty
-from bapo.reward.verify import (
-    Grade,
-    MathVerifier,
-    RewardStats,
-    is_equivalent,
-    normalize_answer,
-    score_math,
-)
+from bapo.reward.verify import is_equivalent, normalize_answer
 
 __all__ = [
     "Grade",

@@ -1,5 +1,7 @@
 """Answer extraction: the last box, and the no-box fallbacks."""
 
+import time
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -146,3 +148,18 @@ def test_last_boxed_property(prefix, content, suffix):
 def test_extract_never_raises(text, fallback):
     got = extract_answer(text, fallback=fallback)
     assert got is None or (isinstance(got, str) and got == got.strip())
+
+
+# Long runs of what the extraction regexes look for: each must be scanned in linear time
+# (a hang guard; they take milliseconds), since extraction runs in the trainer, untimed.
+_RUNS = ["0", "1,", " ", "\\", "{", "}", "\\frac{", "\\boxed{", "\\boxed", "$", "answer is ", "\n", "\\[", "1/", "-"]
+
+
+@pytest.mark.parametrize("run", _RUNS)
+@pytest.mark.parametrize("fallback", FALLBACKS)
+def test_extraction_is_linear_on_long_runs(run, fallback):
+    text = "x" + run * (40_000 // len(run)) + "x"
+    start = time.monotonic()
+    extract_answer(text, fallback=fallback)
+    extract_answer("\\boxed{" + text, fallback=fallback)
+    assert time.monotonic() - start < 5.0

@@ -1,10 +1,6 @@
 """Verification: normalisation, equivalence, the worker pool, and agreement with labelled data."""
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -342,105 +338,32 @@ def test_huge_integer_does_not_raise():
     assert verify_pair(big + "1", big, 2.0)[0] is False
 
 
+def test_leading_zeros_and_signs():
+    assert [normalize_answer(x) for x in ["000", "-00", "-0033", "0033x", "-"]] == ["0", "0", "-33", "0033x", "-"]
+
+
+# Each used to make a regex in normalisation backtrack quadratically (times measured before
+# the fix, at 100k characters, in the comments). Linear now: milliseconds. The bound is a hang guard.
+SLOW_BEFORE = [
+    "0" * 100_000 + "x",  # (-?)0*(\d+): 73 s
+    r"\boxed{" + "0" * 100_000 + "x}",  # the same, reached through the box
+    "90^" + " " * 100_000 + "x",  # \^\s*\{?\s*\\circ: 20 s
+    "^" + "\n" * 100_000 + "x",  # the same, with newlines: 24 s
+]
+
+
+@pytest.mark.parametrize("s", SLOW_BEFORE, ids=["zeros", "boxed zeros", "degree spaces", "degree newlines"])
+def test_normalisation_is_linear_on_long_runs(s):
+    start = time.monotonic()
+    normalize_answer(s)
+    assert time.monotonic() - start < 5.0
+
+
 def test_verify_pair_reports_timeout():
     start = time.monotonic()
     ok, timed_out = verify_pair("9^{9^{9^{9}}}", "1", 0.5)
     assert (ok, timed_out) == (False, True)
     assert time.monotonic() - start < 5.0
-
-
-# --------------------------------------------------------------- the pool
-
-
-def crashing_judge(pred, gold, timeout_s):
-    """Dies like a segfault or a hard exit on marked inputs; otherwise the real check."""
-    if pred == "exit":
-        os._exit(3)
-    if pred == "segv":
-        os.kill(os.getpid(), signal.SIGSEGV)
-    if pred == "hang":  # stuck where the alarm cannot reach, like a long C call
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
-        time.sleep(60)
-    return verify_pair(pred, gold, timeout_s)
-
-
-def test_pathological_input_times_out():
-    with MathVerifier(num_workers=1, timeout_s=1.0) as v:
-        start = time.monotonic()
-        rewards, stats = v.score([r"So the answer is $\boxed{9^{9^{9^{9}}}}$.", r"\boxed{0.5}"], ["1", r"\frac12"])
-        elapsed = time.monotonic() - start
-    assert rewards == [0.0, 1.0]
-    assert stats["reward/timeouts"] == 1
-    assert elapsed < 10.0
-
-
-@pytest.mark.parametrize("marker, timed_out", [("exit", 0), ("segv", 0), ("hang", 1)])
-def test_worker_failure_is_contained(marker, timed_out):
-    responses = [
-        r"\boxed{0.5}",
-        r"\boxed{" + marker + "}",
-        r"\boxed{\frac{2}{4}}",
-        r"\boxed{0.25}",
-        r"\boxed{3}",
-    ]
-    answers = [r"\frac12", "1", r"\frac12", r"\frac12", "3"]
-    with MathVerifier(num_workers=1, timeout_s=1.0, hard_timeout_s=2.0, chunk_size=8, judge=crashing_judge) as v:
-        start = time.monotonic()
-        rewards, stats = v.score(responses, answers)
-        assert time.monotonic() - start < 15.0
-        assert rewards == [1.0, 0.0, 1.0, 0.0, 1.0]
-        assert stats["reward/worker_failures"] == 1
-        assert stats["reward/timeouts"] == timed_out
-        # The replacement worker keeps scoring.
-        rewards, stats = v.score([r"\boxed{0.75}", r"\boxed{1}"], [r"\frac34", "2"])
-        assert rewards == [1.0, 0.0]
-        assert stats["reward/worker_failures"] == 0
-        procs = [w.proc for w in v._workers]
-    assert all(w is None for w in v._workers) and not any(p.is_alive() for p in procs)  # closed on exit
-
-
-def test_pool_reuse_close_and_restart():
-    v = MathVerifier(num_workers=2, timeout_s=2.0, chunk_size=2)
-    batch = ([r"\boxed{0.5}"] * 3 + [r"\boxed{\frac{1}{3}}"] * 3, [r"\frac12"] * 6)
-    first = v.score(*batch)
-    pids = {w.proc.pid for w in v._workers if w is not None}
-    second = v.score(*batch)
-    assert {w.proc.pid for w in v._workers if w is not None} == pids  # reused, not restarted
-    assert first[0] == second[0] == [1.0] * 3 + [0.0] * 3
-    assert first[1]["reward/verified"] == 6
-    v.close()
-    assert all(w is None for w in v._workers)
-    assert v.score(*batch)[0] == first[0]  # a closed verifier starts again on demand
-    v.close()
-
-
-def test_mismatched_lengths_and_bad_settings():
-    with pytest.raises(ValueError, match="2 responses but 1 answers"):
-        MathVerifier(num_workers=0).score(["a", "b"], ["a"])
-    with pytest.raises(ValueError, match="fallback"):
-        MathVerifier(fallback="first_line")
-    with pytest.raises(ValueError, match="start_method"):
-        MathVerifier(start_method="fork")
-    with pytest.raises(ValueError, match="timeout_s"):
-        MathVerifier(timeout_s=0)
-
-
-def test_score_math_in_fresh_interpreter():
-    code = (
-        "from bapo.reward import score_math\n"
-        "r = [score_math(r'So $x = \\boxed{\\dfrac{1}{2}}$.', '0.5'), score_math('\\\\boxed{3}', '4'),"
-        " score_math('no box 4', '4')]\n"
-        "print(repr(r), all(type(x) is float for x in r))\n"
-    )
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[1.0, 0.0, 0.0] True"
-
-
-def test_score_math_returns_float():
-    assert score_math(r"The answer is $\boxed{\frac{\pi}{2}}$.", r"\frac{\pi}{2}") == 1.0
-    assert score_math(r"The answer is $\boxed{\pi}$.", r"\frac{\pi}{2}") == 0.0
 
 
 # --------------------------------------------------------------- labelled data
