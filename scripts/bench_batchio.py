@@ -9,7 +9,7 @@ data is bulk-handled, each timed once:
 
 - collate: ``bapo.learner.batching.collate`` (tensors) against the legacy collate below, which
   is what the code did with tuples: ``torch.tensor(tuple)`` per row and field;
-- gather (2 ranks): 2 gloo processes (1 torch thread each, started here torchrun-style) gather
+- gather (2 ranks): 2 gloo processes (forked, with torchrun's variables, 1 torch thread each) gather
   their rollout shares: ``bapo.batches.gather_batch`` (flat tensors) against
   ``torch.distributed.all_gather_object`` of the tuple-based share (pickled Python objects);
   the time of a stage is its slower rank's;
@@ -18,9 +18,14 @@ data is bulk-handled, each timed once:
   ``torch.load(weights_only=True)`` (the old ``write``). Neither side checks a manifest here:
   checksums cost the same for both and are not what changed.
 
-The before path is slow at full scale (tens of millions of boxed floats through the pure-Python
-``weights_only`` unpickler), so ``--before-scale`` can time it on fewer prompts; ratios are then
-taken at that equal scale and the after path is timed at ``--scale`` as well (both printed).
+The before path is slow at full scale (tens of millions of boxed numbers through ``to_plain``, pickle
+and the pure-Python ``weights_only`` unpickler): on the 2-core machine scale 1.0 takes about 5.5
+minutes in all, 4 of them in the before path, and 3.5 GiB here plus 3 GiB per rank; with
+``--critic`` the before path takes about twice as long. ``--before-scale`` times it on fewer
+prompts; ratios are then taken at that equal scale and the after path is timed at ``--scale`` as
+well (both printed). A scale whose estimated peak memory does not fit is lowered to the largest
+that does, with a note.
+
 The script also checks that both paths produce the same numbers (collated batches, gathered
 batches, checkpoint round trips) and exits 1 if any differs; ``--dump`` writes rank 0's gathered
 batches (before, after and the source) for an outside check.
@@ -59,9 +64,11 @@ VERSION = 7
 PER_TOKEN = ("response_ids", "logp")  # Sample's per-token fields; ScoredSample's are TOKEN_EXTRAS + token_adv
 SCORED_PER_TOKEN = ("token_adv", *TOKEN_EXTRAS)
 STAGES = ("collate", "gather (2 ranks)", "checkpoint write", "checkpoint read")
-# Peak resident memory per response token at --critic, measured at scale 0.25: the main process keeps both
-# collated batches for the identity check, the ranks hold a whole gathered batch in each representation.
-BYTES_PER_TOKEN = {False: 330, True: 560}
+# Peak resident memory of the whole run per response token, with and without --critic, from runs at scale 1
+# (2 ranks of 3.0 GiB; this process 3.5 GiB) and 0.25 (this process ~590 B a token with --critic), plus a margin.
+# This process keeps both collated batches for the identity check; a rank holds a whole gathered batch in each
+# representation (the critic's fields are not gathered).
+BYTES_PER_TOKEN = {False: 400, True: 650}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,6 +5,7 @@ batches (tuple path, tensor path and the source they were gathered from) is comp
 independently, token for token and log-prob for log-prob.
 """
 
+import importlib.util
 import math
 import subprocess
 import sys
@@ -16,6 +17,18 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "bench_batchio.py"
 STAGES = ("collate", "gather (2 ranks)", "checkpoint write", "checkpoint read", "checkpoint bytes")
+
+
+def _load_bench():
+    # scripts/ is not a package; load the file itself (a tests/scripts package would shadow it)
+    spec = importlib.util.spec_from_file_location("bapo_bench_batchio", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load_bench()
 
 
 @pytest.fixture(scope="module")
@@ -79,3 +92,14 @@ def test_tensor_gather_equals_tuple_gather(quick_run):
     assert (after["logp"] <= 0).all() and after["logp"].unique().numel() > 100  # real log-probs, not zeros
     assert after["texts"] == before["texts"] == source["texts"]
     assert all(t.endswith(" ∎") for t in after["texts"])  # non-ASCII text survived the UTF-8 round trip
+
+
+def test_scale_is_lowered_to_what_fits_in_memory(monkeypatch):
+    paper_tokens = 4096 * 8193 / 2  # the expected response tokens at scale 1
+    need = paper_tokens * bench.BYTES_PER_TOKEN[False]
+    monkeypatch.setattr(bench, "mem_available", lambda: int(need / 0.8 * 10))
+    assert bench.fit_scale(bench.PAPER, 1.0, False) == (1.0, "")
+    monkeypatch.setattr(bench, "mem_available", lambda: int(need / 0.8 / 4 * 1.001))  # a quarter of what scale 1 needs
+    scale, why = bench.fit_scale(bench.PAPER, 1.0, False)
+    assert scale == 0.25 and "running at scale 0.25" in why
+    assert bench.fit_scale(bench.PAPER, 1.0, True)[0] < 0.25  # the critic's fields need more
