@@ -111,7 +111,7 @@ def make_step(shape: Shape, *, critic: bool, seed: int = 0) -> tuple[tuple[Promp
     scored = []
     for i, n in enumerate(lengths.tolist()):
         group = i // shape.responses
-        # a clone per field: a real sample's tensors have their own storage, not views of one big one
+        # every field its own tensor, as in a real sample (views would share one storage, which torch.save writes once)
         sample = Sample(
             prompt=prompts[group],
             group=group,
