@@ -2,6 +2,7 @@
 
     python eval.py checkpoint=outputs/<date>/<run> eval=[aime24,aime25,math500] k=16 temperature=0.6 top_p=0.95
     python eval.py model=smollm2_135m eval=gsm8k k=4 eval.limit=50
+    .venv-vllm/bin/python eval.py rollout=vllm eval=arith k=2 eval.limit=8
 
 Writes results.json, results.md and samples_<set>.jsonl to the run folder
 (outputs/eval/<date>/<time>). This is evaluation's composition root, as
@@ -10,6 +11,7 @@ and the training verifier) and hands them to bapo/evaluate.py.
 """
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -28,7 +30,7 @@ def run(cfg: DictConfig, run_dir) -> dict:
     from bapo import evaluate as ev
     from bapo.modeling import load_model, load_tokenizer, model_path, pick_device
     from bapo.reward import MathVerifier
-    from bapo.rollout import HFRollout
+    from bapo.rollout import build_rollout
 
     log = logging.getLogger("eval")
     job = ev.build_job(cfg)
@@ -37,15 +39,20 @@ def run(cfg: DictConfig, run_dir) -> dict:
     sets = {name: ev.load_evalset(s, limit=job.run.limit) for name, s in job.sets.items()}  # fail before loading
     m, r = job.model, job.run
     path = (
-        ev.resolve_checkpoint(r.checkpoint) if r.checkpoint else model_path(m.name_or_path, m.gguf_package, m.gguf_file)
+        ev.resolve_checkpoint(r.checkpoint)
+        if r.checkpoint
+        else model_path(m.name_or_path, m.gguf.package if m.gguf else None, m.gguf.file if m.gguf else None)
     )
     log.info("model %s; sets %s", path, {name: len(p) for name, p in sets.items()})
     tok = load_tokenizer(path, trust_remote_code=m.trust_remote_code)
-    model = load_model(path, dtype=m.dtype, device=pick_device(r.device), trust_remote_code=m.trust_remote_code)
-    rollout = HFRollout(
-        model, tok, n=r.k, temperature=r.temperature, top_p=r.top_p,
-        max_new_tokens=r.max_new_tokens, batch_size=job.batch_size,
-    )  # fmt: skip
+    model = None  # vLLM loads the checkpoint itself
+    if job.engine == "hf":
+        model = load_model(path, dtype=m.dtype, device=pick_device(r.device), trust_remote_code=m.trust_remote_code)
+    # evaluation records no log-probs, so nucleus sampling (top_p < 1) is allowed here
+    engine_cfg = SimpleNamespace(**OmegaConf.to_container(cfg.rollout, resolve=True))
+    rollout = build_rollout(
+        engine_cfg, path=path, tokenizer=tok, model=model, dtype=m.dtype, seed=r.seed, top_p=r.top_p, logprobs=False
+    )
     config = OmegaConf.to_container(cfg, resolve=True) | {"model_path": path}
     results = {}
     with MathVerifier(
@@ -69,5 +76,5 @@ def main(cfg: DictConfig) -> None:
     run(cfg, HydraConfig.get().runtime.output_dir)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # vLLM's engine may spawn processes that re-import this file
     main()

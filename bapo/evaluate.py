@@ -245,7 +245,7 @@ class EvalJob:
     model: ModelConfig
     reward: RewardConfig
     engine: str
-    batch_size: int
+    batch_size: int | None
     sets: dict[str, EvalSetConfig]
 
 
@@ -267,19 +267,15 @@ def build_job(cfg: DictConfig) -> EvalJob:
         )
     rollout = plain["rollout"]
     _choice(rollout["engine"], "rollout.engine", ("hf", "vllm"))
-    _require(
-        rollout["engine"] == "hf",
-        "rollout.engine",
-        "the vLLM engine is not in this build yet; evaluate with rollout=hf",
-    )
-    _require(rollout["batch_size"] > 0, "rollout.batch_size", "must be > 0")
+    if rollout["engine"] == "hf":
+        _require(rollout["batch_size"] > 0, "rollout.batch_size", "must be > 0")
     sets = {name: _typed(f"eval.{name}", node | {"name": name}, EvalSetConfig) for name, node in chosen.items()}
     return EvalJob(
         run=run,
         model=_typed("model", plain["model"], ModelConfig),
         reward=_typed("reward", plain["reward"], RewardConfig),
         engine=rollout["engine"],
-        batch_size=rollout["batch_size"],
+        batch_size=rollout.get("batch_size"),  # hf only
         sets=sets,
     )
 

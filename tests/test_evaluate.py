@@ -139,8 +139,8 @@ def test_arith_set_is_the_training_heldout_set():
         (["top_p=0"], "top_p"),
         (["eval.limit=0"], "eval.limit"),
         (["maj_max_distinct=0"], "maj_max_distinct"),
-        (["rollout=vllm"], "rollout.engine"),
-        (["model=qwen7b"], "rollout.engine"),
+        (["rollout.engine=tgi"], "rollout.engine"),
+        (["rollout.batch_size=0"], "rollout.batch_size"),
         (["eval.arith.kind=csv"], "eval.arith.kind"),
         (["eval.arith.arith.size=0"], "eval.arith.arith.size"),
         (["eval=aime24", "eval.aime24.path=null"], "eval.aime24.path"),
@@ -152,6 +152,12 @@ def test_arith_set_is_the_training_heldout_set():
 def test_bad_values_name_the_key(overrides, key):
     with pytest.raises(ConfigError, match="^" + re.escape(key) + ":"):
         build_job(_cfg(overrides))
+
+
+def test_vllm_engine_composes():
+    """eval.py rollout=vllm builds the vLLM engine (bapo.rollout.build_rollout); model=qwen7b picks it."""
+    assert build_job(_cfg(["rollout=vllm"])).engine == "vllm"
+    assert build_job(_cfg(["model=qwen7b"])).engine == "vllm"
 
 
 def test_bad_checkpoint_names_the_key(tmp_path):

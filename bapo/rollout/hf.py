@@ -1,32 +1,44 @@
-"""HF transformers generation engine (the CPU path).
+"""HF transformers generation engine (the CPU path, and single-GPU runs without vLLM).
 
-Samples ``n`` responses per prompt with ``model.generate`` and the KV cache, and
-returns, for each response, the token ids, the behaviour log-probabilities of
-the sampled tokens and the policy version of the weights that produced them.
+Samples ``n`` responses per prompt and returns, for each, the token ids, the behaviour
+log-probabilities of the sampled tokens and the policy version of the weights that produced
+them. Two decode paths (``decode=``, see :mod:`bapo.rollout.decode`): ``"lean"``, a sampling
+loop over the model's forward (the default: about twice HF ``generate``'s tokens/s on the
+tiny model), and ``"generate"``, HF ``generate`` as a fallback. Both sample plain
+softmax(logits / T), ignoring the checkpoint's generation defaults, stop at the first of the
+tokenizer's and the checkpoint's eos ids, and give the same samples for the same seed.
 
-The behaviour log-probability is taken under the sampling distribution
-softmax(logits / temperature), which is what the learner recomputes. top-k is
-off; with ``top_p < 1`` the sampled tokens come from the nucleus, but their
-recorded log-probabilities are still those of the full tempered distribution
-(as verl and vLLM's default logprobs do).
+The behaviour log-probability is taken under softmax(logits / temperature), which is what
+the learner recomputes, one step at a time (never the batch's ``[B, T, V]`` logits). top-k is
+off. ``top_p < 1`` samples from the nucleus, whose log-probs are not the learner's, so it is
+refused unless the engine is built with ``logprobs=False`` (evaluation); such an engine's
+samples carry NaN log-probs.
 
-The engine owns its own copy of the weights: the learner pushes new weights in
-with :meth:`update_weights`, so between two syncs the engine keeps generating
-with the older policy, exactly as an off-policy engine on another device would.
+Prompts are grouped by length before they are cut into batches of ``batch_size`` sequences, so
+that a batch pads little; samples come back in prompt order.
+
+The engine owns its own copy of the weights: the learner pushes new weights in with
+:meth:`load_weights`, so between two syncs the engine keeps generating with the older policy,
+exactly as an off-policy engine on another device would.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
+from bapo.config import ConfigError
+from bapo.rollout.base import EngineBase, check_top_p, make_sample, pad_id_of, stop_ids_of
+from bapo.rollout.decode import generate_decode, lean_decode
 from bapo.types import Prompt, Sample
 
+DECODERS = {"lean": lean_decode, "generate": generate_decode}
 
-class HFRollout:
-    """Batched sampling with HF ``generate``."""
+
+class HFRollout(EngineBase):
+    """Batched sampling with the lean loop or HF ``generate``."""
 
     def __init__(
         self,
@@ -35,10 +47,15 @@ class HFRollout:
         *,
         n: int,
         temperature: float = 1.0,
-        top_p: float = 1.0,
         max_new_tokens: int = 64,
         batch_size: int = 128,
+        decode: str = "lean",
+        top_p: float = 1.0,
+        logprobs: bool = True,
     ):
+        check_top_p(top_p, logprobs)
+        if decode not in DECODERS:
+            raise ConfigError(f"rollout.decode: must be one of {list(DECODERS)}, got {decode!r}")
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.n = n
@@ -46,16 +63,18 @@ class HFRollout:
         self.top_p = top_p
         self.max_new_tokens = max_new_tokens
         self.batch_size = batch_size
+        self.decode = decode
+        self.logprobs = logprobs
         self.version = 0
-        self.eos_id = tokenizer.eos_token_id
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
+        self.pad_id = pad_id_of(tokenizer)
+        self.stop_ids = stop_ids_of(tokenizer, getattr(model, "generation_config", None))
         self.device = next(model.parameters()).device
 
     @torch.no_grad()
-    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> float:
+    def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> float:
         """Load the learner's weights; returns the seconds it took."""
         t0 = time.perf_counter()
-        self.model.load_state_dict(state_dict, strict=True)
+        self.model.load_state_dict(weights, strict=True)
         self.version = version
         return time.perf_counter() - t0
 
@@ -73,61 +92,44 @@ class HFRollout:
         n = self.n if n is None else n
         temperature = self.temperature if temperature is None else temperature
         per_call = max(1, self.batch_size // n)
-        out: list[Sample] = []
-        for start in range(0, len(prompts), per_call):
-            chunk = prompts[start : start + per_call]
-            out.extend(self._generate_chunk(chunk, start, n, temperature))
-        return out
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i].ids))  # stable: ties keep prompt order
+        out: list[Sample | None] = [None] * (len(prompts) * n)
+        for start in range(0, len(order), per_call):
+            chunk = order[start : start + per_call]
+            for row, sample in enumerate(self._generate_chunk([prompts[i] for i in chunk], chunk, n, temperature)):
+                out[chunk[row // n] * n + row % n] = sample
+        return out  # type: ignore[return-value]
 
-    @torch.no_grad()
-    def _generate_chunk(self, prompts: Sequence[Prompt], group0: int, n: int, temperature: float) -> list[Sample]:
+    def _generate_chunk(
+        self, prompts: Sequence[Prompt], groups: Sequence[int], n: int, temperature: float
+    ) -> list[Sample]:
         width = max(len(p.ids) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)  # [B, P]
         attn = torch.zeros_like(ids)
         for i, p in enumerate(prompts):  # left padding
             ids[i, width - len(p.ids) :] = torch.tensor(p.ids)
             attn[i, width - len(p.ids) :] = 1
-        greedy = temperature <= 0
-        gen = self.model.generate(
-            input_ids=ids.to(self.device),
-            attention_mask=attn.to(self.device),
-            do_sample=not greedy,
-            temperature=None if greedy else temperature,
-            top_p=None if greedy else self.top_p,
-            top_k=None,
+        tokens, logp = DECODERS[self.decode](
+            self.model,
+            ids.to(self.device),
+            attn.to(self.device),
+            n=n,
             max_new_tokens=self.max_new_tokens,
-            num_return_sequences=n,
-            eos_token_id=self.eos_id,
-            pad_token_id=self.pad_id,
-            output_logits=True,
-            return_dict_in_generate=True,
+            temperature=temperature,
+            top_p=self.top_p,
+            stop_ids=self.stop_ids,
+            pad_id=self.pad_id,
         )
-        new = gen.sequences[:, width:].cpu()  # [B*n, T]
-        scale = 1.0 if greedy else temperature
-        # one step at a time: never materialise [B*n, T, V] (vocabularies of real models are large)
-        logp = torch.stack(
-            [
-                torch.log_softmax(step.float() / scale, dim=-1).gather(-1, new[:, t : t + 1].to(step.device))[:, 0]
-                for t, step in enumerate(gen.logits)
-            ],
-            dim=1,
-        ).cpu()  # [B*n, T]
-        samples = []
-        for row in range(new.shape[0]):
-            toks = new[row].tolist()
-            end = toks.index(self.eos_id) + 1 if self.eos_id in toks else len(toks)
-            truncated = self.eos_id not in toks
-            resp = toks[:end]
-            prompt = prompts[row // n]
-            samples.append(
-                Sample(
-                    prompt=prompt,
-                    group=group0 + row // n,
-                    response_ids=tuple(resp),
-                    logp=tuple(logp[row, :end].tolist()),
-                    text=self.tokenizer.decode(resp, skip_special_tokens=True),
-                    version=self.version,
-                    truncated=truncated,
-                )
+        tokens, logp = tokens.cpu(), logp.cpu()  # [B*n, T] each
+        return [
+            make_sample(
+                prompts[row // n],
+                groups[row // n],
+                tokens[row],
+                logp[row] if self.logprobs else None,
+                self.stop_ids,
+                self.version,
+                self.tokenizer,
             )
-        return samples
+            for row in range(tokens.shape[0])
+        ]

@@ -9,8 +9,12 @@ Log-probabilities. vLLM's default ``raw_logprobs`` are taken *before* temperatur
 recomputes log-probs under softmax(logits / T). So the engine runs with
 ``logprobs_mode="processed_logprobs"``: the log-prob of each sampled token (``logprobs=0``)
 under the tempered distribution, as HF does. vLLM's processed log-probs are also renormalised
-over the top-p nucleus, which HF's and the learner's are not, so ``top_p < 1`` is refused here
-rather than giving importance ratios that are off by the nucleus mass.
+over the top-p nucleus, which the learner's are not, so ``top_p < 1`` is refused unless the
+engine is built with ``logprobs=False`` (evaluation: no log-probs are requested, samples carry NaN).
+
+Sampling ignores the checkpoint's generation defaults (``generation_config="vllm"``: no
+penalties, no top-k), as the HF engine does. A response ends at the first of the tokenizer's
+and the checkpoint's eos ids (:func:`bapo.rollout.base.stop_ids_of`).
 
 Weight sync. The learner's state dict is written as safetensors into a private folder and
 the workers reload it in place with ``collective_rpc("reload_weights")``. A direct
@@ -31,12 +35,13 @@ import shutil
 import tempfile
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
 
 from bapo.config import ConfigError
+from bapo.rollout.base import EngineBase, check_top_p, make_sample, pad_id_of, stop_ids_of
 from bapo.types import Prompt, Sample
 
 # Read by vLLM at import time. In-process engine core: start-up drops from ~17 s to ~3 s on
@@ -59,6 +64,17 @@ def _import_vllm():
     return vllm
 
 
+def checkpoint_generation_config(path: str):
+    """The checkpoint's ``generation_config.json``, else the defaults its ``config.json`` implies
+    (what ``from_pretrained`` gives the HF engine's model)."""
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except OSError:
+        return GenerationConfig.from_model_config(AutoConfig.from_pretrained(path))
+
+
 def _repack_lm_head(worker) -> bool:
     """Runs inside each worker: rebuild the CPU GEMM's packed copy of the output layer."""
     head = getattr(worker.model_runner.get_model(), "lm_head", None)
@@ -68,7 +84,7 @@ def _repack_lm_head(worker) -> bool:
     return True
 
 
-class VLLMRollout:
+class VLLMRollout(EngineBase):
     """Batched sampling with vLLM's offline engine."""
 
     def __init__(
@@ -78,7 +94,6 @@ class VLLMRollout:
         *,
         n: int,
         temperature: float = 1.0,
-        top_p: float = 1.0,
         max_new_tokens: int = 64,
         gpu_memory_utilization: float = 0.5,
         tensor_parallel_size: int = 1,
@@ -87,13 +102,11 @@ class VLLMRollout:
         seed: int = 0,
         max_model_len: int | None = None,
         enforce_eager: bool = False,
+        top_p: float = 1.0,
+        logprobs: bool = True,
         **llm_kwargs,
     ):
-        if top_p != 1.0:
-            raise ConfigError(
-                f"rollout.top_p: must be 1.0 with rollout=vllm, got {top_p} (vLLM renormalises the "
-                "recorded log-probs over the nucleus, the learner does not)"
-            )
+        check_top_p(top_p, logprobs)
         vllm = _import_vllm()
         from vllm.platforms import current_platform
 
@@ -102,10 +115,11 @@ class VLLMRollout:
         self.n = n
         self.temperature = temperature
         self.top_p = top_p
+        self.logprobs = logprobs
         self.max_new_tokens = max_new_tokens
         self.version = 0
-        self.eos_id = tokenizer.eos_token_id
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
+        self.pad_id = pad_id_of(tokenizer)
+        self.stop_ids = stop_ids_of(tokenizer, checkpoint_generation_config(str(model_path_or_dir)))
         self.sleep_mode = enable_sleep_mode and not self.on_cpu  # vLLM's sleep mode needs CUDA
         self.asleep = False
         self.llm = vllm.LLM(
@@ -139,14 +153,14 @@ class VLLMRollout:
             self.asleep = False
 
     @torch.no_grad()
-    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> float:
+    def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> float:
         """Load the learner's weights into the workers; returns the seconds it took."""
         from safetensors.torch import save_file
 
         t0 = time.perf_counter()
         self.wake()
         tensors, seen = {}, set()
-        for name, t in state_dict.items():
+        for name, t in weights.items():
             key = (t.data_ptr(), t.shape)
             if key in seen:  # a tied alias (lm_head.weight): safetensors refuses shared storage
                 continue
@@ -200,9 +214,9 @@ class VLLMRollout:
                     top_p=self.top_p,
                     top_k=0,  # 0 or -1 (the version's "off")
                     max_tokens=self.max_new_tokens,
-                    logprobs=0,  # the sampled token's only
-                    stop_token_ids=[self.eos_id],
-                    ignore_eos=True,  # stop on the tokenizer's eos only (as HF), not the config's
+                    logprobs=0 if self.logprobs else None,  # the sampled token's only
+                    stop_token_ids=list(self.stop_ids),
+                    ignore_eos=True,  # stop on exactly these ids, as the HF engine does
                     detokenize=False,
                     seed=seed * 1_000_003 + i if request_seeds else None,
                 )
@@ -211,17 +225,12 @@ class VLLMRollout:
         samples = []
         for i, out in enumerate(outputs):
             comp = out.outputs[0]
-            toks = list(comp.token_ids)
-            logp = [pos[t].logprob for t, pos in zip(toks, comp.logprobs, strict=True)]
+            logp = (
+                [pos[t].logprob for t, pos in zip(comp.token_ids, comp.logprobs, strict=True)]
+                if self.logprobs
+                else None
+            )
             samples.append(
-                Sample(
-                    prompt=prompts[i // n],
-                    group=i // n,
-                    response_ids=tuple(toks),
-                    logp=tuple(logp),
-                    text=self.tokenizer.decode(toks, skip_special_tokens=True),
-                    version=self.version,
-                    truncated=self.eos_id not in toks,
-                )
+                make_sample(prompts[i // n], i // n, comp.token_ids, logp, self.stop_ids, self.version, self.tokenizer)
             )
         return samples

@@ -6,8 +6,11 @@ engine tests skip where vLLM is not installed. One engine per module: start-up t
 
 import builtins
 import copy
+import json
+import shutil
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -45,6 +48,18 @@ def _learner_logp_diff(model, samples, temperature, pad_id) -> float:
     return ((logp - batch.old_logp) * batch.mask).abs().max().item()
 
 
+def _rows(samples):
+    return [(s.response_ids.tolist(), s.logp.tolist()) for s in samples]
+
+
+def _tiny_copy(dest: Path, **generation) -> Path:
+    """assets/tiny-math with ``generation`` written into its generation_config.json."""
+    shutil.copytree(TINY, dest)
+    cfg = json.loads((dest / "generation_config.json").read_text()) | generation
+    (dest / "generation_config.json").write_text(json.dumps(cfg))
+    return dest
+
+
 def _noisy(model, scale=0.02, seed=1):
     g = torch.Generator().manual_seed(seed)
     new = copy.deepcopy(model)
@@ -77,13 +92,14 @@ def test_samples_are_tagged_and_shaped(engine, tiny_tok):
     assert all(s.prompt is prompts[s.group] for s in samples)
     for s in samples:
         assert s.version == engine.version == 0
+        assert s.response_ids.dtype == torch.long and s.logp.dtype == torch.float32
         assert len(s.logp) == len(s.response_ids) > 0
-        assert all(lp <= 0 for lp in s.logp)
-        assert s.truncated == (tiny_tok.eos_token_id not in s.response_ids)
+        assert (s.logp <= 0).all()
+        assert s.truncated == (tiny_tok.eos_token_id not in s.response_ids.tolist())
         assert s.truncated or s.response_ids[-1] == tiny_tok.eos_token_id
         if s.truncated:
             assert len(s.response_ids) == 40
-        assert s.text == tiny_tok.decode(s.response_ids, skip_special_tokens=True)
+        assert s.text == tiny_tok.decode(s.response_ids.tolist(), skip_special_tokens=True)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -99,7 +115,7 @@ def test_logp_after_weight_sync(engine, ref_model, tiny_tok):
     assert min(len(p.ids) for p in long) > 32
     engine.generate(long, n=1)  # fills the prefix cache with KV from the old weights
     try:
-        seconds = engine.update_weights(new.state_dict(), version=5)
+        seconds = engine.load_weights(new.state_dict(), version=5)
         assert seconds > 0 and engine.version == 5
         samples = engine.generate(prompts, n=4)
         assert {s.version for s in samples} == {5}
@@ -108,7 +124,7 @@ def test_logp_after_weight_sync(engine, ref_model, tiny_tok):
         # a stale prefix cache is off by ~15 nats here; long out-of-distribution rows drift to ~5e-5 in fp32
         assert _learner_logp_diff(new, engine.generate(long, n=2), 0.7, engine.pad_id) < 2e-4
     finally:
-        engine.update_weights(ref_model.state_dict(), version=0)
+        engine.load_weights(ref_model.state_dict(), version=0)
     assert _learner_logp_diff(ref_model, engine.generate(prompts, n=2), 0.7, engine.pad_id) < 1e-5
 
 
@@ -117,9 +133,8 @@ def test_same_seed_same_samples(engine, tiny_tok):
     a = engine.generate(prompts, temperature=1.0, seed=7)
     b = engine.generate(prompts, temperature=1.0, seed=7)
     c = engine.generate(prompts, temperature=1.0, seed=8)
-    assert [s.response_ids for s in a] == [s.response_ids for s in b]
-    assert [s.logp for s in a] == [s.logp for s in b]
-    assert [s.response_ids for s in a] != [s.response_ids for s in c]
+    assert _rows(a) == _rows(b)
+    assert [s.response_ids.tolist() for s in a] != [s.response_ids.tolist() for s in c]
 
 
 def test_greedy_matches_hf(engine, ref_model, tiny_tok):
@@ -128,7 +143,7 @@ def test_greedy_matches_hf(engine, ref_model, tiny_tok):
     prompts = _prompts(tiny_tok)
     got = engine.generate(prompts, n=1, temperature=0.0)
     want = HFRollout(ref_model, tiny_tok, n=1, max_new_tokens=40).generate(prompts, temperature=0.0)
-    assert [s.response_ids for s in got] == [s.response_ids for s in want]
+    assert [s.response_ids.tolist() for s in got] == [s.response_ids.tolist() for s in want]
     assert _learner_logp_diff(ref_model, got, 1.0, engine.pad_id) < 1e-5
 
 
@@ -149,7 +164,7 @@ def test_tied_embeddings_sync(tiny_tok, tmp_path):
     assert eng.tied
     new = _noisy(model, scale=0.05)
     new.tie_weights()
-    eng.update_weights(new.state_dict(), version=1)
+    eng.load_weights(new.state_dict(), version=1)
     samples = eng.generate(_prompts(tiny_tok, 4))
     assert _learner_logp_diff(new, samples, 1.0, eng.pad_id) < 1e-5
 
@@ -171,20 +186,76 @@ def test_missing_vllm_is_a_config_error(tiny_tok, monkeypatch):
         VLLMRollout(str(TINY), tiny_tok, n=2)
 
 
-def test_top_p_below_one_is_refused(tiny_tok):
+def test_top_p_below_one_is_for_evaluation_only(tiny_tok):
     from bapo.rollout import VLLMRollout
 
-    with pytest.raises(ConfigError, match="rollout.top_p"):
+    with pytest.raises(ConfigError, match=r"^rollout\.top_p:"):
         VLLMRollout(str(TINY), tiny_tok, n=2, top_p=0.9)
 
 
-def test_hf_engine_seed_is_reproducible(tiny_tok):
-    """The HF engine takes the same ``seed`` keyword (no vLLM needed)."""
-    from bapo.modeling import load_model
-    from bapo.rollout import HFRollout
+# The tests below start engines of their own. Deleting an engine tears down vLLM's process-wide
+# parallel state, which breaks any engine still alive (the module's), so they come last.
 
-    eng = HFRollout(load_model(str(TINY)), tiny_tok, n=2, max_new_tokens=16)
-    a = eng.generate(_prompts(tiny_tok, 3), temperature=1.0, seed=3)
-    torch.manual_seed(99)
-    b = eng.generate(_prompts(tiny_tok, 3), temperature=1.0, seed=3)
-    assert [s.response_ids for s in a] == [s.response_ids for s in b]
+
+def test_checkpoint_sampling_defaults_do_not_leak(tiny_tok, tmp_path):
+    """A checkpoint whose generation_config.json sets penalties, filters and lengths samples exactly
+    what the plain one does for the same seed."""
+    pytest.importorskip("vllm")
+    from bapo.rollout import VLLMRollout
+
+    prompts = _prompts(tiny_tok, 6)
+    plain = VLLMRollout(str(TINY), tiny_tok, n=2, **ENGINE_KW).generate(prompts, temperature=1.0, seed=4)
+    shaped = _tiny_copy(
+        tmp_path / "shaped",
+        repetition_penalty=2.0,
+        no_repeat_ngram_size=2,
+        min_new_tokens=5,
+        top_k=3,
+        top_p=0.5,
+        temperature=0.3,
+    )
+    got = VLLMRollout(str(shaped), tiny_tok, n=2, **ENGINE_KW).generate(prompts, temperature=1.0, seed=4)
+    assert [s.response_ids.tolist() for s in got] == [s.response_ids.tolist() for s in plain]
+    assert max((g.logp - p.logp).abs().max().item() for g, p in zip(got, plain, strict=True)) < 1e-5
+
+
+def test_every_eos_of_tokenizer_and_checkpoint_stops(ref_model, tiny_tok, tmp_path):
+    """generation_config.eos_token_id = [2, x]: each (greedy) response is the plain one cut at its
+    first 2 or x, and truncation counts both. Greedy, because vLLM's CPU sampler draws noise for the
+    running requests only, so sampled rows drift once others stop earlier; the plain responses are
+    the HF engine's, which vLLM's greedy ones equal (test_greedy_matches_hf)."""
+    pytest.importorskip("vllm")
+    from bapo.rollout import HFRollout, VLLMRollout
+
+    prompts = _prompts(tiny_tok, 8)
+    plain = HFRollout(ref_model, tiny_tok, n=1, max_new_tokens=40).generate(prompts, temperature=0.0)
+    counts = torch.bincount(torch.cat([s.response_ids[:-1] for s in plain]))
+    extra = int(counts.argmax())
+    assert extra != tiny_tok.eos_token_id
+    eng = VLLMRollout(str(_tiny_copy(tmp_path / "m", eos_token_id=[2, extra])), tiny_tok, n=1, **ENGINE_KW)
+    assert eng.stop_ids == (tiny_tok.eos_token_id, extra) == (2, extra)
+    got = eng.generate(prompts, n=1, temperature=0.0)
+    cut_early = 0
+    for p, g in zip(plain, got, strict=True):
+        ids = p.response_ids.tolist()
+        hits = [i for i, t in enumerate(ids) if t in eng.stop_ids]
+        end = hits[0] + 1 if hits else len(ids)
+        assert g.response_ids.tolist() == ids[:end]
+        assert g.truncated == (not hits)
+        cut_early += end < len(ids)
+    assert cut_early >= len(got) // 2
+
+
+def test_build_rollout_makes_a_vllm_engine_for_evaluation(tiny_tok):
+    """eval.py's engine: vLLM, nucleus sampling allowed because no log-probs are recorded."""
+    pytest.importorskip("vllm")
+    from bapo.rollout import VLLMRollout, build_rollout
+
+    cfg = SimpleNamespace(
+        engine="vllm", n=2, temperature=1.0, max_new_tokens=16, gpu_memory_utilization=0.5,
+        tensor_parallel_size=1, enable_sleep_mode=False, enforce_eager=True,
+    )  # fmt: skip
+    eng = build_rollout(cfg, path=str(TINY), tokenizer=tiny_tok, seed=0, top_p=0.9, logprobs=False)
+    assert isinstance(eng, VLLMRollout) and eng.top_p == 0.9
+    samples = eng.generate(_prompts(tiny_tok, 2))
+    assert len(samples) == 4 and all(torch.isnan(s.logp).all() for s in samples)

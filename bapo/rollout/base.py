@@ -1,0 +1,166 @@
+"""The rollout interface: what the loop and ``eval.py`` may call on an engine, and the parts
+every engine shares.
+
+- :class:`RolloutEngine` is the written interface (a ``typing.Protocol``): ``version``,
+  ``pad_id``, ``generate``, ``load_weights``, ``sleep`` and ``wake``.
+- :class:`EngineBase` gives engines the no-op ``sleep``/``wake`` and the deprecated
+  ``update_weights`` alias.
+- :func:`make_sample` is the one place a :class:`~bapo.types.Sample` is built from an
+  engine's raw output, so both engines cut responses, flag truncation and decode text alike.
+- :func:`stop_ids_of` and :func:`pad_id_of` derive the token ids every engine needs from the
+  tokenizer and the checkpoint, once.
+
+Stop tokens. A response ends at the first of *any* end-of-sequence id: the tokenizer's and
+those of the checkpoint's ``generation_config.json`` (an int or a list; Qwen2.5 base models
+list ``<|endoftext|>`` while their tokenizer's eos is ``<|im_end|>``, or the reverse).
+Stopping on the tokenizer's alone lets a model run on past the end it was trained to emit.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from bapo.config import ConfigError
+from bapo.types import Prompt, Sample
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """A generation engine: samples responses with its own copy of the policy's weights.
+
+    ``version`` is the policy version of the weights it holds (set by :meth:`load_weights`);
+    every sample it returns carries it. ``pad_id`` pads token rows (the learner's collate
+    uses the same id).
+    """
+
+    version: int
+    pad_id: int
+
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        n: int | None = None,
+        temperature: float | None = None,
+        seed: int | None = None,
+    ) -> list[Sample]:
+        """``n`` responses per prompt, grouped by prompt (sample ``i`` answers ``prompts[i // n]``).
+
+        ``temperature=0`` is greedy; ``seed`` makes the call reproducible.
+        """
+        ...
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> float:
+        """Replace the engine's weights with the learner's; returns the seconds it took."""
+        ...
+
+    def sleep(self) -> None:
+        """Release accelerator memory while the learner updates (a no-op where there is none)."""
+        ...
+
+    def wake(self) -> None:
+        """Undo :meth:`sleep` (engines also wake themselves before they load or generate)."""
+        ...
+
+
+class EngineBase:
+    """The parts of :class:`RolloutEngine` most engines share: no-op sleep/wake, the old name
+    of :meth:`load_weights`."""
+
+    version: int = 0
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> float:
+        raise NotImplementedError
+
+    def sleep(self) -> None:
+        """Nothing to free by default."""
+
+    def wake(self) -> None:
+        """Nothing to restore by default."""
+
+    def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> float:
+        """Deprecated alias of :meth:`load_weights` (the loop still calls it)."""
+        warnings.warn("update_weights is deprecated; call load_weights", DeprecationWarning, stacklevel=2)
+        return self.load_weights(weights, version)
+
+
+def pad_id_of(tokenizer) -> int:
+    """The id that pads token rows: the tokenizer's pad token, else its eos token."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise ValueError("the tokenizer has neither a pad token nor an eos token to pad with")
+    return int(pad)
+
+
+def stop_ids_of(tokenizer, generation_config=None) -> tuple[int, ...]:
+    """The union of the tokenizer's eos id and the checkpoint's ``generation_config.eos_token_id``
+    (an int, a list or None), the tokenizer's first."""
+    ids: list[int] = []
+    for source in (tokenizer.eos_token_id, getattr(generation_config, "eos_token_id", None)):
+        for i in [source] if isinstance(source, int) else list(source or ()):
+            if int(i) not in ids:
+                ids.append(int(i))
+    if not ids:
+        raise ValueError("no end-of-sequence id: neither the tokenizer nor the generation config names one")
+    return tuple(ids)
+
+
+def check_top_p(top_p: float, logprobs: bool) -> None:
+    """Refuse nucleus sampling where the log-probs are for training.
+
+    With ``top_p < 1`` tokens come from the renormalised nucleus while the learner scores the
+    full tempered distribution, so the recorded log-probs would be of neither. Evaluation
+    (``logprobs=False``) may use it.
+    """
+    if not 0 < top_p <= 1:
+        raise ConfigError(f"rollout.top_p: must be in (0, 1], got {top_p}")
+    if top_p < 1 and logprobs:
+        raise ConfigError(
+            f"rollout.top_p: {top_p} < 1 samples from the nucleus, but training log-probs are of the full "
+            "distribution; nucleus sampling is for evaluation only (an engine built with logprobs=False)"
+        )
+
+
+def make_sample(
+    prompt: Prompt,
+    group: int,
+    token_ids: Sequence[int] | torch.Tensor,
+    logp: Sequence[float] | torch.Tensor | None,
+    stop_ids: Sequence[int],
+    version: int,
+    tokenizer,
+) -> Sample:
+    """One :class:`Sample` from an engine's raw row of tokens.
+
+    The response is cut after the first stop id (kept: the learner trains on it); rows with
+    no stop id are ``truncated``. ``logp`` is one log-prob per token of ``token_ids`` (or
+    None when the engine records none: evaluation, then they are NaN, so that no training
+    step can use them unnoticed). ``text`` is the response without its stop token and
+    without special tokens.
+    """
+    ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)  # [T]
+    hits = torch.isin(ids, torch.as_tensor(list(stop_ids), dtype=torch.long)).nonzero()
+    stopped = len(hits) > 0
+    end = int(hits[0, 0]) + 1 if stopped else len(ids)
+    ids = ids[:end].clone()
+    if logp is None:
+        lp = torch.full((end,), math.nan, dtype=torch.float32)
+    else:
+        lp = torch.as_tensor(logp, dtype=torch.float32).reshape(-1)[:end].clone()
+        if len(lp) != end:
+            raise ValueError(f"{len(lp)} log-probs for a response of {end} tokens")
+    text = tokenizer.decode((ids[: end - 1] if stopped else ids).tolist(), skip_special_tokens=True)
+    return Sample(
+        prompt=prompt,
+        group=group,
+        response_ids=ids,
+        logp=lp,
+        text=text,
+        version=version,
+        truncated=not stopped,
+    )

@@ -1,0 +1,212 @@
+"""The HF engine's two decode paths. Both take left-padded prompts and return the sampled
+tokens and their log-probs, ``tokens [B*n, T]`` and ``logp [B*n, T]`` (rows grouped by prompt,
+as ``num_return_sequences`` groups them), and both sample only from softmax(logits / T):
+
+- :func:`lean_decode` (the default): a plain loop over the model's forward with a KV cache.
+  The prompts are prefilled once and their cache is copied to the ``n`` samples (``generate``
+  prefills every copy); the 4-D attention mask is preallocated and sliced, not rebuilt each
+  step; the sampled token's log-prob comes from the one log-softmax the step computes; rows that
+  have stopped are dropped from the batch (and their cache) as they finish.
+- :func:`generate_decode` (the fallback, ``decode="generate"``): ``model.generate`` with a
+  sampling config built from scratch. ``generate`` fills every field left unset in the config it
+  is given from ``model.generation_config`` (the checkpoint's ``generation_config.json``): a
+  checkpoint's ``repetition_penalty``, ``no_repeat_ngram_size``, ``min_new_tokens``,
+  ``suppress_tokens``, ``top_k``... would shape sampling while the recorded log-probs (and the
+  learner's) are of the unpenalised distribution. So the model's defaults are replaced by an
+  empty config for the call. The log-probs are taken one step at a time by a logits processor,
+  which keeps one step's logits, not the batch's whole history.
+
+Same seed, same samples. ``torch.multinomial(p, 1)`` is ``argmax(p / q)`` with ``q`` drawn by
+``exponential_`` over the whole ``[B*n, V]`` batch; the lean loop draws the same noise (also
+for rows it has dropped) and takes ``argmax(log p - log q)``, so both paths pick the same tokens
+as long as the two forwards round alike; a near-tie that rounding flips can in principle differ.
+"""
+
+from __future__ import annotations
+
+import inspect
+from contextlib import contextmanager
+
+import torch
+
+# A row that stops is dropped from the batch once this share of the live rows has stopped:
+# each drop copies the KV cache once, as a decode step's concatenation does anyway.
+DROP_FRACTION = 0.1
+
+
+def _pick(
+    logits: torch.Tensor, temperature: float, top_p: float, rows: torch.Tensor, batch: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step's tokens [b] and their log-probs [b] under softmax(logits / T).
+
+    ``rows`` are the live rows' indices in the full batch of ``batch`` rows: the noise is drawn
+    for the full batch, as ``torch.multinomial`` draws it, and the live rows take theirs.
+    Greedy (``temperature <= 0``) scores the argmax under T = 1.
+    """
+    x = logits if temperature <= 0 else logits / temperature  # [b, V]
+    if top_p < 1:
+        x = _nucleus(x, top_p)
+    logp = torch.log_softmax(x, dim=-1)  # [b, V]
+    if temperature <= 0:
+        tok = x.argmax(dim=-1)
+    else:
+        q = torch.empty((batch, x.shape[-1]), dtype=x.dtype, device=x.device).exponential_()  # [B, V]
+        tok = (logp - q[rows].log()).argmax(dim=-1)  # Gumbel-max: argmax(p / q)
+    return tok, logp.gather(-1, tok[:, None])[:, 0]
+
+
+def _nucleus(x: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Mask all but the smallest set of tokens whose probability reaches ``top_p`` (evaluation only)."""
+    sorted_x, order = torch.sort(x, descending=False)  # [b, V]
+    drop = sorted_x.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
+    drop[:, -1] = False  # keep at least the most likely token
+    return x.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+
+
+def _cache_kwarg(model) -> str:
+    """transformers >= 5.20 names the forward's cache ``cache`` (``past_key_values`` is deprecated)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+@torch.no_grad()
+def lean_decode(
+    model,
+    ids: torch.Tensor,
+    attn: torch.Tensor,
+    *,
+    n: int,
+    max_new_tokens: int,
+    temperature: float,
+    stop_ids: tuple[int, ...],
+    pad_id: int,
+    top_p: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample ``n`` continuations of each left-padded prompt row (``ids``, ``attn``: [B, P])."""
+    from transformers import DynamicCache
+
+    B, P = ids.shape[0] * n, ids.shape[1]
+    dev = ids.device
+    cache = DynamicCache(config=model.config)
+    kw = {_cache_kwarg(model): cache, "use_cache": True}
+    pos = (attn.long().cumsum(-1) - 1).clamp(min=0)  # [B0, P]
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=1, **kw).logits
+    logits = logits[:, -1].float().repeat_interleave(n, dim=0)  # [B, V]
+    cache.batch_repeat_interleave(n)
+    # a 4-D mask is used as given (sdpa: True = attend); other attention kernels build their own from 2-D
+    four_d = getattr(model.config, "_attn_implementation", None) == "sdpa"
+    mask = torch.zeros((B, P + max_new_tokens), dtype=torch.bool, device=dev)  # [B, P+T]
+    mask[:, :P] = attn.bool().repeat_interleave(n, dim=0)
+    next_pos = attn.long().sum(-1).repeat_interleave(n)  # [B] position of the first new token
+    rows = torch.arange(B, device=dev)  # the live rows' indices in the full batch
+    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    stops = torch.tensor(stop_ids, dtype=torch.long, device=dev)
+    tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=dev)  # [B, T]
+    logp = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=dev)  # [B, T]
+    for t in range(max_new_tokens):
+        tok, lp = _pick(logits, temperature, top_p, rows, B)  # [b], [b]
+        tok = tok.masked_fill(done, pad_id)  # a row that stopped but is not dropped yet
+        tokens[rows, t], logp[rows, t] = tok, lp
+        done |= torch.isin(tok, stops)
+        n_done = int(done.sum())
+        if t + 1 == max_new_tokens or n_done == len(rows):
+            break
+        if n_done and n_done >= DROP_FRACTION * len(rows):
+            keep = (~done).nonzero()[:, 0]  # [b']
+            cache.batch_select_indices(keep)
+            rows, done, mask, next_pos, tok = rows[keep], done[keep], mask[keep], next_pos[keep], tok[keep]
+        mask[:, P + t] = True
+        step_mask = mask[:, None, None, : P + t + 1] if four_d else mask[:, : P + t + 1]
+        logits = model(input_ids=tok[:, None], attention_mask=step_mask, position_ids=(next_pos + t)[:, None], **kw)
+        logits = logits.logits[:, -1].float()  # [b, V]
+    return tokens, logp
+
+
+class _StepLogp:
+    """A logits processor that records each sampled token's log-prob under softmax(logits / T).
+
+    ``generate`` calls it with the raw logits of step t (custom processors run before the
+    temperature warper) and the ids that include token t-1; it gathers token t-1's log-prob from
+    the logits it kept and keeps step t's. :meth:`finish` takes the last step's. One ``[B, V]``
+    step is held at a time, never the whole history.
+    """
+
+    def __init__(self, scale: float):
+        self.scale = scale
+        self.prev: torch.Tensor | None = None
+        self.cols: list[torch.Tensor] = []
+
+    def _logp(self, logits: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(logits.float() / self.scale, dim=-1).gather(-1, tok[:, None])[:, 0]  # [B]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.prev is not None:
+            self.cols.append(self._logp(self.prev, input_ids[:, -1]))
+        self.prev = scores
+        return scores
+
+    def finish(self, new: torch.Tensor) -> torch.Tensor:
+        """Log-probs [B, T] of the new tokens ``new`` [B, T]."""
+        if self.prev is not None and len(self.cols) < new.shape[1]:
+            self.cols.append(self._logp(self.prev, new[:, len(self.cols)]))
+        self.prev = None
+        return torch.stack(self.cols, dim=1)
+
+
+@contextmanager
+def _no_checkpoint_defaults(model):
+    """Hide the checkpoint's generation defaults from ``generate`` for the duration of the call."""
+    from transformers import GenerationConfig
+
+    saved = model.generation_config
+    model.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        model.generation_config = saved
+
+
+def sampling_config(
+    *, n: int, max_new_tokens: int, temperature: float, top_p: float, stop_ids: tuple[int, ...], pad_id: int
+):
+    """A neutral ``GenerationConfig``: plain (or nucleus) sampling at ``temperature``, nothing else."""
+    from transformers import GenerationConfig
+
+    sample = temperature > 0
+    extra = dict(temperature=temperature, top_p=top_p, top_k=0) if sample else {}
+    return GenerationConfig(
+        do_sample=sample,
+        max_new_tokens=max_new_tokens,
+        num_return_sequences=n,
+        eos_token_id=list(stop_ids),
+        pad_token_id=pad_id,
+        use_cache=True,
+        **extra,
+    )
+
+
+@torch.no_grad()
+def generate_decode(
+    model,
+    ids: torch.Tensor,
+    attn: torch.Tensor,
+    *,
+    n: int,
+    max_new_tokens: int,
+    temperature: float,
+    stop_ids: tuple[int, ...],
+    pad_id: int,
+    top_p: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``model.generate`` with :func:`sampling_config`; the same contract as :func:`lean_decode`."""
+    from transformers import LogitsProcessorList
+
+    gc = sampling_config(
+        n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop_ids=stop_ids, pad_id=pad_id
+    )
+    record = _StepLogp(temperature if temperature > 0 else 1.0)
+    with _no_checkpoint_defaults(model):
+        seq = model.generate(
+            input_ids=ids, attention_mask=attn, generation_config=gc, logits_processor=LogitsProcessorList([record])
+        )
+    new = seq[:, ids.shape[1] :]  # [B*n, T'], T' <= max_new_tokens
+    return new, record.finish(new)

@@ -1,0 +1,284 @@
+"""The HF engine, on both decode paths: neutral sampling, the eos union, log-probs that match the
+learner's forward, seeded reproducibility, top-p only without log-probs, the builder and the interface."""
+
+import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from bapo.config import ConfigError
+from bapo.data import ArithSpec, arith_heldout, render_prompt
+from bapo.modeling import load_model
+from bapo.rollout import HFRollout, RolloutEngine, build_rollout, make_sample, pad_id_of, stop_ids_of
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "assets" / "tiny-math"
+PATHS = ["lean", "generate"]
+
+
+def _prompts(tok, n=6):
+    return [render_prompt(p, tok) for p in arith_heldout(n, seed=1234, heldout_frac=0.1, spec=ArithSpec())]
+
+
+def _tiny_copy(dest: Path, **generation) -> Path:
+    """assets/tiny-math with ``generation`` written into its generation_config.json."""
+    shutil.copytree(TINY, dest)
+    cfg = json.loads((dest / "generation_config.json").read_text()) | generation
+    (dest / "generation_config.json").write_text(json.dumps(cfg))
+    return dest
+
+
+def _rows(samples):
+    return [(s.response_ids.tolist(), s.logp.tolist()) for s in samples]
+
+
+def learner_logp(model, samples, temperature: float) -> list[torch.Tensor]:
+    """Each response's log-probs from one right-padded forward: log_softmax(logits / T) gathered."""
+    seqs = [torch.tensor(list(s.prompt.ids) + s.response_ids.tolist()) for s in samples]
+    L = max(len(x) for x in seqs)
+    ids = torch.zeros((len(seqs), L), dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for i, x in enumerate(seqs):
+        ids[i, : len(x)], attn[i, : len(x)] = x, 1
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attn).logits.float()  # [B, L, V]
+    logp = torch.log_softmax(logits[:, :-1] / temperature, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]  # [B, L-1]
+    return [logp[i, len(s.prompt.ids) - 1 : len(seqs[i]) - 1] for i, s in enumerate(samples)]
+
+
+@pytest.mark.parametrize("decode", PATHS)
+def test_samples_are_tagged_and_shaped(tiny_model, tiny_tok, decode):
+    eng = HFRollout(tiny_model, tiny_tok, n=3, max_new_tokens=40, batch_size=8, decode=decode)
+    eng.version = 7
+    prompts = _prompts(tiny_tok)
+    samples = eng.generate(prompts)
+    assert len(samples) == 18
+    # groups are contiguous and map back to their prompt, also across calls (8 // 3 = 2 prompts a call)
+    assert [s.group for s in samples] == [i // 3 for i in range(18)]
+    assert all(s.prompt is prompts[s.group] for s in samples)
+    for s in samples:
+        assert s.version == 7
+        assert s.response_ids.dtype == torch.long and s.logp.dtype == torch.float32
+        assert len(s.logp) == len(s.response_ids) > 0
+        assert (s.logp <= 0).all()
+        assert s.truncated == (tiny_tok.eos_token_id not in s.response_ids.tolist())
+        assert s.truncated or s.response_ids[-1] == tiny_tok.eos_token_id
+        assert s.text == tiny_tok.decode(s.response_ids.tolist(), skip_special_tokens=True)
+        if s.truncated:
+            assert len(s.response_ids) == 40
+
+
+@pytest.mark.parametrize("decode", PATHS)
+def test_behaviour_logp_matches_learner_forward(tiny_model, tiny_tok, decode):
+    """Left-padded KV-cache sampling and the right-padded learner pass agree per token."""
+    for temperature in (1.0, 0.7):
+        eng = HFRollout(tiny_model, tiny_tok, n=4, temperature=temperature, max_new_tokens=48, decode=decode)
+        samples = eng.generate(_prompts(tiny_tok, 8), seed=1)
+        want = learner_logp(tiny_model, samples, temperature)
+        diff = max((w - s.logp).abs().max().item() for w, s in zip(want, samples, strict=True))
+        assert diff < 1e-4, diff
+
+
+def test_both_paths_give_the_same_samples(tiny_model, tiny_tok):
+    """The lean loop draws generate's noise: same seed, same tokens and log-probs (and greedy alike)."""
+    prompts = _prompts(tiny_tok, 8)
+    lean = HFRollout(tiny_model, tiny_tok, n=4, max_new_tokens=40, batch_size=12, decode="lean")
+    gen = HFRollout(tiny_model, tiny_tok, n=4, max_new_tokens=40, batch_size=12, decode="generate")
+    for temperature in (1.0, 0.6):
+        a, b = (
+            lean.generate(prompts, temperature=temperature, seed=5),
+            gen.generate(prompts, temperature=temperature, seed=5),
+        )
+        assert [x.response_ids.tolist() for x in a] == [x.response_ids.tolist() for x in b]
+        assert max((x.logp - y.logp).abs().max().item() for x, y in zip(a, b, strict=True)) < 1e-5
+    greedy = [e.generate(prompts, n=1, temperature=0.0) for e in (lean, gen)]
+    assert [x.response_ids.tolist() for x in greedy[0]] == [x.response_ids.tolist() for x in greedy[1]]
+
+
+@pytest.mark.parametrize("decode", PATHS)
+def test_same_seed_same_samples(tiny_model, tiny_tok, decode):
+    eng = HFRollout(tiny_model, tiny_tok, n=2, max_new_tokens=24, decode=decode)
+    a = eng.generate(_prompts(tiny_tok, 3), temperature=1.0, seed=3)
+    torch.manual_seed(99)
+    b = eng.generate(_prompts(tiny_tok, 3), temperature=1.0, seed=3)
+    c = eng.generate(_prompts(tiny_tok, 3), temperature=1.0, seed=4)
+    assert _rows(a) == _rows(b)
+    assert [s.response_ids.tolist() for s in a] != [s.response_ids.tolist() for s in c]
+
+
+@pytest.mark.parametrize("decode", PATHS)
+def test_greedy_is_deterministic(tiny_model, tiny_tok, decode):
+    eng = HFRollout(tiny_model, tiny_tok, n=1, max_new_tokens=40, decode=decode)
+    a = eng.generate(_prompts(tiny_tok), temperature=0.0)
+    torch.manual_seed(123)
+    b = eng.generate(_prompts(tiny_tok), temperature=0.0)
+    assert _rows(a) == _rows(b)
+
+
+@pytest.mark.parametrize("decode", PATHS)
+def test_checkpoint_generation_defaults_do_not_leak(tiny_tok, tmp_path, decode):
+    """A checkpoint's sampling defaults (penalties, filters, lengths) change nothing: the engine
+    samples plain softmax(logits / T), token for token and log-prob for log-prob."""
+    ids = tiny_tok.convert_tokens_to_ids(["1", "+", "="])
+    shaped = _tiny_copy(
+        tmp_path / "shaped",
+        repetition_penalty=2.0,
+        no_repeat_ngram_size=2,
+        min_new_tokens=5,
+        min_length=40,
+        suppress_tokens=[ids[0]],
+        begin_suppress_tokens=[ids[1]],
+        bad_words_ids=[[ids[2]]],
+        sequence_bias=[[[ids[1]], -5.0]],
+        top_k=3,
+        top_p=0.5,
+        min_p=0.2,
+        typical_p=0.5,
+        temperature=0.3,
+        do_sample=False,
+        max_new_tokens=4,
+        renormalize_logits=True,
+    )
+    model = load_model(str(shaped))
+    assert model.generation_config.repetition_penalty == 2.0  # the defaults did load
+    prompts = _prompts(tiny_tok, 8)
+    kw = dict(n=4, temperature=1.0, max_new_tokens=40, decode=decode)
+    plain = HFRollout(load_model(str(TINY)), tiny_tok, **kw).generate(prompts, seed=11)
+    got = HFRollout(model, tiny_tok, **kw).generate(prompts, seed=11)
+    assert _rows(got) == _rows(plain)
+    assert model.generation_config.repetition_penalty == 2.0  # restored after the call
+
+
+@pytest.mark.parametrize("decode", PATHS)
+def test_responses_stop_at_any_eos_of_tokenizer_or_checkpoint(tiny_model, tiny_tok, tmp_path, decode):
+    """generation_config.eos_token_id = [2, x]: each response is the plain one cut at its first 2 or x."""
+    prompts = _prompts(tiny_tok, 8)
+    kw = dict(n=4, temperature=1.0, max_new_tokens=40, decode=decode)
+    plain = HFRollout(tiny_model, tiny_tok, **kw).generate(prompts, seed=2)
+    counts = torch.bincount(torch.cat([s.response_ids[:-1] for s in plain]))
+    extra = int(counts.argmax())  # the token the responses use most, so most of them end early
+    assert extra != tiny_tok.eos_token_id
+    model = load_model(str(_tiny_copy(tmp_path / "m", eos_token_id=[tiny_tok.eos_token_id, extra])))
+    eng = HFRollout(model, tiny_tok, **kw)
+    assert eng.stop_ids == (tiny_tok.eos_token_id, extra)
+    got = eng.generate(prompts, seed=2)
+    cut_early = 0
+    for p, g in zip(plain, got, strict=True):
+        ids = p.response_ids.tolist()
+        hits = [i for i, t in enumerate(ids) if t in eng.stop_ids]
+        end = hits[0] + 1 if hits else len(ids)
+        assert g.response_ids.tolist() == ids[:end]
+        assert g.logp.tolist() == p.logp[:end].tolist()
+        assert g.truncated == (not hits)
+        assert g.text == tiny_tok.decode(ids[: end - 1] if hits else ids, skip_special_tokens=True)
+        cut_early += end < len(ids)
+    assert cut_early >= len(got) // 2
+
+
+def test_top_p_is_for_evaluation_only(tiny_model, tiny_tok):
+    with pytest.raises(ConfigError, match=r"^rollout\.top_p:"):
+        HFRollout(tiny_model, tiny_tok, n=2, top_p=0.9)
+    with pytest.raises(ConfigError, match=r"^rollout\.top_p:"):
+        HFRollout(tiny_model, tiny_tok, n=2, top_p=0.0, logprobs=False)
+    prompts = _prompts(tiny_tok, 4)
+    greedy = HFRollout(tiny_model, tiny_tok, n=1, max_new_tokens=30).generate(prompts, temperature=0.0)
+    for decode in PATHS:  # a nucleus of one token is greedy decoding; no training log-probs come out
+        eng = HFRollout(tiny_model, tiny_tok, n=2, max_new_tokens=30, top_p=1e-6, logprobs=False, decode=decode)
+        got = eng.generate(prompts, temperature=1.0, seed=0)
+        assert [s.response_ids.tolist() for s in got] == [s.response_ids.tolist() for s in greedy for _ in range(2)]
+        assert all(torch.isnan(s.logp).all() for s in got)
+
+
+def test_load_weights_changes_policy_and_version(tiny_model, tiny_tok):
+    eng = HFRollout(copy.deepcopy(tiny_model), tiny_tok, n=1, max_new_tokens=8)
+    new = {k: v + 0.01 for k, v in tiny_model.state_dict().items()}
+    assert eng.load_weights(new, version=3) >= 0
+    assert eng.version == 3
+    got = eng.model.state_dict()
+    assert all(torch.equal(got[k], new[k]) for k in new)
+    assert eng.generate(_prompts(tiny_tok, 1))[0].version == 3
+    with pytest.warns(DeprecationWarning, match="load_weights"):
+        eng.update_weights(tiny_model.state_dict(), version=4)
+    assert eng.version == 4 and torch.equal(eng.model.state_dict()["lm_head.weight"], tiny_model.lm_head.weight)
+
+
+def test_engine_meets_the_interface(tiny_model, tiny_tok):
+    eng = HFRollout(tiny_model, tiny_tok, n=1)
+    assert isinstance(eng, RolloutEngine)
+    assert eng.pad_id == pad_id_of(tiny_tok) == tiny_tok.pad_token_id
+    eng.sleep()
+    eng.wake()
+    no_pad = SimpleNamespace(pad_token_id=None, eos_token_id=2)
+    assert pad_id_of(no_pad) == 2
+    assert stop_ids_of(no_pad, SimpleNamespace(eos_token_id=[7, 2, 9])) == (2, 7, 9)
+    assert stop_ids_of(no_pad, SimpleNamespace(eos_token_id=None)) == (2,)
+    with pytest.raises(ConfigError, match=r"^rollout\.decode:"):
+        HFRollout(tiny_model, tiny_tok, n=1, decode="fast")
+
+
+def test_make_sample_cuts_at_the_first_stop(tiny_tok):
+    prompt = _prompts(tiny_tok, 1)[0]
+    a, b = tiny_tok.convert_tokens_to_ids(["1", "2"])
+    s = make_sample(prompt, 4, [a, b, 9, a, 2, b], [-0.1, -0.2, -0.3, -0.4, -0.5, -0.6], (2, 9), 3, tiny_tok)
+    assert s.response_ids.tolist() == [a, b, 9] and s.logp.tolist() == pytest.approx([-0.1, -0.2, -0.3])
+    assert not s.truncated and s.text == "12" and (s.group, s.version, s.prompt) == (4, 3, prompt)
+    t = make_sample(prompt, 0, torch.tensor([a, b]), torch.tensor([-1.0, -2.0]), (2,), 0, tiny_tok)
+    assert t.truncated and t.text == "12" and t.logp.dtype == torch.float32
+    assert torch.isnan(make_sample(prompt, 0, [a, 2], None, (2,), 0, tiny_tok).logp).all()
+    with pytest.raises(ValueError, match="1 log-probs for a response of 2 tokens"):
+        make_sample(prompt, 0, [a, 2], [-1.0], (2,), 0, tiny_tok)
+
+
+def test_build_rollout_makes_the_configured_engine(tiny_model, tiny_tok):
+    cfg = SimpleNamespace(engine="hf", n=3, temperature=0.7, max_new_tokens=12, batch_size=6, decode="generate")
+    eng = build_rollout(cfg, path=str(TINY), tokenizer=tiny_tok, model=tiny_model)
+    assert isinstance(eng, HFRollout) and eng.model is tiny_model
+    assert (eng.n, eng.temperature, eng.max_new_tokens, eng.batch_size, eng.decode) == (3, 0.7, 12, 6, "generate")
+    loaded = build_rollout(cfg, path=str(TINY), tokenizer=tiny_tok, top_p=0.5, logprobs=False)
+    assert loaded.top_p == 0.5 and not loaded.logprobs
+    assert torch.equal(loaded.model.lm_head.weight, tiny_model.lm_head.weight)
+    with pytest.raises(ConfigError, match=r"^rollout\.top_p:"):
+        build_rollout(cfg, path=str(TINY), tokenizer=tiny_tok, model=tiny_model, top_p=0.5)
+    with pytest.raises(ConfigError, match=r"^rollout\.engine:"):
+        build_rollout(SimpleNamespace(engine="tgi"), path=str(TINY), tokenizer=tiny_tok)
+
+
+# A random-init model with a 32k vocabulary: the decode paths must not keep a [B, T, V] history of
+# logits (here 64 x 128 x 32000 fp32 = 1.05 GB); one step is 8 MB. glibc is told to map every buffer
+# over 64 kB on its own, so that freed steps leave the process and the peak RSS counts live tensors,
+# not heap that glibc's sliding mmap threshold keeps for reuse (about 0.7 GB with `generate` here).
+MEMORY_PROBE = """
+import resource, sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from bapo.rollout.hf import DECODERS
+torch.manual_seed(0)
+cfg = LlamaConfig(vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256)
+model = LlamaForCausalLM(cfg).eval()
+ids = torch.randint(3, 32000, (8, 8))
+kw = dict(n=8, temperature=1.0, stop_ids=(2,), pad_id=0)
+DECODERS[sys.argv[1]](model, ids, torch.ones_like(ids), max_new_tokens=4, **kw)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+tokens, logp = DECODERS[sys.argv[1]](model, ids, torch.ones_like(ids), max_new_tokens=128, **kw)
+grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+print(tokens.shape[1], grown // 1024)
+"""
+
+
+@pytest.mark.parametrize("decode", PATHS)
+def test_decode_memory_is_one_step_of_logits(decode):
+    env = os.environ | {"MALLOC_MMAP_THRESHOLD_": "65536"}
+    out = subprocess.run(
+        [sys.executable, "-c", MEMORY_PROBE, decode], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    steps, grown_mb = map(int, out.stdout.split()[-2:])
+    assert steps == 128  # nothing stopped early: the full history would have been 1 GB
+    assert grown_mb < 200, f"peak RSS grew {grown_mb} MB during decoding"
