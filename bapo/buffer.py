@@ -64,6 +64,12 @@ class ReplayBuffer:
                 keep.append(g)
         self.groups = keep
 
+    def admissible(self, sample_version: int, version: int, *, horizon: int = 0) -> bool:
+        """Would samples of ``sample_version`` stay within the bound for the next ``horizon`` updates?
+
+        (What :meth:`get` keeps at learner ``version``; a batch that fails is dropped there.)"""
+        return self.max_staleness is None or version + horizon - sample_version <= self.max_staleness
+
     def get(self, num_samples: int, version: int, horizon: int = 0) -> list[ScoredSample]:
         """Remove and return whole groups totalling at most ``num_samples`` samples.
 
@@ -71,10 +77,19 @@ class ReplayBuffer:
         (learner versions ``version ... version + horizon``) are dropped first.
         """
         self._evict_stale(version + horizon)
-        if self.sampling == "uniform":
+        if self.sampling == "uniform":  # a uniform draw of whole groups; the rest keep their (FIFO) order
             order = list(range(len(self.groups)))
             self.rng.shuffle(order)
-            self.groups = deque(self.groups[i] for i in order)
+            chosen, total = [], 0
+            for i in order:
+                if total + len(self.groups[i]) <= num_samples:
+                    chosen.append(i)
+                    total += len(self.groups[i])
+            out = [s for i in chosen for s in self.groups[i]]
+            taken = set(chosen)
+            self.groups = deque(g for i, g in enumerate(self.groups) if i not in taken)
+            self.served += len(out)
+            return out
         out: list[ScoredSample] = []
         while self.groups and len(out) + len(self.groups[0]) <= num_samples:
             out.extend(self.groups.popleft())

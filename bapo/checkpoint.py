@@ -32,6 +32,7 @@ import hashlib
 import json
 import logging
 import os
+import random
 import re
 import secrets
 import shutil
@@ -41,8 +42,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
+from bapo import dist
 from bapo.types import Problem, Prompt, RolloutBatch, Sample, ScoredSample
 
 log = logging.getLogger(__name__)
@@ -518,3 +521,138 @@ def check_finite(state_dict: Any, where: str) -> None:
                 walk(v, f"{name}.{i}" if name else str(i))
 
     walk(state_dict, "")
+
+
+# ---------------------------------------------------------------- the run's checkpoint layout
+
+
+def capture_rng(loop_rng: random.Random) -> dict:
+    """Every generator an exact resume needs: the loop's shuffler, python's, numpy's and torch's (CPU)."""
+    return {
+        "loop": loop_rng.getstate(),
+        "python": random.getstate(),
+        "numpy": rng_state_plain(np.random.get_state()),
+        "torch": torch.get_rng_state(),
+    }
+
+
+def restore_rng(state: dict, loop_rng: random.Random) -> None:
+    loop_rng.setstate(_rng_tuple(state["loop"]))
+    random.setstate(_rng_tuple(state["python"]))
+    name, key, *rest = state["numpy"]
+    np.random.set_state((name, np.asarray(key, dtype=np.uint32), *rest))
+    torch.set_rng_state(state["torch"])
+
+
+def _rng_tuple(st) -> tuple:
+    return (st[0], tuple(st[1]), st[2])
+
+
+def raise_together(err: BaseException | None, doing: str, cleanup: Path | None = None) -> None:
+    """Make a failure on any rank a failure on every rank, so that no rank is left waiting in a collective.
+
+    ``doing``: "writing <folder>" or "reading <folder>", for the message. ``cleanup``: a partial write
+    that rank 0 removes on failure. A full disk on any rank becomes CheckpointError("no space left on
+    device while writing <folder>"); otherwise a failing rank re-raises its own error, the others a
+    CheckpointError naming that rank. Without a process group it just re-raises ``err``.
+    """
+    full = err is not None and is_enospc(err)
+    mine = None if err is None else "ENOSPC" if full else f"{type(err).__name__}: {str(err).strip()[-2000:]}"
+    msgs = dist.all_gather_object(mine)
+    failed = [(r, m) for r, m in enumerate(msgs) if m is not None]
+    if not failed:
+        return
+    if cleanup is not None and dist.is_main():
+        discard_partial(cleanup)
+    if any(m == "ENOSPC" for _, m in failed):
+        gone = "" if cleanup is None else " (removed the partial write)"
+        raise CheckpointError(f"no space left on device while {doing}{gone}") from err
+    if err is not None:
+        raise err
+    rank, msg = failed[0]
+    raise CheckpointError(f"{doing} failed on rank {rank}: {msg}")
+
+
+def save_run(
+    ckpt_dir: Path,
+    step: int,
+    *,
+    learner: Any,
+    producer: Any,
+    keep: int,
+    lineage: str,
+    loop_rng: random.Random,
+    **shared: Any,
+) -> Path:
+    """Checkpoint a run at ``step`` (a collective under torchrun: every rank calls it). The layout:
+
+    - ``state.pt`` (rank 0): the step, every object of ``shared`` by name (their ``state_dict()``: the buffer,
+      the monitor) and the RNG states (:func:`capture_rng`);
+    - ``producer_rank<r>.pt`` (each rank): the producer's queue, data cursor and weight snapshots, without the
+      snapshot of the learner's current version (restored from the model);
+    - ``learner/`` (the learner's ``save``): weights, AdamW, schedule, version; DCP shards under FSDP;
+    - ``meta.json`` and ``manifest.json``, written last by :func:`save`.
+
+    A failure on any rank (a full disk) fails every rank, after the partial folder is removed.
+    """
+    tmp = ckpt_dir / f".tmp-step_{step:06d}"
+    doing = f"writing {ckpt_dir / f'step_{step:06d}'}"
+    err = None
+    try:
+        if dist.is_main():
+            prepare(tmp)
+    except Exception as e:
+        err = e
+    raise_together(err, doing, cleanup=tmp)
+    try:
+        write(tmp / f"producer_rank{dist.rank()}.pt", producer.state_dict(live=learner.version))
+    except Exception as e:
+        err = e
+    raise_together(err, doing, cleanup=tmp)
+    learner.save(tmp / "learner")  # a collective that fails together by itself
+    path = ckpt_dir / f"step_{step:06d}"
+    try:
+        if dist.is_main():
+            state = {"step": step} | {k: v.state_dict() for k, v in shared.items()} | {"rng": capture_rng(loop_rng)}
+            meta = {"version": learner.version, "world_size": dist.world_size()}
+            path = save(ckpt_dir, step, state, keep=keep, meta=meta, tmp=tmp, lineage=lineage)
+    except Exception as e:
+        err = e
+    raise_together(err, doing, cleanup=tmp)
+    return path
+
+
+def restore_run(path: Path, *, learner: Any, producer: Any, loop_rng: random.Random, **shared: Any) -> int:
+    """Restore what :func:`save_run` wrote; returns the checkpoint's step (a collective under torchrun).
+
+    Rank 0 verifies every file against the manifest first; every rank gets the verdict."""
+    path = Path(path)
+    err = None
+    try:
+        if dist.is_main():
+            verify(path)
+    except Exception as e:
+        err = e
+    raise_together(err, f"reading {path}")
+    state = load(path)
+    learner.load(path / "learner")
+    producer.load_state_dict(_producer_state(path, dist.rank()))
+    for k, obj in shared.items():
+        obj.load_state_dict(state[k])
+    restore_rng(state["rng"], loop_rng)
+    return int(state["step"])
+
+
+def _producer_state(ckpt: Path, rank: int) -> dict:
+    """This rank's producer state. At another world size (DCP reshards the model), a checkpoint
+    whose producers held no batches ahead resumes from rank 0's (all ranks draw the same prompts)."""
+    pfile = ckpt / f"producer_rank{rank}.pt"
+    if pfile.is_file():
+        return load(pfile)
+    state = load(ckpt / "producer_rank0.pt")
+    if state["pending"]:
+        raise CheckpointError(
+            f"{pfile}: missing; this checkpoint was written by a different number of ranks while the "
+            "rollout producer had batches queued (async): resume it with the world size that wrote it"
+        )
+    return state

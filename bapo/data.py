@@ -464,49 +464,36 @@ def gsm8k_answer(p: Problem) -> Problem:
     return Problem(id=p.id, problem=p.problem, answer=ans, source=p.source)
 
 
-def problem_sources(
-    *,
-    kind: str,
-    arith: ArithSpec,
-    train_seed: int,
-    heldout_seed: int,
-    heldout_frac: float,
-    heldout_size: int,
-    path: str | None,
-    eval_path: str | None,
-    split: str,
-    eval_split: str | None,
-    subset: str | None,
-    problem_key: str,
-    answer_key: str,
-    answer_format: str,
-) -> tuple[Iterator[Problem], list[Problem], LoadReport]:
-    """The training stream, the fixed held-out set, and what loading skipped."""
+def problem_sources(cfg) -> tuple[Iterator[Problem], list[Problem], LoadReport]:
+    """The training stream, the fixed held-out set, and what loading skipped, for the typed ``data`` group.
+
+    ``cfg``: ``bapo.config.ArithDataConfig`` (kind arith), ``FileDataConfig`` (jsonl) or ``HubDataConfig`` (hub).
+    """
     report = LoadReport()
-    if kind == "arith":
-        train = ArithSource(seed=train_seed, split="train", heldout_frac=heldout_frac, spec=arith)
-        return (
-            train,
-            arith_heldout(heldout_size, seed=heldout_seed, heldout_frac=heldout_frac, spec=arith),
-            report,
-        )
+    if cfg.kind == "arith":
+        spec = ArithSpec(**vars(cfg.arith))
+        train = ArithSource(seed=cfg.train_seed, split="train", heldout_frac=cfg.heldout_frac, spec=spec)
+        held = arith_heldout(cfg.heldout_size, seed=cfg.heldout_seed, heldout_frac=cfg.heldout_frac, spec=spec)
+        return train, held, report
+    hub = cfg.kind == "hub"
 
-    def load(where: str, which: str) -> list[Problem]:
-        keys = dict(problem_key=problem_key, answer_key=answer_key, report=report)
-        if kind == "jsonl":
-            rows = load_jsonl(where, **keys)
+    def load(where: str, which: str | None) -> list[Problem]:
+        keys = dict(problem_key=cfg.problem_key, answer_key=cfg.answer_key, report=report)
+        if hub:
+            rows = load_hub(where, split=which, subset=cfg.subset, **keys)
         else:
-            rows = load_hub(where, split=which, subset=subset, **keys)
-        return [gsm8k_answer(p) for p in rows] if answer_format == "gsm8k" else rows
+            rows = load_jsonl(where, **keys)
+        return [gsm8k_answer(p) for p in rows] if cfg.answer_format == "gsm8k" else rows
 
-    rows = load(path, split)
-    if eval_path or (kind == "hub" and eval_split):
-        train_rows, held = rows, load(eval_path or path, eval_split or split)
+    rows = load(cfg.path, cfg.split if hub else None)
+    eval_split = cfg.eval_split if hub else None
+    if cfg.eval_path or eval_split:
+        train_rows, held = rows, load(cfg.eval_path or cfg.path, eval_split or (cfg.split if hub else None))
     else:  # hold out a hash-chosen slice of the training rows
-        train_rows = [p for p in rows if not is_heldout(p.problem, heldout_frac)]
-        held = [p for p in rows if is_heldout(p.problem, heldout_frac)]
+        train_rows = [p for p in rows if not is_heldout(p.problem, cfg.heldout_frac)]
+        held = [p for p in rows if is_heldout(p.problem, cfg.heldout_frac)]
     if not train_rows or not held:
-        raise ValueError(f"data.path={path}: {len(train_rows)} training and {len(held)} held-out rows; need both")
-    rng = random.Random(heldout_seed)
-    held = rng.sample(held, min(heldout_size, len(held)))
-    return ListSource(train_rows, seed=train_seed), held, report
+        raise ValueError(f"data.path={cfg.path}: {len(train_rows)} training and {len(held)} held-out rows; need both")
+    rng = random.Random(cfg.heldout_seed)
+    held = rng.sample(held, min(cfg.heldout_size, len(held)))
+    return ListSource(train_rows, seed=cfg.train_seed), held, report

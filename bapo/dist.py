@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -153,3 +154,36 @@ def shard(items: Sequence[T], rank_: int | None = None, world: int | None = None
     if len(items) < w:
         raise ValueError(f"{len(items)} samples cannot be sharded over {w} ranks: every rank needs at least one")
     return list(items[r::w])
+
+
+def all_gather_tensors(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Every rank's list of 1-D tensors (same count and dtypes on every rank, any lengths), in rank order.
+
+    Two collectives per tensor: the lengths, then the data padded to the longest. The data
+    moves as tensors, never pickled. Without a process group: ``[list(tensors)]``.
+    """
+    if not active():
+        return [list(tensors)]
+    device, world = _comm_device(), world_size()
+    lengths = torch.tensor([t.numel() for t in tensors], dtype=torch.long, device=device)
+    all_lengths = [torch.empty_like(lengths) for _ in range(world)]
+    dist.all_gather(all_lengths, lengths)
+    per_rank: list[list[torch.Tensor]] = [[] for _ in range(world)]
+    for i, t in enumerate(tensors):
+        longest = max(int(n[i]) for n in all_lengths)
+        padded = torch.zeros(longest, dtype=t.dtype, device=device)
+        padded[: t.numel()] = t.reshape(-1).to(device)
+        parts = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(parts, padded)
+        for r in range(world):
+            per_rank[r].append(parts[r][: int(all_lengths[r][i])].to(t.device))
+    return per_rank
+
+
+def shared_path(path: str | os.PathLike) -> Path:
+    """Rank 0's ``path`` on every rank (under torchrun; joins the process group first).
+
+    Hydra's ``${now:...}`` run folder may differ by a second between ranks; they all use rank 0's."""
+    if launched():
+        init()
+    return Path(broadcast_object(str(path)))

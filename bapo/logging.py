@@ -65,3 +65,36 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+
+
+class NullLogger:
+    """What ranks other than 0 log to."""
+
+    def log(self, metrics: dict, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def truncate_metrics(run_dir: Path, source_run: Path | None, step: int) -> dict[str, Any]:
+    """Make ``run_dir/metrics.jsonl`` the rows of ``source_run``'s up to ``step``, atomically; return the last row.
+
+    Lines a killed run wrote after its checkpoint are dropped, and so is a line cut short by the kill
+    (and anything after it). ``source_run`` is the run the checkpoint belongs to (this one, or another run
+    resumed from); returns the last kept row without its ``step``, or {} when there is none."""
+    src = Path(source_run or run_dir) / "metrics.jsonl"
+    keep, last = [], {}
+    if src.is_file():
+        for line in src.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                break
+            if row.get("step", 1 << 60) <= step:
+                keep.append(line)
+                last = {k: v for k, v in row.items() if k != "step"}
+    tmp = Path(run_dir) / ".metrics.jsonl.tmp"
+    tmp.write_text("".join(x + "\n" for x in keep))
+    tmp.replace(Path(run_dir) / "metrics.jsonl")
+    return last

@@ -16,8 +16,8 @@ updates. So a batch generated at version ``v_t`` is used at staleness up to
 ``tU - 1 - v_t`` and the startup check is ``k = buffer.max_staleness >= U + s - 2``
 (experience reuse gives ``U - 1``, a sync every s updates up to ``s - 1`` more).
 
-* ``sync`` (``train.async=false``): batch t is generated right before step t, with
-  the newest synced weights: ``v_t = floor((t-1)U / s) * s``.
+* ``sync`` (``train.async_rollout=false``): batch t is generated right before step t,
+  with the newest synced weights: ``v_t = floor((t-1)U / s) * s``.
 * ``admission`` (async, the default enforcement): batch t is generated with the
   *oldest* weights that keep it within k, ``v_t = ceil(max(0, tU - 1 - k) / s) * s``.
   The producer waits until the learner has published ``v_t`` (AReaL's
@@ -30,16 +30,27 @@ updates. So a batch generated at version ``v_t`` is used at staleness up to
   never waits for the learner (only for room: at most ``ahead`` batches queued);
   the buffer drops, and counts, samples that would exceed k. Timing decides what is
   dropped, so drop-mode runs are not bit-reproducible.
+
+Snapshots
+---------
+The learner publishes its weights at the versions some batch will be generated
+with (:meth:`Producer.wants`). A published snapshot must hold *that* version's
+weights for as long as a batch may load it, so it is a copy, except in one case
+(:meth:`Producer.needs_copy`): in sync mode at a step boundary, when the only batch
+that asks for this version is the very next one, made before any further update.
+With ``sync_every`` larger than the updates per step, two batches share a version,
+and the second is made after more updates: it gets a copy.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, Protocol
 
 MODES = ("sync", "admission", "drop")
 
@@ -65,111 +76,123 @@ def batch_version(t: int, *, updates_per_batch: int, max_staleness: int, sync_ev
     raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
 
 
-class WeightMailbox:
-    """Weight snapshots by version, published by the learner and taken by the producer.
+class Interrupted(Exception):
+    """A blocking wait was woken by a stop request (or the producer was stopped while waiting)."""
 
-    A snapshot is either a copy (``clone=True``: the learner will go on updating) or
-    the live ``state_dict`` (only safe when the learner does not update before the
-    producer has loaded it: the sync schedule at a step boundary).
+
+class WeightMailbox:
+    """Weight snapshots by version, published by the learner and loaded by the producer.
+
+    One condition variable guards the snapshots and the producer's queue, so that a
+    publish wakes a producer waiting for weights. Used only through :class:`Producer`.
     """
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        self.cond = threading.Condition()
         self._snaps: dict[int, dict] = {}
-        self._live: set[int] = set()
         self.closed = False
 
-    def publish(self, version: int, weights: dict, *, clone: bool) -> None:
-        snap = {k: v.detach().clone() for k, v in weights.items()} if clone else weights
-        with self._cond:
-            self._snaps[version] = snap
-            if not clone:
-                self._live.add(version)
-            self._cond.notify_all()
+    def publish(self, version: int, weights: dict) -> None:
+        with self.cond:
+            self._snaps[version] = weights
+            self.cond.notify_all()
 
-    def wait(self, version: int | None, stop: threading.Event | None = None) -> tuple[int, dict]:
-        """The snapshot of ``version`` (None: the newest), blocking until it is published."""
-        with self._cond:
-            while True:
-                if self.closed or (stop is not None and stop.is_set()):
-                    raise Interrupted
-                if version is None and self._snaps:
-                    v = max(self._snaps)
-                    return v, self._snaps[v]
-                if version is not None and version in self._snaps:
-                    return version, self._snaps[version]
-                self._cond.wait(0.1)
+    def get(self, version: int) -> dict:
+        """The snapshot of ``version``; a KeyError names what is held instead."""
+        with self.cond:
+            if version not in self._snaps:
+                raise KeyError(f"no weight snapshot of version {version} (held: {sorted(self._snaps)})")
+            return self._snaps[version]
+
+    def ready(self, version: int | None) -> bool:
+        """Is the snapshot a batch asks for (None: any, the newest) published? Call with ``cond`` held."""
+        return bool(self._snaps) if version is None else version in self._snaps
+
+    def newest(self, version: int | None) -> tuple[int, dict]:
+        """(version, snapshot): ``version``'s, or the newest for None. Call with ``cond`` held, once ready."""
+        v = max(self._snaps) if version is None else version
+        return v, self._snaps[v]
 
     def has(self, version: int) -> bool:
-        with self._cond:
+        with self.cond:
             return version in self._snaps
 
     def release_below(self, version: int) -> None:
-        with self._cond:
+        with self.cond:
             for v in [v for v in self._snaps if v < version]:
                 del self._snaps[v]
-                self._live.discard(v)
 
     def versions(self) -> list[int]:
-        with self._cond:
+        with self.cond:
             return sorted(self._snaps)
 
-    def state_dict(self, live_ok: int | None = None) -> dict[int, dict]:
-        """Copied snapshots for a checkpoint (a live one is the current model: restored from it)."""
-        with self._cond:
-            return {v: s for v, s in self._snaps.items() if v not in self._live or v != live_ok}
+    def snapshots(self, exclude: int | None = None) -> dict[int, dict]:
+        with self.cond:
+            return {v: s for v, s in self._snaps.items() if v != exclude}
 
     def close(self) -> None:
-        with self._cond:
+        with self.cond:
             self.closed = True
-            self._cond.notify_all()
+            self.cond.notify_all()
 
 
-class Interrupted(Exception):
-    """The producer was asked to stop while waiting."""
+class BatchMaker(Protocol):
+    """What the producer runs: make batch t with a version's weights, and carry its own state (the data cursor)."""
+
+    def make(self, t: int, version: int, weights: dict) -> Any: ...
+
+    def gather(self, item: Any) -> Any: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 class Producer:
     """Generates rollout batches in order, inline (sync) or on a background thread (async).
 
-    ``make_batch(t, version, weights)`` generates batch t with the given snapshot and
-    returns anything (the loop's rollout batch). The producer only decides *when*
-    batch t may be made and *which* snapshot it gets, from :func:`batch_version`.
+    The producer decides *when* batch t may be made and *which* snapshot it gets (from
+    :func:`batch_version`); ``maker.make(t, version, weights)`` makes it. It owns the
+    weight mailbox and the queue of batches made ahead, and checkpoints both, with the
+    maker's state (:meth:`state_dict`).
 
-    :meth:`pause` quiesces the thread between two batches (for checkpoints and for
-    evaluation, which borrows the engine); while paused, the producer's state is just
-    ``next_batch`` plus whatever ``make_batch`` keeps (the data cursor) and the batches
-    in the queue.
+    ``take`` returns ``maker.gather(batch)``: under torchrun the ranks' shares of a
+    batch are gathered there, on the consumer's (learner's) thread, because the
+    learner's own collectives run on that thread and collectives of one process group
+    must not interleave across threads.
+
+    Every blocking wait wakes on ``interrupt`` (a stop request: :class:`Interrupted`)
+    and on a producer error (re-raised).
     """
 
     def __init__(
         self,
-        make_batch: Callable[[int, int, dict], Any],
-        mailbox: WeightMailbox,
+        maker: BatchMaker,
         *,
         mode: str,
         updates_per_batch: int,
         max_staleness: int,
         sync_every: int,
         ahead: int = 1,
-        first_batch: int = 1,
         last_batch: int | None = None,
+        interrupt: threading.Event | None = None,
     ):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        self.make_batch = make_batch
-        self.mailbox = mailbox
+        self.maker = maker
+        self.mailbox = WeightMailbox()
         self.mode = mode
         self.kw = dict(
             updates_per_batch=updates_per_batch, max_staleness=max_staleness, sync_every=sync_every, mode=mode
         )
         self.ahead = max(1, ahead)
-        self.next_batch = first_batch
         self.last_batch = last_batch
-        self.queue: deque = deque()
-        self.consumed = first_batch - 1
-        self.wait_s = 0.0  # producer time spent waiting (for weights or for room), since last taken
-        self._cond = mailbox._cond  # one lock: a publish wakes a producer waiting for weights
+        self.interrupt = interrupt if interrupt is not None else threading.Event()
+        self._cond = self.mailbox.cond
+        self._queue: deque = deque()
+        self._next = 1  # the next batch to make
+        self._consumed = 0  # batches taken
+        self._wait_s = 0.0  # producer time spent waiting (for weights or for room), since last asked
         self._stop = threading.Event()
         self._pause = False
         self._busy = False
@@ -181,17 +204,19 @@ class Producer:
     def version_for(self, t: int) -> int | None:
         return batch_version(t, **self.kw)
 
-    def needed_versions(self, upto: int) -> set[int]:
-        """Versions <= ``upto`` that batches not yet consumed ask for (admission/sync).
+    def _asking(self, upto: int) -> list[tuple[int, int]]:
+        """(batch, version) of the batches not yet consumed whose version is <= ``upto`` (admission/sync).
 
         Counted from the consumer's side, not the producer's: the answer then depends on
         the learner's progress only, so every rank of a torchrun job agrees on it (and on
-        the collective weight gather it triggers) however far its producer has got."""
+        the collective weight gather it triggers) however far its producer has got. Batches
+        past ``last_batch`` count too: a finished run may be extended (``resume=auto`` with more
+        steps), and its checkpoint must hold what those batches will be made with."""
         if self.mode == "drop":
-            return set()
-        out, t = set(), self.consumed + 1
-        while (self.last_batch is None or t <= self.last_batch) and (v := self.version_for(t)) <= upto:
-            out.add(v)
+            return []
+        out, t = [], self._consumed + 1
+        while (v := self.version_for(t)) <= upto:
+            out.append((t, v))
             t += 1
         return out
 
@@ -199,19 +224,29 @@ class Producer:
         """Should the learner publish its weights at ``version``? (Some batch will be generated with them.)"""
         if self.mode == "drop":
             return version % self.kw["sync_every"] == 0
-        return version in self.needed_versions(version)
+        return any(v == version for _, v in self._asking(version)) and not self.mailbox.has(version)
 
-    def release_floor(self, version: int, *, keep_window: bool) -> int:
-        """Snapshots below this version are needed by no one: the producer's next batch asks for the floor
-        or newer; with ``keep_window`` (recompute) the consumer may still ask for any version within k."""
-        if self.last_batch is not None and self.next_batch > self.last_batch:
-            floor = version
-        else:
-            nxt = self.version_for(self.next_batch)
-            floor = max(self.mailbox.versions(), default=0) if nxt is None else nxt
+    def needs_copy(self, version: int) -> bool:
+        """Must the weights published at ``version`` be a copy (see the module docstring), or may they be live?"""
+        if self.mode != "sync" or version != self._consumed * self.kw["updates_per_batch"]:
+            return True  # async, or mid-step: more updates come before the batch is made
+        return [t for t, v in self._asking(version) if v == version] != [self._consumed + 1]
+
+    def publish(self, version: int, weights: dict) -> None:
+        self.mailbox.publish(version, weights)
+
+    def snapshot(self, version: int) -> dict:
+        """The published weights of ``version`` (recompute's older policy); KeyError when not held."""
+        return self.mailbox.get(version)
+
+    def release(self, version: int, *, keep_window: bool) -> None:
+        """Free snapshots that no batch will be made with any more. With ``keep_window`` (recompute) keep
+        every version a batch within the staleness bound may have been made with."""
+        nxt = self.version_for(self._next)  # past last_batch too: the run may be extended
+        floor = max(self.mailbox.versions(), default=0) if nxt is None else nxt
         if keep_window:
             floor = min(floor, version - self.kw["max_staleness"])
-        return floor
+        self.mailbox.release_below(floor)
 
     # ------------------------------------------------------------------ running
 
@@ -225,22 +260,26 @@ class Producer:
             self._thread.start()
 
     def _done(self) -> bool:
-        return self.last_batch is not None and self.next_batch > self.last_batch
+        return self.last_batch is not None and self._next > self.last_batch
 
     def _ready(self) -> bool:
         """May the next batch be made now? (Called with the lock held.)"""
-        if self._pause or len(self.queue) >= self.ahead_limit():
+        if self._pause or len(self._queue) >= self.ahead_limit():
             return False
-        v = self.version_for(self.next_batch)
-        return bool(self.mailbox._snaps) if v is None else v in self.mailbox._snaps
+        return self.mailbox.ready(self.version_for(self._next))
 
     def _produce_one(self) -> None:
-        t = self.next_batch
-        version, weights = self.mailbox.wait(self.version_for(t), self._stop)
-        item = self.make_batch(t, version, weights)
+        t = self._next
         with self._cond:
-            self.queue.append(item)
-            self.next_batch += 1
+            while not self.mailbox.ready(self.version_for(t)):
+                if self._stop.is_set() or self.mailbox.closed:
+                    raise Interrupted
+                self._cond.wait(0.1)
+            version, weights = self.mailbox.newest(self.version_for(t))
+        item = self.maker.make(t, version, weights)
+        with self._cond:
+            self._queue.append(item)
+            self._next += 1
             self._cond.notify_all()
 
     def _run(self) -> None:
@@ -250,7 +289,7 @@ class Producer:
                     t0 = time.perf_counter()
                     while not self._stop.is_set() and not self.mailbox.closed and not self._ready():
                         self._cond.wait(0.1)
-                    self.wait_s += time.perf_counter() - t0
+                    self._wait_s += time.perf_counter() - t0
                     if self._stop.is_set() or self.mailbox.closed:
                         break
                     self._busy = True
@@ -271,37 +310,56 @@ class Producer:
         """Batches the producer may hold unconsumed. Admission bounds itself through the schedule."""
         return self.ahead if self.mode == "drop" else 1 << 30
 
+    def _check(self) -> None:
+        """Raise what a waiting consumer must not sleep through. Called with the lock held."""
+        if self._error is not None:
+            raise RuntimeError("the rollout producer failed") from self._error
+        if self.interrupt.is_set():
+            raise Interrupted
+        if self.threaded and (self._thread is None or not self._thread.is_alive()):
+            raise RuntimeError("the rollout producer stopped before the run ended")
+
     def take(self) -> tuple[Any, float]:
-        """The next batch, and the seconds the consumer waited for it."""
+        """The next batch (gathered over ranks), and the seconds the consumer waited for it."""
         t0 = time.perf_counter()
         if not self.threaded:
-            if not self.queue:
-                v = self.version_for(self.next_batch)
+            if self.interrupt.is_set():
+                raise Interrupted
+            if not self._queue:
+                v = self.version_for(self._next)
                 if not self.mailbox.has(v):
-                    raise RuntimeError(f"sync schedule: batch {self.next_batch} needs version {v}, not published")
+                    raise RuntimeError(f"sync schedule: batch {self._next} needs version {v}, not published")
                 self._produce_one()
-            item = self.queue.popleft()
-            self.consumed += 1
-            return item, 0.0
+            item = self._queue.popleft()
+            self._consumed += 1
+            return self.maker.gather(item), 0.0
         with self._cond:
-            while not self.queue:
-                if self._error is not None:
-                    raise RuntimeError("the rollout producer failed") from self._error
-                if self._thread is None or not self._thread.is_alive():
-                    raise RuntimeError("the rollout producer stopped before the run ended")
+            while not self._queue:
+                self._check()
                 self._cond.wait(0.1)
-            item = self.queue.popleft()
-            self.consumed += 1
+            item = self._queue.popleft()
+            self._consumed += 1
             self._cond.notify_all()
-        return item, time.perf_counter() - t0
+        return self.maker.gather(item), time.perf_counter() - t0
 
     def try_take(self) -> Any | None:
+        """A batch already made, without waiting (drop mode refills); None if there is none."""
         with self._cond:
-            if not self.queue:
+            if not self._queue:
                 return None
-            self.consumed += 1
+            item = self._queue.popleft()
+            self._consumed += 1
             self._cond.notify_all()
-            return self.queue.popleft()
+        return self.maker.gather(item)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Quiesce the thread between two batches for the block (checkpoints; evaluation borrows the engine)."""
+        self.pause()
+        try:
+            yield
+        finally:
+            self.resume()
 
     def pause(self) -> None:
         """Block until the producer is between batches, and keep it there until :meth:`resume`."""
@@ -321,12 +379,48 @@ class Producer:
 
     def take_wait_s(self) -> float:
         with self._cond:
-            w, self.wait_s = self.wait_s, 0.0
+            w, self._wait_s = self._wait_s, 0.0
         return w
+
+    def queued(self) -> int:
+        with self._cond:
+            return len(self._queue)
 
     def stop(self) -> None:
         self._stop.set()
-        with self._cond:
-            self._cond.notify_all()
+        self.mailbox.close()
         if self._thread is not None:
             self._thread.join(timeout=60)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self, live: int | None = None) -> dict:
+        """Batches made ahead, the maker's state (data cursor) and the snapshots still needed. Pause first.
+
+        ``live``: a version whose snapshot is the learner's current weights (restored from the model, not stored)."""
+        with self._cond:
+            pending = list(self._queue)
+        return {
+            "consumed": self._consumed,
+            "pending": pending,
+            "snapshots": self.mailbox.snapshots(exclude=live),
+            "maker": self.maker.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self._consumed = int(state["consumed"])
+        self._queue = deque(state["pending"])
+        self._next = self._consumed + 1 + len(self._queue)
+        for v, snap in state["snapshots"].items():
+            self.mailbox.publish(int(v), snap)
+        self.maker.load_state_dict(state["maker"])
+
+
+def offer_weights(producer: Producer, learner: Any) -> None:
+    """The one backward edge: give the producer the learner's weights if a batch will be generated with them.
+
+    ``learner.weights()`` / ``snapshot()`` may be collectives (FSDP); ``wants`` and ``needs_copy`` give the same
+    answer on every rank, so all ranks call them together."""
+    v = learner.version
+    if producer.wants(v):
+        producer.publish(v, learner.snapshot() if producer.needs_copy(v) else learner.weights())

@@ -3,6 +3,12 @@
 Stages (data, rollout, reward, buffer, learner) never import each other; they
 exchange only these frozen dataclasses. ``bapo/loop.py`` is the one place that
 wires them together.
+
+Per-token data travels as 1-D tensors (token ids as int64, log-probs, advantages,
+values and returns as float32), never as Python tuples of floats: a paper-sized
+step holds tens of millions of tokens, which is what crosses ranks
+(``bapo.batches``) and what a checkpoint stores. Samples hold tensors, so they
+compare by identity (``eq=False``), not by value.
 """
 
 from __future__ import annotations
@@ -31,25 +37,26 @@ class Prompt:
     ids: tuple[int, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Sample:
     """One generated response, tagged with the policy version that produced it.
 
-    ``logp`` holds the behaviour log-probabilities of the sampled tokens under the
-    sampling distribution (logits / temperature), one per response token.
+    ``response_ids`` [T] (int64) are the sampled tokens, ending with a stop token unless
+    ``truncated``; ``logp`` [T] (float32) holds the behaviour log-probabilities of the
+    sampled tokens under the sampling distribution (logits / temperature).
     ``version`` is the oldest policy version that produced any of its tokens.
     """
 
     prompt: Prompt
     group: int  # index of the prompt's group within its rollout batch
-    response_ids: tuple[int, ...]
-    logp: tuple[float, ...]
+    response_ids: torch.Tensor  # [T] int64
+    logp: torch.Tensor  # [T] float32
     text: str
     version: int
     truncated: bool  # hit max_new_tokens without an end-of-turn token
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ScoredSample:
     """A sample after reward and advantage estimation.
 
@@ -64,9 +71,9 @@ class ScoredSample:
     advantage: float
     correct: bool
     extracted: str | None = None
-    token_adv: tuple[float, ...] | None = None
-    old_values: tuple[float, ...] | None = None
-    returns: tuple[float, ...] | None = None
+    token_adv: torch.Tensor | None = None  # [T] float32
+    old_values: torch.Tensor | None = None  # [T] float32
+    returns: torch.Tensor | None = None  # [T] float32
 
 
 @dataclass(frozen=True)
@@ -94,7 +101,7 @@ class TrainBatch:
         return self.input_ids.shape[0]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class RolloutBatch:
     """One rollout batch as the producer hands it to the learner: the samples of
     ``train.prompts_per_step`` prompts, generated at one policy ``version``, with the
@@ -107,3 +114,4 @@ class RolloutBatch:
     correct: tuple[bool, ...]
     extracted: tuple[str | None, ...]
     stats: dict  # reward/... counts and time/... of the producer for this batch
+    prompts: tuple[Prompt, ...] = ()  # every prompt of the batch, in order (under torchrun: all ranks' shares)

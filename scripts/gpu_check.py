@@ -101,15 +101,15 @@ def model_configs() -> dict[str, dict]:
     return out
 
 
-def algo_config():
+def run_config(*overrides: str):
+    """The typed config train.py would build with ``overrides`` (bapo.config.build)."""
     from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
 
-    from bapo.config import AlgoConfig
+    from bapo.config import build
 
     with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
-        cfg = compose(config_name="config", overrides=["algo=bapo"])
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(AlgoConfig), cfg.algo))
+        cfg = compose(config_name="config", overrides=list(overrides))
+    return build(cfg, tempfile.gettempdir())
 
 
 def shrink(arch: dict) -> dict:
@@ -175,25 +175,6 @@ def check_models(configs: dict[str, dict], device: torch.device, dry: bool) -> d
     return {"ok": all(r["forward"] == "ok" or r["forward"].startswith("skipped") for r in out.values()), **out}
 
 
-def shard(model: torch.nn.Module, device: torch.device) -> dict:
-    """(b) FSDP2: every decoder layer, then the root (the embeddings, final norm and lm_head)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    kw: dict[str, Any] = {}
-    if device.type == "cuda":
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer, **kw)
-    fully_shard(model, **kw)
-    p = next(model.parameters())
-    return {
-        "sharded": type(p).__name__ == "DTensor",
-        "param_dtype": "bfloat16" if kw else "float32",
-        "reduce_dtype": "float32",
-        "units": len(model.model.layers) + 1,
-    }
-
-
 def synthetic_batch(arch: dict, rows: int, prompt_len: int, response_len: int, seed: int):
     """Full-length rows (no padding): random prompt+response ids, one advantage per sequence."""
     from bapo.types import TrainBatch
@@ -217,27 +198,23 @@ def check_learner(arch: dict, device: torch.device, args) -> dict:
     torch.manual_seed(0)
     model = load_model("", init="random", arch=arch, dtype="float32", device=device)  # fp32 master weights
     n_matmul = matmul_params(model)
-    fsdp = shard(model, device)
-    algo = algo_config()
-
-    def reduce_sum(t: torch.Tensor) -> torch.Tensor:  # BAPO's P and N sums, across data-parallel ranks
-        x = t.to(device)
-        dist.all_reduce(x)
-        return x.to(t.device)
-
-    learner = Learner(
-        model,
-        objective=make_objective(algo),
-        scope=algo.scope,
-        lr=1e-6,
-        micro_batch_size=args.micro_batch,
-        max_response_len=args.response_len,
-        reduce_sum=reduce_sum,
-    )
+    rc = run_config("algo=bapo", "learner=fsdp", "learner.lr=1e-6", f"learner.micro_batch_size={args.micro_batch}",
+                    "learner.packing=false", "logger=none")  # fmt: skip
+    # the learner shards the model itself (its FSDP2 strategy: every decoder layer, then the root)
+    objective = make_objective(rc.algo)
+    learner = Learner(model, rc.learner, objective=objective, pad_id=0, max_response_len=args.response_len)
+    model = learner.model
+    p = next(model.parameters())
+    fsdp = {
+        "sharded": type(p).__name__ == "DTensor",
+        "param_dtype": "bfloat16" if device.type == "cuda" else "float32",
+        "reduce_dtype": "float32",
+        "units": len(model.model.layers) + 1,
+    }
     before = next(model.parameters()).detach().full_tensor().clone()
     rows = args.micro_batch * args.micro_batches
     lengths = [args.prompt_len + args.response_len] * rows
-    flops = forward_flops(n_matmul, arch, lengths) * (3 + int(learner.prepass))
+    flops = forward_flops(n_matmul, arch, lengths) * (3 + int(learner.objective.prepass))
     times, metrics = [], {}
     for step in range(args.warmup + args.updates):
         batch = synthetic_batch(arch, rows, args.prompt_len, args.response_len, seed=step)
@@ -260,7 +237,7 @@ def check_learner(arch: dict, device: torch.device, args) -> dict:
         "tokens_per_update": sum(lengths),
         "micro_batches": args.micro_batches,
         "micro_batch_rows": args.micro_batch,
-        "prepass": learner.prepass,
+        "prepass": learner.objective.prepass,
         "seconds_per_update": round(sec, 4),
         "tokens_per_s": round(sum(lengths) / sec, 1),
         "tflops_per_s": round(achieved, 2),

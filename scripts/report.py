@@ -53,6 +53,20 @@ SKIP_DIRS = {".hydra", ".submitit", "checkpoints", "export", "wandb"}
 DASH = "—"
 
 
+# Metrics of runs written before the clip window moved to clip/* (issue 12): read under their new names.
+RENAMED = {"bapo/ratio_low": "clip/low", "bapo/ratio_high": "clip/high", "bapo/rho": "clip/rho"}
+
+
+def bounds_kind(cfg: dict) -> str | None:
+    """``algo.bounds.kind`` (``algo.bounds`` itself in configs written before the bounds became a sub-group)."""
+    b = cfg_get(cfg, "algo.bounds")
+    return b.get("kind") if isinstance(b, dict) else b
+
+
+def rho_target(cfg: dict):
+    return cfg_get(cfg, "algo.bounds.rho0", cfg_get(cfg, "algo.rho0"))
+
+
 def cfg_get(cfg: dict, dotted: str, default=None):
     node = cfg
     for part in dotted.split("."):
@@ -118,7 +132,11 @@ def parse_metrics(path: Path) -> tuple[dict[int, dict], list[str]]:
         if isinstance(step, bool) or not isinstance(step, int | float) or not float(step).is_integer():
             problems.append(f"{where}: no integer 'step'")
             continue
-        values = {k: float(v) for k, v in row.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+        values = {
+            RENAMED.get(k, k): float(v)
+            for k, v in row.items()
+            if isinstance(v, int | float) and not isinstance(v, bool)
+        }
         values.pop("step")
         steps.setdefault(int(step), {}).update(values)
     return dict(sorted(steps.items())), problems
@@ -341,8 +359,8 @@ def plot_curves(groups, out: Path, smooth: int = 1) -> list[Path]:
 
 def plot_bapo(groups, out: Path, smooth: int = 1) -> list[Path]:
     """Figs. 8 and 9 of the paper: the searched bounds, and rho before/after the search."""
-    bapo = {k: v for k, v in groups.items() if any(cfg_get(r.cfg, "algo.bounds") == "bapo" for r in v)}
-    bapo = {k: [r for r in v if cfg_get(r.cfg, "algo.bounds") == "bapo"] for k, v in bapo.items()}
+    bapo = {k: v for k, v in groups.items() if any(bounds_kind(r.cfg) == "bapo" for r in v)}
+    bapo = {k: [r for r in v if bounds_kind(r.cfg) == "bapo"] for k, v in bapo.items()}
     if not bapo:
         return []
     levels = sorted({lv for _, lv in bapo}, key=_level_key)
@@ -351,11 +369,11 @@ def plot_bapo(groups, out: Path, smooth: int = 1) -> list[Path]:
     figures = {
         "bapo_bounds.png": (
             "ratio bound",
-            [("bapo/ratio_high", "ratio_high", "-"), ("bapo/ratio_low", "ratio_low", "--")],
+            [("clip/high", "c_high", "-"), ("clip/low", "c_low", "--")],
         ),
         "bapo_rho.png": (
             "rho (positive share)",
-            [("bapo/rho", "after search", "-"), ("bapo/rho_before", "before", ":")],
+            [("clip/rho", "after search", "-"), ("bapo/rho_before", "before", ":")],
         ),
     }
     for name, (title, lines) in figures.items():
@@ -367,7 +385,7 @@ def plot_bapo(groups, out: Path, smooth: int = 1) -> list[Path]:
                 runs = bapo.get((lb, level), [])
                 for key, what, style in lines:
                     drew |= bool(runs) and _draw(ax, runs, key, smooth, f"C{i}", f"{lb} {what}", style)
-                targets |= {cfg_get(r.cfg, "algo.rho0") for r in runs}
+                targets |= {rho_target(r.cfg) for r in runs}
             for rho0 in sorted(t for t in targets if isinstance(t, int | float)) if name == "bapo_rho.png" else []:
                 ax.axhline(rho0, color="grey", lw=0.8, ls="-.", label=f"target rho0={rho0}")
         written += _save(fig, axes, out / name, drew)

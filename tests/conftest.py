@@ -51,3 +51,52 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"{SHARED_DATA} not present")
     return SHARED_DATA
+
+
+def compose(*overrides: str):
+    """conf/config.yaml composed by Hydra with ``overrides``, as train.py would see it."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
+        return hydra_compose(config_name="config", overrides=list(overrides))
+
+
+def run_config(*overrides: str, run_dir: str | Path = "/tmp/bapo-test-run"):
+    """The typed config (``bapo.config.RunConfig``) of ``compose(*overrides)``."""
+    from bapo.config import build
+
+    return build(compose(*overrides), run_dir)
+
+
+def learner_cfg(**fields):
+    """The default ``learner=single`` group, typed, with ``fields`` replaced (``lr``, ``micro_batch_size``, ...)."""
+    import dataclasses
+
+    return dataclasses.replace(_default_learner(), **fields)
+
+
+_LEARNER = []
+
+
+def _default_learner():
+    if not _LEARNER:
+        _LEARNER.append(run_config("logger=none").learner)
+    return _LEARNER[0]
+
+
+@pytest.fixture()
+def hang_guard():
+    """Fail a test that blocks for more than 60 s instead of hanging the suite (SIGALRM, main thread)."""
+    import signal
+
+    def fail(signum, frame):
+        raise TimeoutError("hang guard: the test blocked for more than 60 s")
+
+    old = signal.signal(signal.SIGALRM, fail)
+    signal.alarm(60)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)

@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from bapo.buffer import ReplayBuffer, StalenessError
 from bapo.types import Problem, Prompt, Sample, ScoredSample
@@ -6,7 +7,8 @@ from bapo.types import Problem, Prompt, Sample, ScoredSample
 
 def make(group: int, version: int, k: int = 2) -> list[ScoredSample]:
     prompt = Prompt(Problem(str(group), "p", "1"), "p", (1, 2))
-    return [ScoredSample(Sample(prompt, group, (3,), (-0.1,), "t", version, False), 1.0, 0.0, True) for _ in range(k)]
+    sample = lambda: Sample(prompt, group, torch.tensor([3]), torch.tensor([-0.1]), "t", version, False)  # noqa: E731
+    return [ScoredSample(sample(), 1.0, 0.0, True) for _ in range(k)]
 
 
 def test_fifo_serves_whole_groups_in_order():
@@ -69,3 +71,15 @@ def test_bad_args():
         ReplayBuffer(max_staleness=1, capacity=1, sampling="lifo")
     with pytest.raises(ValueError, match="buffer.max_staleness"):
         ReplayBuffer(max_staleness=-1, capacity=1)
+
+
+def test_uniform_sampling_leaves_the_rest_in_order():
+    """Before: a uniform draw reshuffled the whole buffer for good; what is not drawn keeps its FIFO order."""
+    buf = ReplayBuffer(max_staleness=None, capacity=100, sampling="uniform", seed=3)
+    for t in range(6):
+        buf.put(make(t, 0, 2))  # six groups of two, from batches 0..5
+    drawn = buf.get(4, 0)
+    left = [g[0].sample.prompt.problem.id for g in buf.groups]
+    assert len(drawn) == 4 and left == sorted(left, key=lambda i: int(i.split("-")[0]))
+    first = {s.sample.prompt.problem.id for s in drawn}
+    assert not first & set(left)

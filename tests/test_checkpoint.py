@@ -2,7 +2,7 @@
 checkpoint is skipped for the newest intact one, pruning stays within a run's lineage and goes by write
 order, a full disk fails with a plain message, exports are readable by others, and weights must be finite.
 
-The learner here is a two-layer MLP with AdamW in one process (what ``fsdp.save_checkpoint`` reads of a
+The learner here is a two-layer MLP with AdamW in one process (what ``save_learner`` reads of a
 learner: model, optimizer, scheduler, skip count, objective state): DCP runs without a process group.
 """
 
@@ -43,7 +43,7 @@ class Payload:
 
 
 def small_learner(seed: int = 0) -> SimpleNamespace:
-    """What ``fsdp.save_checkpoint`` needs of a learner, after one AdamW step (so the moments are not zero)."""
+    """What ``save_learner`` needs of a learner, after one AdamW step (so the moments are not zero)."""
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -58,13 +58,25 @@ def small_learner(seed: int = 0) -> SimpleNamespace:
     )
 
 
+def save_learner(learner, path: Path) -> None:
+    """The learner's part of a checkpoint, as the FSDP strategy writes it (weights, AdamW, small state)."""
+    extra = {"scheduler": learner.scheduler.state_dict(), "skipped_updates": learner.skipped_updates}
+    fsdp.save_sharded(path, model=learner.model, optimizer=learner.optimizer, extra=extra)
+
+
+def load_learner(learner, path: Path, *, verify: bool = True) -> None:
+    extra = fsdp.load_sharded(path, model=learner.model, optimizer=learner.optimizer, verify=verify)
+    learner.scheduler.load_state_dict(extra["scheduler"])
+    learner.skipped_updates = int(extra["skipped_updates"])
+
+
 def loop_save(ckpt_dir: Path, step: int, learner=None, keep: int = 5, **kw) -> Path:
     """A checkpoint as the loop writes it: a producer file and the DCP learner in a prepared folder, then save()."""
     tmp = ckpt_dir / f".tmp-step_{step:06d}"
     checkpoint.prepare(tmp)
     checkpoint.write(tmp / "producer_rank0.pt", {"pending": [], "cursor": torch.arange(step + 3)})
     if learner is not None:
-        fsdp.save_checkpoint(learner, tmp / "learner")
+        save_learner(learner, tmp / "learner")
     state = {"step": step, "weights": torch.full((64,), float(step) + 0.25)}
     return checkpoint.save(ckpt_dir, step, state, keep=keep, tmp=tmp, **kw)
 
@@ -99,7 +111,7 @@ def test_a_tampered_dcp_metadata_cannot_run_code(tmp_path):
     marker = tmp_path / f"pwned-{secrets.token_hex(8)}"
     (ckpt / "learner" / ".metadata").write_bytes(pickle.dumps(Payload(f"touch {marker}")))
     resign(ckpt)
-    err = attempt(fsdp.load_checkpoint, small_learner(1), ckpt / "learner")
+    err = attempt(load_learner, small_learner(1), ckpt / "learner")
     assert not marker.exists(), "loading the checkpoint ran the payload"
     assert type(err) is CheckpointError, err
     assert f"{ckpt / 'learner' / '.metadata'}: refused to load global posix.system" in str(err)
@@ -118,7 +130,7 @@ def test_a_non_tensor_dcp_entry_cannot_run_code(tmp_path):
     md.storage_data[MetadataIndex("learner.skipped_updates")] = _StorageInfo("__evil.distcp", 0, len(evil.getvalue()))
     (dcp_dir / ".metadata").write_bytes(pickle.dumps(md))
     resign(ckpt)
-    err = attempt(fsdp.load_checkpoint, small_learner(1), dcp_dir)
+    err = attempt(load_learner, small_learner(1), dcp_dir)
     assert not marker.exists(), "loading the checkpoint ran the payload"
     assert type(err) is CheckpointError, err
     assert "'learner.skipped_updates' is not a tensor" in str(err)
@@ -153,7 +165,7 @@ def test_the_metadata_unpickler_admits_only_dcp_classes(tmp_path, obj, refused):
 
 def test_metadata_that_is_garbled_or_points_outside_its_folder_is_refused(tmp_path):
     learner = small_learner()
-    fsdp.save_checkpoint(learner, tmp_path / "a")
+    save_learner(learner, tmp_path / "a")
     good = (tmp_path / "a" / ".metadata").read_bytes()
     (tmp_path / "a" / ".metadata").write_bytes(good[: len(good) // 2])
     with pytest.raises(CheckpointError, match=r"\.metadata: unreadable"):
@@ -168,13 +180,13 @@ def test_metadata_that_is_garbled_or_points_outside_its_folder_is_refused(tmp_pa
 
 def test_dcp_round_trip_keeps_only_tensors_in_dcp_and_restores_everything(tmp_path):
     saved = small_learner(0)
-    fsdp.save_checkpoint(saved, tmp_path / "learner")
+    save_learner(saved, tmp_path / "learner")
     md = fsdp.read_metadata(tmp_path / "learner")  # a real file passes the restricted unpickler
     assert md.state_dict_metadata and all(isinstance(e, TensorStorageMetadata) for e in md.state_dict_metadata.values())
     plain = torch.load(tmp_path / "learner" / "plain.pt", weights_only=True)
     assert plain["learner"]["skipped_updates"] == 2 and plain["optimizer"]["param_groups"][0]["lr"] == 5e-3
     other = small_learner(7)
-    fsdp.load_checkpoint(other, tmp_path / "learner", verify=False)  # a bare DCP folder: no manifest
+    load_learner(other, tmp_path / "learner", verify=False)  # a bare DCP folder: no manifest
     for a, b in zip(saved.model.state_dict().values(), other.model.state_dict().values(), strict=True):
         assert torch.equal(a, b)
     sa, so = saved.optimizer.state_dict(), other.optimizer.state_dict()
@@ -278,7 +290,7 @@ def test_fsdp_load_refuses_a_bit_flipped_shard(tmp_path):
     shard = ckpt / "learner" / "__0_0.distcp"
     flip_byte(shard, shard.stat().st_size - 40)  # in the last tensor's data
     with pytest.raises(CheckpointError, match=re.escape(f"{shard}: checksum mismatch")):
-        fsdp.load_checkpoint(small_learner(1), ckpt / "learner")
+        load_learner(small_learner(1), ckpt / "learner")
 
 
 # ---------------------------------------------------------------- the newest intact checkpoint
@@ -400,7 +412,7 @@ def test_a_full_disk_inside_dcp_removes_the_partial_folder_and_says_so(tmp_path,
     tmp = tmp_path / ".tmp-step_000004"
     checkpoint.prepare(tmp)
     with pytest.raises(CheckpointError, match="^" + re.escape(f"no space left on device while writing {tmp} ")):
-        fsdp.save_checkpoint(small_learner(), tmp / "learner")
+        save_learner(small_learner(), tmp / "learner")
     assert not tmp.exists()
 
 
@@ -473,7 +485,7 @@ def test_fsdp_load_refuses_non_finite_weights(tmp_path):
         bad.model[2].bias[1] = float("nan")
     ckpt = loop_save(tmp_path, 1, bad)
     with pytest.raises(CheckpointError, match=r"learner: model.2.bias has 1 non-finite value"):
-        fsdp.load_checkpoint(small_learner(1), ckpt / "learner")
+        load_learner(small_learner(1), ckpt / "learner")
 
 
 def test_plain_encoding_round_trips_known_dataclasses_and_refuses_unknown_ones():

@@ -21,6 +21,7 @@ from bapo.data import (
     render_prompt,
 )
 from bapo.types import Problem
+from tests.conftest import run_config
 
 
 def test_arith_answers_are_right():
@@ -109,22 +110,17 @@ def test_hub_loader_reads_local_files_through_datasets(tmp_path):
 def test_problem_sources_gsm8k_format_and_holdout(tmp_path):
     f = tmp_path / "g.jsonl"
     f.write_text("\n".join(json.dumps({"question": f"q{i}?", "answer": f"so #### {i},000"}) for i in range(200)))
-    train, held, rep = problem_sources(
-        kind="hub",
-        arith=ArithSpec(),
-        train_seed=0,
-        heldout_seed=0,
-        heldout_frac=0.2,
-        heldout_size=10,
-        path=str(f),
-        eval_path=None,
-        split="train",
-        eval_split=None,
-        subset=None,
-        problem_key="question",
-        answer_key="answer",
-        answer_format="gsm8k",
-    )
+    cfg = run_config(
+        "data=hub",
+        f"data.path={f}",
+        "data.problem_key=question",
+        "data.answer_format=gsm8k",
+        "data.heldout_frac=0.2",
+        "data.heldout_size=10",
+        "data.train_seed=0",
+        "data.heldout_seed=0",
+    ).data
+    train, held, rep = problem_sources(cfg)  # fmt: skip
     assert len(held) == 10 and all(p.answer.endswith("000") and "," not in p.answer for p in held)
     held_texts = {p.problem for p in held}
     assert all(next(train).problem not in held_texts for _ in range(300))

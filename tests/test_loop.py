@@ -16,9 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = [
     "step",
     "reward/mean",
-    "bapo/ratio_low",
-    "bapo/ratio_high",
-    "bapo/rho",
+    "clip/low",
+    "clip/high",
+    "clip/rho",
     "learner/entropy",
     "learner/grad_norm",
     "buffer/staleness_mean",
@@ -43,7 +43,7 @@ def test_smoke_run_trains_and_logs(tmp_path, algo):
         assert r["learner/updates"] == 2 and r["buffer/staleness_max"] == 1  # the second update reuses the batch
     assert rows[-1]["policy/version"] == 6
     if algo == "grpo":
-        assert {r["bapo/ratio_low"] for r in rows[1:]} == {0.8}
+        assert {r["clip/low"] for r in rows[1:]} == {0.8}
     # weights moved, and the export reloads through from_pretrained (safetensors)
     from transformers import AutoModelForCausalLM
 
@@ -79,9 +79,8 @@ def test_training_eval_runs_eval_py_sets(tmp_path):
 
 
 ALGOS = sorted(p.stem for p in (ROOT / "conf" / "algo").glob("*.yaml"))
-ABLATION = ["algo.contribution=gradient", "algo.weight=none", "algo.scope=micro_batch"]
+ABLATION = ["algo.bounds.contribution=gradient", "algo.bounds.weight=none", "algo.bounds.scope=micro_batch"]
 FAST = ["train.steps=2", "eval.every=0", "eval.greedy=false", "data.heldout_size=4"]
-PREFIX = {"card": "card"}  # the card logs its chooser's stats under card/, every other algo under bapo/
 
 
 def _rows(path):
@@ -97,10 +96,10 @@ def test_every_algo_runs_end_to_end(tmp_path, algo, extra):
     run(_cfg([f"algo={algo}", *FAST, *extra]), tmp_path)
     rows = _rows(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2]
-    prefix = PREFIX.get(algo, "bapo")
     required = [
-        f"{prefix}/ratio_low",
-        f"{prefix}/ratio_high",
+        "clip/low",  # every algorithm's window and positive share, in one namespace
+        "clip/high",
+        "clip/rho",
         "learner/entropy",
         "learner/approx_kl",
         "learner/grad_norm",
@@ -111,8 +110,10 @@ def test_every_algo_runs_end_to_end(tmp_path, algo, extra):
         "monitor/entropy_collapse",
         "monitor/clip_saturation",
     ]
-    if prefix == "bapo":
-        required += ["bapo/rho", "bapo/rho_before", "bapo/search_steps"]
+    if algo in ("bapo", "bapo_recipe"):
+        required += ["bapo/rho_before", "bapo/search_steps"]
+    if algo == "eps_feedback":
+        required += ["eps_feedback/eps", "eps_feedback/g", "eps_feedback/eps_next"]
     if "gae" in (tmp_path / "config.yaml").read_text():
         required += ["learner/value_loss", "learner/explained_var", "learner/value_clip_frac", "adv/value_mean"]
     if "algo.kl_coef=0.05" in extra:
@@ -123,22 +124,22 @@ def test_every_algo_runs_end_to_end(tmp_path, algo, extra):
         bad = {k: v for k, v in r.items() if isinstance(v, float | int | None) and not math.isfinite(v or 0.0)}
         assert not bad and None not in r.values(), bad
     if algo == "bapo_recipe":
-        assert all(0.8 <= r["bapo/ratio_low"] <= 0.95 and r["bapo/ratio_high"] <= 2.0 for r in rows[1:])
+        assert all(0.8 <= r["clip/low"] <= 0.95 and r["clip/high"] <= 2.0 for r in rows[1:])
     if algo == "clip_higher":
-        assert {r["bapo/ratio_high"] for r in rows[1:]} == {1.28}
+        assert {r["clip/high"] for r in rows[1:]} == {1.28}
 
 
-def test_card_eps_evolves_by_its_rule(tmp_path):
-    # One update per step, so each row's card/eps and card/g are that update's own.
-    run(_cfg(["algo=card", "learner.mini_batches_per_rollout=1", *FAST, "train.steps=3"]), tmp_path)
+def test_eps_feedback_eps_evolves_by_its_rule(tmp_path):
+    # One update per step, so each row's eps_feedback/eps and eps_feedback/g are that update's own.
+    run(_cfg(["algo=eps_feedback", "learner.mini_batches_per_rollout=1", *FAST, "train.steps=3"]), tmp_path)
     rows = _rows(tmp_path)[1:]
-    assert rows[0]["card/eps"] == pytest.approx(0.2)
+    assert rows[0]["eps_feedback/eps"] == pytest.approx(0.2)
     for r in rows:
-        eps, g = r["card/eps"], r["card/g"]
+        eps, g = r["eps_feedback/eps"], r["eps_feedback/g"]
         expected = min(1.1 * eps, 0.5) if g > 1 else max(0.9 * eps, 0.1) if g < 0.5 else eps
-        assert r["card/eps_next"] == pytest.approx(expected)
+        assert r["eps_feedback/eps_next"] == pytest.approx(expected)
     for prev, nxt in zip(rows, rows[1:], strict=False):
-        assert nxt["card/eps"] == pytest.approx(prev["card/eps_next"])
+        assert nxt["eps_feedback/eps"] == pytest.approx(prev["eps_feedback/eps_next"])
 
 
 def test_same_seed_same_metrics(tmp_path):
@@ -173,3 +174,18 @@ def test_train_py_cli_smoke(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 4
     assert (tmp_path / ".hydra" / "config.yaml").exists()
+
+
+def test_each_bapo_ablation_reaches_the_search(tmp_path):
+    """Each ablation flag must change what the search sees on the same first batch (the same samples: the
+    first step samples with the initial weights), not only run without error."""
+    base = ["algo=bapo", "train.steps=1", "eval.every=0", "eval.greedy=false", "data.heldout_size=4"]
+    base += ["learner.micro_batch_size=3"]  # several micro-batches per update, so that the scope matters
+    run(_cfg(base), tmp_path / "paper")
+    ref = _rows(tmp_path / "paper")[1]
+    for flag in ABLATION:
+        name = flag.split(".")[-1].split("=")[0]
+        run(_cfg([*base, flag]), tmp_path / name)
+        row = _rows(tmp_path / name)[1]
+        assert row["rollout/response_len"] == ref["rollout/response_len"], flag  # the same samples
+        assert row["bapo/rho_before"] != ref["bapo/rho_before"], flag  # measured another way

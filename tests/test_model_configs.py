@@ -84,17 +84,17 @@ def test_paper_7b_experiment():
     assert cfg.model.name_or_path == "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B"
     assert cfg.learner.lr == 2e-6 and cfg.rollout.temperature == 0.6
     assert cfg.model.max_new_tokens == cfg.rollout.max_new_tokens == 8192
-    a = cfg.algo
-    assert a.name == "bapo" and a.bounds == "bapo" and a.advantage == "grpo" and a.kl_coef == 0.0
+    a, b = cfg.algo, cfg.algo.bounds
+    assert a.name == "bapo" and b.kind == "bapo" and a.advantage == "grpo" and a.kl_coef == 0.0
     # BAPO's defaults, untouched (../shared/BAPO.md)
-    assert (a.rho0, list(a.low_range), list(a.high_range), a.low_step, a.high_step) == (
+    assert (b.rho0, list(b.low_range), list(b.high_range), b.low_step, b.high_step) == (
         0.4,
         [0.6, 0.9],
         [1.2, 3.0],
         0.02,
         0.05,
     )
-    assert (a.contribution, a.weight, a.variant, a.scope) == ("loss_value", "behavior_prob", "paper", "mini_batch")
+    assert (b.contribution, b.weight, b.variant, b.scope) == ("loss_value", "behavior_prob", "paper", "mini_batch")
     assert cfg.rollout.engine == "vllm" and cfg.learner.kind == "fsdp"
 
 

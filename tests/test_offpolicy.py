@@ -10,8 +10,43 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bapo.buffer import ReplayBuffer
-from bapo.offpolicy import Producer, WeightMailbox, batch_version, min_staleness
+from bapo.offpolicy import Interrupted, Producer, batch_version, min_staleness, offer_weights
 from tests.test_buffer import make
+
+
+class Maker:
+    """A batch maker from a function ``make(t, version, weights)``; gathering is the identity."""
+
+    def __init__(self, fn):
+        self.fn, self.cursor = fn, 0
+
+    def make(self, t, version, weights):
+        self.cursor += 1
+        return self.fn(t, version, weights)
+
+    def gather(self, item):
+        return item
+
+    def state_dict(self):
+        return {"cursor": self.cursor}
+
+    def load_state_dict(self, state):
+        self.cursor = state["cursor"]
+
+
+class FakeLearner:
+    """What offer_weights reads of a learner: its version, live weights and a copy (counted)."""
+
+    def __init__(self):
+        self.version, self.copies, self.lives = 0, 0, 0
+
+    def weights(self):
+        self.lives += 1
+        return {"v": torch.tensor(self.version)}
+
+    def snapshot(self):
+        self.copies += 1
+        return {"v": torch.tensor(self.version)}
 
 
 def bv(t, u, k, s, mode):
@@ -65,7 +100,6 @@ def simulate(mode, u, k, s, steps, rng, batch_size=2):
 
     Each batch is one group of ``batch_size`` samples; returns the staleness of every sample in every
     update and the buffer's counters."""
-    mailbox = WeightMailbox()
     delays = [rng.random() * 2e-3 for _ in range(4 * steps + 8)]
 
     def make_batch(t, version, weights):
@@ -74,8 +108,7 @@ def simulate(mode, u, k, s, steps, rng, batch_size=2):
         return make(t, version, batch_size)
 
     producer = Producer(
-        make_batch,
-        mailbox,
+        Maker(make_batch),
         mode=mode,
         updates_per_batch=u,
         max_staleness=k,
@@ -84,13 +117,8 @@ def simulate(mode, u, k, s, steps, rng, batch_size=2):
         last_batch=None if mode == "drop" else steps,
     )
     buf = ReplayBuffer(max_staleness=k, capacity=64)
-    version, seen = 0, []
-
-    def publish(mid):
-        if producer.wants(version) and not mailbox.has(version):
-            mailbox.publish(version, {"v": torch.tensor(version)}, clone=mode != "sync" or mid)
-
-    publish(False)
+    learner, seen = FakeLearner(), []
+    offer_weights(producer, learner)
     producer.start()
     try:
         for _ in range(steps):
@@ -99,21 +127,20 @@ def simulate(mode, u, k, s, steps, rng, batch_size=2):
             if mode == "drop":
                 while (more := producer.try_take()) is not None:
                     buf.put(more)
-            batch = buf.get(batch_size, version, horizon=u - 1)
+            batch = buf.get(batch_size, learner.version, horizon=u - 1)
             while len(batch) < batch_size:
                 more, _ = producer.take()
                 buf.put(more)
-                batch += buf.get(batch_size - len(batch), version, horizon=u - 1)
+                batch += buf.get(batch_size - len(batch), learner.version, horizon=u - 1)
             for j in range(u):
-                stats = buf.check(batch, version)  # raises StalenessError past k
+                stats = buf.check(batch, learner.version)  # raises StalenessError past k
                 seen.append(int(stats["buffer/staleness_max"]))
-                time.sleep(delays[(j + version) % len(delays)] * rng.choice([0, 1, 3]))
-                version += 1
-                publish(j < u - 1)
-            mailbox.release_below(producer.release_floor(version, keep_window=False))
+                time.sleep(delays[(j + learner.version) % len(delays)] * rng.choice([0, 1, 3]))
+                learner.version += 1
+                offer_weights(producer, learner)
+            producer.release(learner.version, keep_window=False)
     finally:
         producer.stop()
-        mailbox.close()
     return seen, buf
 
 
@@ -138,17 +165,11 @@ def test_admission_realises_k_and_drop_counts_what_it_throws_away():
     seen, _ = simulate("admission", 1, 3, 1, steps=8, rng=random.Random(0))
     assert seen == [0, 1, 2, 3, 3, 3, 3, 3]  # ramps up, then exactly k
     # drop: a fast producer gets ahead with old weights; the consumer is slow, so some batches go stale
-    mailbox, buf = WeightMailbox(), ReplayBuffer(max_staleness=0, capacity=64)
+    buf = ReplayBuffer(max_staleness=0, capacity=64)
     producer = Producer(
-        lambda t, v, w: make(t, v, 2),
-        mailbox,
-        mode="drop",
-        updates_per_batch=1,
-        max_staleness=0,
-        sync_every=1,
-        ahead=4,
+        Maker(lambda t, v, w: make(t, v, 2)), mode="drop", updates_per_batch=1, max_staleness=0, sync_every=1, ahead=4
     )
-    mailbox.publish(0, {"v": torch.tensor(0)}, clone=True)
+    producer.publish(0, {"v": torch.tensor(0)})
     producer.start()
     try:
         time.sleep(0.2)  # the producer fills its queue with version-0 batches
@@ -163,22 +184,22 @@ def test_admission_realises_k_and_drop_counts_what_it_throws_away():
                 batch = buf.get(2, version)
             assert buf.check(batch, version)["buffer/staleness_max"] == 0
             version += 1
-            mailbox.publish(version, {"v": torch.tensor(version)}, clone=True)
+            producer.publish(version, {"v": torch.tensor(version)})
     finally:
         producer.stop()
     assert buf.dropped_stale > 0
 
 
 def test_pause_quiesces_the_producer_between_batches():
-    mailbox, started, gate = WeightMailbox(), threading.Event(), threading.Event()
+    started, gate = threading.Event(), threading.Event()
 
     def slow(t, v, w):
         started.set()
         gate.wait(5)
         return t
 
-    producer = Producer(slow, mailbox, mode="drop", updates_per_batch=1, max_staleness=0, sync_every=1, ahead=8)
-    mailbox.publish(0, {}, clone=False)
+    producer = Producer(Maker(slow), mode="drop", updates_per_batch=1, max_staleness=0, sync_every=1, ahead=8)
+    producer.publish(0, {})
     producer.start()
     try:
         assert started.wait(5)
@@ -187,12 +208,12 @@ def test_pause_quiesces_the_producer_between_batches():
         assert not done.wait(0.2)  # mid-batch: pause waits for it to finish
         gate.set()
         assert done.wait(5)
-        n = len(producer.queue)
+        n = producer.queued()
         time.sleep(0.2)
-        assert len(producer.queue) == n  # and nothing more is made while paused
+        assert producer.queued() == n  # and nothing more is made while paused
         producer.resume()
         time.sleep(0.2)
-        assert len(producer.queue) > n
+        assert producer.queued() > n
     finally:
         producer.stop()
 
@@ -201,11 +222,75 @@ def test_a_failing_producer_surfaces_in_take():
     def boom(t, v, w):
         raise ValueError("engine exploded")
 
-    mailbox = WeightMailbox()
-    mailbox.publish(0, {}, clone=False)
-    producer = Producer(boom, mailbox, mode="admission", updates_per_batch=1, max_staleness=0, sync_every=1)
+    producer = Producer(Maker(boom), mode="admission", updates_per_batch=1, max_staleness=0, sync_every=1)
+    producer.publish(0, {})
     producer.start()
     with pytest.raises(RuntimeError, match="producer failed") as e:
         producer.take()
     assert "engine exploded" in str(e.value.__cause__)
     producer.stop()
+
+
+def test_a_stop_request_wakes_a_consumer_waiting_for_a_batch(hang_guard):
+    """A learner blocked in take() (the producer waits for weights that never come) must wake on a stop."""
+    interrupt = threading.Event()
+    producer = Producer(
+        Maker(lambda t, v, w: t), mode="admission", updates_per_batch=1, max_staleness=0, sync_every=1,
+        interrupt=interrupt,
+    )  # fmt: skip
+    producer.start()  # nothing published: the producer waits forever
+    threading.Timer(0.3, interrupt.set).start()
+    t0 = time.perf_counter()
+    try:
+        with pytest.raises(Interrupted):
+            producer.take()
+    finally:
+        producer.stop()
+    assert time.perf_counter() - t0 < 5
+
+
+def test_sync_snapshots_are_copies_whenever_a_later_batch_needs_them():
+    """Sync mode at a step boundary may hand the engine the live weights only when the next batch is the one
+    batch that asks for that version; with sync_every > updates per step two batches share a version."""
+    # U = 2, s = 1: every version a batch asks for is asked for once, at a step boundary: no copy
+    p = Producer(Maker(lambda t, v, w: t), mode="sync", updates_per_batch=2, max_staleness=1, sync_every=1)
+    assert p.wants(0) and not p.needs_copy(0)
+    # U = 1, s = 2: batches 1 and 2 both use version 0; batch 2 is made after update 1
+    p = Producer(Maker(lambda t, v, w: t), mode="sync", updates_per_batch=1, max_staleness=1, sync_every=2)
+    assert p.wants(0) and p.needs_copy(0)
+    learner = FakeLearner()
+    offer_weights(p, learner)
+    assert learner.copies == 1 and learner.lives == 0
+    item, _ = p.take()  # batch 1 at version 0
+    learner.version = 1
+    offer_weights(p, learner)  # version 1: no batch asks for it
+    assert (learner.copies, learner.lives) == (1, 0)
+    learner.weights()["v"].fill_(99)  # the learner moves on; the snapshot of version 0 must not
+    assert int(p.snapshot(0)["v"]) == 0
+    # async: always a copy
+    a = Producer(Maker(lambda t, v, w: t), mode="admission", updates_per_batch=2, max_staleness=1, sync_every=1)
+    assert a.needs_copy(0)
+
+
+def test_state_dict_round_trip_keeps_the_queue_cursor_and_snapshots():
+    p = Producer(Maker(lambda t, v, w: ("batch", t, v)), mode="admission", updates_per_batch=1, max_staleness=2,
+                 sync_every=1)  # fmt: skip
+    for v in (0, 1):
+        p.publish(v, {"v": torch.tensor(v)})
+    p.start()
+    deadline = time.time() + 5
+    while p.queued() < 4 and time.time() < deadline:  # batches 1-3 use version 0 (k = 2), batch 4 version 1
+        time.sleep(0.01)
+    p.pause()
+    p.take()
+    state = p.state_dict(live=1)
+    p.stop()
+    assert (
+        state["consumed"] == 1
+        and [b[1:] for b in state["pending"]] == [(2, 0), (3, 0), (4, 1)]
+        and set(state["snapshots"]) == {0}
+    )
+    q = Producer(Maker(lambda t, v, w: ("batch", t, v)), mode="admission", updates_per_batch=1, max_staleness=2,
+                 sync_every=1)  # fmt: skip
+    q.load_state_dict(state)
+    assert q.maker.cursor == state["maker"]["cursor"] and q.take()[0] == ("batch", 2, 0)

@@ -52,3 +52,25 @@ def test_no_eval_of_model_output():
 def test_loop_is_the_only_wiring():
     wiring = {p.name for p in PKG.rglob("*.py") if len(imported_bapo_modules(p) & STAGES) >= 3}
     assert wiring == {"loop.py"}, wiring
+
+
+def test_run_reads_top_to_bottom():
+    """Issue 12: `run` fits in 150 lines, defines no nested function, and the loop never names the learner's
+    placement: FSDP is a strategy inside the learner."""
+    src = (PKG / "loop.py").read_text()
+    tree = ast.parse(src)
+    (run,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "run"]
+    assert run.end_lineno - run.lineno + 1 <= 150
+    nested = [n for n in ast.walk(run) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)]
+    assert nested == [run]
+    assert "fsdp" not in src.lower()
+
+
+def test_nothing_reaches_into_the_producer_or_the_mailbox():
+    """The producer owns its queue, cursor and snapshots; only bapo/offpolicy.py touches their fields."""
+    for path in PKG.rglob("*.py"):
+        if path.name == "offpolicy.py":
+            continue
+        src = path.read_text()
+        for private in ("._queue", "._snaps", "._next", "._consumed", ".mailbox."):
+            assert private not in src, f"{path.relative_to(PKG)} touches {private}"

@@ -28,4 +28,4 @@ def test_relaunched_sweep_skips_completed_runs(tmp_path):
     out = sweep(tmp_path)
     assert out.count("nothing to do") == 2
     assert {p: (p / "metrics.jsonl").read_text() for p in runs} == before
-    assert json.loads((runs[1] / "final_metrics.json").read_text())["bapo/ratio_low"] == 0.8
+    assert json.loads((runs[1] / "final_metrics.json").read_text())["clip/low"] == 0.8

@@ -8,20 +8,23 @@
   entropy / KL-to-reference regularisers, and the log-prob / entropy helpers.
 - ``bounds``: the ratio bounds fed to that loss: BAPO's adaptive search or fixed
   bounds, behind ``make_bound_fn``.
-- ``card``: the card heuristic (NOT the paper's method): its own loss and eps state.
-- ``objective``: what the learner runs: a parameter chooser plus a loss (plus state).
+- ``eps_feedback``: the eps-feedback heuristic (NOT the paper's method): its own loss and eps state.
+- ``objective``: what the learner runs: a parameter chooser plus a loss, with flags.
+- ``stats``: how loss stats combine over micro-batches, ranks and updates.
 """
 
+from bapo.algos import stats
 from bapo.algos.advantages import ADVANTAGE_KINDS, compute_advantages, group_stats, grpo_advantages
 from bapo.algos.bounds import (
     BOUND_KINDS,
     bapo_bounds,
+    check_bapo_params,
     fixed_bounds,
     make_bound_fn,
     positive_contribution,
 )
-from bapo.algos.card import CardState, card_g, card_loss, card_sums
-from bapo.algos.objective import Objective, card_objective, surrogate_objective
+from bapo.algos.eps_feedback import EpsFeedbackState, eps_feedback_g, eps_feedback_loss, eps_feedback_sums
+from bapo.algos.objective import Objective, eps_feedback_objective, surrogate_objective
 from bapo.algos.surrogate import (
     AGG_MODES,
     KL_ESTIMATORS,
@@ -47,15 +50,16 @@ __all__ = [
     "AGG_MODES",
     "BOUND_KINDS",
     "KL_ESTIMATORS",
-    "CardState",
+    "EpsFeedbackState",
     "Objective",
     "agg_normalisers",
     "aggregate",
     "bapo_bounds",
-    "card_g",
-    "card_loss",
-    "card_objective",
-    "card_sums",
+    "check_bapo_params",
+    "eps_feedback_g",
+    "eps_feedback_loss",
+    "eps_feedback_objective",
+    "eps_feedback_sums",
     "compute_advantages",
     "entropy_from_logits",
     "importance_ratio",
@@ -70,6 +74,7 @@ __all__ = [
     "policy_loss",
     "positive_contribution",
     "response_mask",
+    "stats",
     "surrogate_objective",
     "token_logp",
     "value_loss",

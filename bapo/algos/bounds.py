@@ -296,7 +296,8 @@ def _check_fixed_args(ratio_low: float, ratio_high: float) -> None:
         raise ValueError(f"need 0 <= ratio_low <= ratio_high, got ratio_low={ratio_low}, ratio_high={ratio_high}")
 
 
-def _check_bapo_params(params: dict[str, Any]) -> None:
+def check_bapo_params(params: dict[str, Any]) -> None:
+    """Check the search's keyword arguments (ValueError naming the parameter); the config's one range check."""
     signature = inspect.signature(bapo_bounds).parameters
     defaults = {k: p.default for k, p in signature.items() if p.kind is p.KEYWORD_ONLY and k != "reduce_sum"}
     _check_search_args(**{**defaults, **params})
@@ -312,7 +313,7 @@ def _check_fixed_params(params: dict[str, Any]) -> None:
 
 
 # kind -> (bound function, check of its configured keyword arguments)
-_BOUND_KINDS = {"bapo": (bapo_bounds, _check_bapo_params), "fixed": (fixed_bounds, _check_fixed_params)}
+_BOUND_KINDS = {"bapo": (bapo_bounds, check_bapo_params), "fixed": (fixed_bounds, _check_fixed_params)}
 # kind -> whether the bounds depend on the current ratios (then scope=mini_batch needs a pre-pass)
 ADAPTIVE = {"bapo": True, "fixed": False}
 

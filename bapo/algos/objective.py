@@ -1,39 +1,61 @@
-"""What the learner optimises, as configuration: a parameter chooser, a loss, an optional state.
+"""What the learner optimises, as configuration: a parameter chooser, a loss, and flags.
 
 The learner holds no RL math; it runs one :class:`Objective` and only decides
 *when* each part runs (see ``bapo/learner/learner.py``):
 
 - ``choose(ratio, adv, mask, old_logp, *, reduce_sum=None) -> (params, stats)``
-  picks the loss's per-update parameters from per-token scalars (detached);
+  picks the loss's per-update parameters from per-token scalars (detached). Its
+  stats are already named for the logger: every algorithm reports its clip window
+  as ``clip/low``, ``clip/high``, and the positive share of the loss at that window
+  as ``clip/rho`` (BAPO.md eq. 8), so they can be compared; a chooser's own
+  diagnostics go under its name (``bapo/rho_before``, ``bapo/search_steps``,
+  ``eps_feedback/g``).
 - ``loss(logp, old_logp, adv, mask, **params, **loss_kw, <entropy, ref_logp,
-  normalisers>) -> (loss, stats)``;
-- ``adaptive``: ``choose`` reads the current ratios, so with ``scope=mini_batch``
-  the learner needs the ratios of the whole update before its first backward
-  (a no-grad pre-pass);
-- ``state`` (optional): ``after_update(stats) -> stats`` after each applied
-  optimizer update, plus ``state_dict`` / ``load_state_dict``.
+  normalisers>) -> (loss, stats)``.
 
-Every algorithm of the project but one is ``surrogate_objective``: the one clipped
-surrogate ``policy_loss``, with the bound choice (BAPO's search, its recipe
-variant, or fixed bounds for GRPO / PPO / clip-higher) as the pluggable part.
-The card (NOT the paper's method) is ``card_objective``: its own loss
-(``card_loss``) and an eps state.
+Flags the learner reads (no hooks reach into it):
+
+- ``adaptive``: ``choose`` reads the current ratios;
+- ``scope``: ``mini_batch`` (one choice per update) or ``micro_batch``;
+  ``prepass`` = adaptive and mini_batch scope: the learner needs the ratios of the
+  whole update before its first backward (a no-grad pre-pass);
+- ``stateful``: the objective keeps state across updates; the learner then calls
+  ``after_update(stats)`` after each *applied* update with the choice over all of
+  the update's tokens, and checkpoints ``state_dict()``.
+
+Every algorithm of the project but one is :func:`surrogate_objective`: the one
+clipped surrogate ``policy_loss`` with its bound choice (BAPO's search, its recipe
+variant, or fixed bounds for GRPO / PPO / clip-higher) as the pluggable part. The
+eps-feedback heuristic (NOT the paper's method; ``eps_feedback.py``) is
+:func:`eps_feedback_objective`: its own loss and an eps state.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from bapo.algos.bounds import ADAPTIVE, ReduceSum, _reduce, make_bound_fn
-from bapo.algos.card import CardState, card_g, card_loss, card_sums
+from bapo.algos.bounds import ADAPTIVE, ReduceSum, _reduce, make_bound_fn, positive_contribution
+from bapo.algos.eps_feedback import EpsFeedbackState, eps_feedback_g, eps_feedback_loss, eps_feedback_sums
 from bapo.algos.surrogate import policy_loss
 
 ChooseFn = Callable[..., tuple[dict[str, float], dict[str, float]]]
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
+SCOPES = ("mini_batch", "micro_batch")
+# The chooser's stats of the bound search, by their logged names.
+BAPO_NAMES = {
+    "rho_after": "clip/rho",
+    "P": "clip/P",
+    "N": "clip/N",
+    "rho_before": "bapo/rho_before",
+    "steps": "bapo/search_steps",
+    "target_met": "bapo/target_met",
+    "pn_ratio_before": "bapo/pn_ratio_before",
+    "pn_ratio_after": "bapo/pn_ratio_after",
+}
 
 
 @dataclass
@@ -42,16 +64,37 @@ class Objective:
     loss: LossFn
     loss_kw: dict[str, Any]  # fixed keyword arguments of ``loss`` (agg, entropy_coef, dual_clip, kl_*)
     adaptive: bool
-    prefix: str = "bapo"  # metric prefix of the chooser's stats
-    state: Any = field(default=None)  # CardState or None
+    scope: str = "mini_batch"
+    state: Any = None  # an object with after_update / state_dict / load_state_dict, or None
+
+    def __post_init__(self) -> None:
+        if self.scope not in SCOPES:
+            raise ValueError(f"scope must be one of {SCOPES}, got {self.scope!r}")
+
+    @property
+    def prepass(self) -> bool:
+        return self.adaptive and self.scope == "mini_batch"
+
+    @property
+    def stateful(self) -> bool:
+        return self.state is not None
 
     def after_update(self, stats: dict[str, float]) -> dict[str, float]:
+        """Step the state with an applied update's choice (over all of its tokens); returns stats to log."""
         return {} if self.state is None else self.state.after_update(stats)
+
+    def state_dict(self) -> dict:
+        return {} if self.state is None else self.state.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.state is not None:
+            self.state.load_state_dict(state)
 
 
 def surrogate_objective(
     bounds: str,
     *,
+    scope: str = "mini_batch",
     dual_clip: float | None = None,
     agg: str = "token-mean",
     entropy_coef: float = 0.0,
@@ -63,29 +106,46 @@ def surrogate_objective(
     bound_fn = make_bound_fn(bounds, **bound_params)
 
     def choose(ratio, adv, mask, old_logp, *, reduce_sum: ReduceSum | None = None):
-        lo, hi, stats = bound_fn(ratio, adv, mask, old_logp, reduce_sum=reduce_sum)
-        return {"ratio_low": lo, "ratio_high": hi}, {"ratio_low": lo, "ratio_high": hi, **stats}
+        lo, hi, raw = bound_fn(ratio, adv, mask, old_logp, reduce_sum=reduce_sum)
+        stats = {"clip/low": lo, "clip/high": hi}
+        stats |= {BAPO_NAMES[k]: v for k, v in raw.items() if bounds == "bapo" or BAPO_NAMES[k].startswith("clip/")}
+        return {"ratio_low": lo, "ratio_high": hi}, stats
 
     loss_kw = dict(dual_clip=dual_clip, agg=agg, entropy_coef=entropy_coef, kl_coef=kl_coef, kl_estimator=kl_estimator)
-    return Objective(choose, policy_loss, loss_kw, adaptive=ADAPTIVE[bounds])
+    return Objective(choose, policy_loss, loss_kw, adaptive=ADAPTIVE[bounds], scope=scope)
 
 
-def card_objective(
-    state: CardState,
+def eps_feedback_objective(
+    state: EpsFeedbackState,
     *,
+    scope: str = "mini_batch",
     dual_clip: float | None = None,
     agg: str = "token-mean",
     entropy_coef: float = 0.01,
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
 ) -> Objective:
-    """The card heuristic (NOT the paper's method): g chosen per update at the state's eps."""
+    """The eps-feedback heuristic (NOT the paper's method): g chosen per update at the state's eps."""
 
     def choose(ratio, adv, mask, old_logp, *, reduce_sum: ReduceSum | None = None):
         eps = state.eps
-        g = card_g(_reduce(reduce_sum, card_sums(ratio, adv, mask, eps=eps, dual_clip=dual_clip)))
+        sums = eps_feedback_sums(ratio, adv, mask, eps=eps, dual_clip=dual_clip)
+        # rho at the window [1 - eps, 1 + eps], as for every algorithm (eq. 8's measure); one collective for all
+        p, n = positive_contribution(ratio, adv, mask, old_logp, ratio_low=1 - eps, ratio_high=1 + eps)
+        reduced = _reduce(reduce_sum, torch.cat([sums.double(), torch.stack([p, n]).double().to(sums.device)]))
+        g = eps_feedback_g(reduced[:2])
+        p_val, n_val = reduced[2:].tolist()
         eps_neg = eps * (1 + state.widen * g) if g > state.g_high else eps
-        stats = {"ratio_low": 1 - eps, "ratio_high": 1 + eps, "eps": eps, "eps_neg": eps_neg, "g": g}
+        stats = {
+            "clip/low": 1 - eps,
+            "clip/high": 1 + eps,
+            "clip/rho": p_val / (p_val + n_val) if p_val + n_val > 0 else 1.0,
+            "clip/P": p_val,
+            "clip/N": n_val,
+            "eps_feedback/eps": eps,
+            "eps_feedback/eps_neg": eps_neg,
+            "eps_feedback/g": g,
+        }
         return {"eps": eps, "g": g}, stats
 
     loss_kw = dict(
@@ -97,4 +157,4 @@ def card_objective(
         kl_coef=kl_coef,
         kl_estimator=kl_estimator,
     )
-    return Objective(choose, card_loss, loss_kw, adaptive=True, prefix="card", state=state)
+    return Objective(choose, eps_feedback_loss, loss_kw, adaptive=True, scope=scope, state=state)

@@ -2,8 +2,8 @@
 
 Every algorithm of the project (GRPO / PPO-clip, PPO with a critic, clip-higher,
 BAPO and its recipe variant) uses this one loss; they differ only in the ratio
-bounds they pass (see ``bounds.py``). The one exception is the card heuristic,
-which is not the paper's method and has its own loss (``card.py``). Per
+bounds they pass (see ``bounds.py``). The one exception is the eps-feedback heuristic,
+which is not the paper's method and has its own loss (``eps_feedback.py``). Per
 response token t (BAPO.md, "Notation"):
 
     r_t = exp(logp_t - old_logp_t)
@@ -152,7 +152,8 @@ def policy_loss(
     dual_clip_frac (A<0 tokens with r > c, over A<0 tokens), clip_frac (tokens left
     without gradient by any of the three clips, over all tokens), ratio_mean,
     ratio_max, approx_kl (mean of 0.5 * log_ratio^2, on the clamped log-ratio),
-    pos_token_frac, tokens, entropy when given, kl_ref (token mean of the KL
+    pos_token_frac, tokens, pos_tokens, neg_tokens (the counts behind the fractions:
+    ``bapo.algos.stats`` merges calls by them), entropy when given, kl_ref (token mean of the KL
     estimate) when ``ref_logp`` is given.
     """
     _check_loss_args(logp, old_logp, adv, mask, ratio_low, ratio_high, dual_clip)
@@ -262,6 +263,8 @@ def _loss_stats(pg_loss, ratio, log_ratio, m, pos, neg, ratio_low, ratio_high, d
         "approx_kl": frac(0.5 * log_ratio.double().pow(2).sum(), n_tok),  # log_ratio is 0 where masked
         "pos_token_frac": frac(n_pos, n_tok),
         "tokens": n_tok.double(),
+        "pos_tokens": n_pos.double(),
+        "neg_tokens": n_neg.double(),
     }
     if entropy is not None:
         ent = torch.where(m, entropy.detach(), torch.zeros_like(entropy))  # [B, T]

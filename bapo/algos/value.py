@@ -1,7 +1,7 @@
 """Critic-side math for PPO: outcome rewards on tokens, GAE, whitening, the clipped value loss.
 
 Not part of BAPO (the paper trains GRPO-style, without a critic); these serve the
-``ppo`` baseline and the card's ``advantage: gae`` option. Response tensors are
+``ppo`` baseline and the eps-feedback heuristic's ``advantage: gae`` option. Response tensors are
 [B, T] with a right-padded ``mask`` (1 on response tokens); ``values[b, t]`` is the
 critic's V(s_t), the value of the state *before* response token t is chosen, i.e.
 the position whose logits predict token t.

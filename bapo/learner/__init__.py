@@ -2,6 +2,17 @@
 
 from bapo.learner.batching import collate, response_rows, split
 from bapo.learner.critic import Critic, ValueModel
-from bapo.learner.learner import Learner
+from bapo.learner.learner import Learner, TrainingDiverged, disable_dropout
+from bapo.learner.strategy import master_dtype
 
-__all__ = ["Critic", "Learner", "ValueModel", "collate", "response_rows", "split"]
+__all__ = [
+    "Critic",
+    "Learner",
+    "TrainingDiverged",
+    "ValueModel",
+    "collate",
+    "disable_dropout",
+    "master_dtype",
+    "response_rows",
+    "split",
+]

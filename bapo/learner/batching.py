@@ -25,9 +25,10 @@ def collate(samples: Sequence[ScoredSample | Sample], *, pad_id: int) -> TrainBa
     """
     scored = [s if isinstance(s, ScoredSample) else None for s in samples]
     plain = [s.sample if isinstance(s, ScoredSample) else s for s in samples]
-    rows = [list(s.prompt.ids) + list(s.response_ids) for s in plain]
-    L = max(len(r) for r in rows)
-    B = len(rows)
+    prompts = [torch.as_tensor(s.prompt.ids, dtype=torch.long) for s in plain]
+    responses = [torch.as_tensor(s.response_ids, dtype=torch.long) for s in plain]
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
+    L, B = max(lengths), len(plain)
     input_ids = torch.full((B, L), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((B, L), dtype=torch.long)
     mask = torch.zeros((B, L - 1))
@@ -35,22 +36,23 @@ def collate(samples: Sequence[ScoredSample | Sample], *, pad_id: int) -> TrainBa
     adv = torch.zeros((B, L - 1))
     names = [k for k in TOKEN_EXTRAS if any(s is not None and getattr(s, k) is not None for s in scored)]
     extras = {k: torch.zeros((B, L - 1)) for k in names}
-    for b, (s, row) in enumerate(zip(plain, rows, strict=True)):
-        p, r = len(s.prompt.ids), len(s.response_ids)
-        input_ids[b, : len(row)] = torch.tensor(row)
-        attention_mask[b, : len(row)] = 1
+    for b, (s, prompt, resp) in enumerate(zip(plain, prompts, responses, strict=True)):
+        p, r = len(prompt), len(resp)
+        input_ids[b, :p] = prompt
+        input_ids[b, p : p + r] = resp
+        attention_mask[b, : p + r] = 1
         # logits at position t predict token t+1: response token j sits at p+j, predicted at p+j-1
         sl = slice(p - 1, p - 1 + r)
         mask[b, sl] = 1.0
-        old_logp[b, sl] = torch.tensor(s.logp, dtype=torch.float)
+        old_logp[b, sl] = torch.as_tensor(s.logp, dtype=torch.float)
         sc = scored[b]
         if sc is not None:
-            adv[b, sl] = torch.tensor(sc.token_adv) if sc.token_adv is not None else sc.advantage
+            adv[b, sl] = torch.as_tensor(sc.token_adv, dtype=torch.float) if sc.token_adv is not None else sc.advantage
         for k in names:
             value = None if sc is None else getattr(sc, k)
             if value is None:
                 raise ValueError(f"some samples carry {k} and others do not; cannot collate them together")
-            extras[k][b, sl] = torch.tensor(value, dtype=torch.float)
+            extras[k][b, sl] = torch.as_tensor(value, dtype=torch.float)
     versions = torch.tensor([s.version for s in plain], dtype=torch.long)
     return TrainBatch(input_ids, attention_mask, mask, old_logp, adv, versions, extras)
 

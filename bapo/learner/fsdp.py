@@ -39,7 +39,7 @@ import pickle
 import re
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -58,9 +58,6 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from bapo import checkpoint
 from bapo.checkpoint import CheckpointError
-
-if TYPE_CHECKING:  # not at run time: the learner's strategy imports this module
-    from bapo.learner.learner import Learner
 
 MIXED_PRECISION = ("auto", "bf16", "fp32")
 
@@ -294,31 +291,7 @@ def _single_process_ok():
 
 
 def _raise_together(err: BaseException | None, doing: str, cleanup: Path | None = None) -> None:
-    """Make a failure on any rank a failure on every rank, so that no rank is left waiting in a collective.
-
-    ``doing``: "writing <folder>" or "reading <folder>", for the message. ``cleanup``: a partial write
-    that rank 0 removes on failure. A full disk on any rank becomes CheckpointError("no space left on
-    device while writing <folder>"); otherwise a failing rank re-raises its own error, the others a
-    CheckpointError naming that rank.
-    """
-    full = err is not None and checkpoint.is_enospc(err)
-    mine = None if err is None else "ENOSPC" if full else f"{type(err).__name__}: {str(err).strip()[-2000:]}"
-    msgs = [mine]
-    if dist.is_initialized():
-        msgs = [None] * dist.get_world_size()
-        dist.all_gather_object(msgs, mine)
-    failed = [(r, m) for r, m in enumerate(msgs) if m is not None]
-    if not failed:
-        return
-    if cleanup is not None and (not dist.is_initialized() or dist.get_rank() == 0):
-        checkpoint.discard_partial(cleanup)
-    if any(m == "ENOSPC" for _, m in failed):
-        gone = "" if cleanup is None else " (removed the partial write)"
-        raise CheckpointError(f"no space left on device while {doing}{gone}") from err
-    if err is not None:
-        raise err
-    rank, msg = failed[0]
-    raise CheckpointError(f"{doing} failed on rank {rank}: {msg}")
+    checkpoint.raise_together(err, doing, cleanup)
 
 
 def save_sharded(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict) -> None:
@@ -382,24 +355,3 @@ def load_sharded(path: str | Path, *, model: nn.Module, optimizer: torch.optim.O
     _raise_together(err, f"reading {path}")
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     return state["learner"]
-
-
-def save_checkpoint(learner: Learner, path: str | Path) -> None:
-    """:func:`save_sharded` of the learner: policy, AdamW, LR schedule, skip count, objective state."""
-    if learner.critic is not None:
-        raise NotImplementedError("DCP checkpoints of a learner with a critic (algo=ppo) are not supported yet")
-    extra = {"scheduler": learner.scheduler.state_dict(), "skipped_updates": learner.skipped_updates}
-    if learner.objective.state is not None:
-        extra["objective"] = learner.objective.state.state_dict()
-    save_sharded(path, model=learner.model, optimizer=learner.optimizer, extra=extra)
-
-
-def load_checkpoint(learner: Learner, path: str | Path, *, verify: bool = True) -> None:
-    """Restore what :func:`save_checkpoint` wrote (:func:`load_sharded`, resharding; a collective)."""
-    if learner.critic is not None:
-        raise NotImplementedError("DCP checkpoints of a learner with a critic (algo=ppo) are not supported yet")
-    extra = load_sharded(path, model=learner.model, optimizer=learner.optimizer, verify=verify)
-    learner.scheduler.load_state_dict(extra["scheduler"])
-    learner.skipped_updates = int(extra["skipped_updates"])
-    if learner.objective.state is not None:
-        learner.objective.state.load_state_dict(extra["objective"])

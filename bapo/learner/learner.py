@@ -1,110 +1,152 @@
-"""The policy learner (one process, or one FSDP rank): micro-batching, gradient accumulation, clipping, AdamW.
+"""The policy learner: micro-batching, gradient accumulation, clipping, AdamW; its version and weights.
 
 The learner holds no RL math. It runs an :class:`bapo.algos.Objective` (a
 parameter chooser and a loss: BAPO's search or fixed bounds feeding the clipped
-surrogate, or the card heuristic) and only decides *when* each part runs:
+surrogate, or the eps-feedback heuristic) and only decides *when* each part runs,
+from the objective's flags:
 
-* ``scope="mini_batch"`` (paper): one choice per optimizer update. For an
-  adaptive chooser (BAPO's search, the card's g) that needs the current ratios of
-  the whole mini-batch before the first backward pass, so the learner runs a
-  no-grad forward over every micro-batch first (one extra forward per update;
-  ``scripts/bench_scope.py`` measures it).
-* ``scope="micro_batch"`` (authors' code): the choice is made on each micro-batch
-  from the same forward pass that carries the gradient.
+* ``prepass`` (an adaptive chooser with ``scope=mini_batch``, the paper's): one
+  choice per optimizer update over the current ratios of the whole mini-batch,
+  known before the first backward pass, so the learner runs a no-grad forward over
+  every micro-batch first (one extra forward per update; ``scripts/bench_scope.py``
+  measures it).
+* otherwise the choice is made on each micro-batch from the same forward pass that
+  carries the gradient (``scope=micro_batch``, the authors' code), or once from the
+  ratios already seen (fixed bounds: no extra forward).
 
-Optional parts, each a built object handed in by the loop: a ``critic``
-(:class:`bapo.learner.critic.Critic`, for GAE; trained on the same micro-batches
-with its own optimizer) and a frozen ``ref_model`` whose log-probs (no grad) feed
-the loss's KL term. An objective with state (the card's eps) is stepped after each
-applied update.
+The learner owns what a run needs of the policy: its **version** (the optimizer-
+update counter, +1 at every update, skipped ones too), its **weights** for the
+rollout engine, and its **checkpoint** (``save``/``load``) and **HF export**. How
+the model is distributed is a strategy chosen here from ``learner.kind``
+(``bapo.learner.strategy``: one process, or FSDP2 under torchrun); no caller
+branches on it.
+
+Dropout is switched off in the policy (and the reference model): the behaviour
+log-probs, BAPO's pre-pass and the loss must all see the same function, so that an
+on-policy ratio is exactly 1 (TRL's ``disable_dropout`` does the same).
 
 Losses are normalised by mini-batch totals (tokens, sequences), so gradient
-accumulation over micro-batches equals one pass over the whole mini-batch.
-An update whose gradient norm is not finite is skipped and counted, never applied.
+accumulation over micro-batches equals one pass over the whole mini-batch, and
+the loss stats are merged by their own denominators (``bapo.algos.stats``). An
+update whose loss or gradient norm is not finite is skipped and counted, never
+applied; ``max_consecutive_skips`` in a row, or weights that turn non-finite
+after an applied update, raise :class:`TrainingDiverged`.
 
 Micro-batches hold ``micro_batch_size`` rows, or with ``max_tokens_per_micro_batch``
 as many rows as fit in that many tokens. ``packing`` concatenates each micro-batch's
 sequences into one row for the forward pass (``bapo.learner.batching.pack``); the
 loss still sees padded [B, L-1] tensors, so neither choice changes it.
 
-Data parallel (FSDP2, ``bapo.learner.fsdp``): every rank gets its shard of the
-mini-batch. With ``reduce_sum`` the normalisers are the totals over all ranks, so a
-rank's loss is its share of the global loss and the ranks' gradients must be
-*summed* (``fsdp.wrap`` makes FSDP sum them); the logged stats are summed the same
-way. ``reduce_max`` lets the ranks agree on a number of micro-batches.
+Data parallel (FSDP2): every rank gets its shard of the mini-batch. The normalisers
+are the totals over all ranks (``reduce_sum``), so a rank's loss is its share of the
+global loss and the ranks' gradients are *summed* (the strategy makes FSDP sum them).
 """
 
 from __future__ import annotations
 
+import copy
 import math
-from collections.abc import Callable
+from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from bapo.algos import Objective, entropy_from_logits, importance_ratio, token_logp
-from bapo.learner.batching import pack, response_rows, split, split_by_tokens, unpack, without_tokens
+from bapo import checkpoint
+from bapo.algos import Objective, entropy_from_logits, importance_ratio, stats, token_logp
+from bapo.learner.batching import collate, pack, response_rows, split, split_by_tokens, unpack, without_tokens
 from bapo.learner.critic import Critic
-from bapo.types import TrainBatch
+from bapo.learner.strategy import make_strategy
+from bapo.types import ScoredSample, TrainBatch
 
-# Names of the chooser's stats in the metrics (the rest keep their own name).
-STAT_NAMES = {"rho_after": "rho", "rho_before": "rho_before", "steps": "search_steps"}
-# Loss stats that are a micro-batch's share of the mini-batch's value (mini-batch normalisers) or a count:
-# summed over micro-batches. The others are means over the call's own tokens: token-weighted.
-ADDITIVE_STATS = ("pg_loss", "tokens")
+
+class TrainingDiverged(RuntimeError):
+    """Updates keep failing, or the weights are no longer finite: the run cannot go on."""
+
+
+def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """Zero every dropout of an HF model: ``nn.Dropout`` modules, attention dropout attributes and config fields."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        for name in ("attention_dropout", "dropout", "attn_dropout"):
+            if isinstance(getattr(m, name, None), float):
+                setattr(m, name, 0.0)
+    config = getattr(model, "config", None)
+    if config is not None:
+        for name, value in list(vars(config).items()):
+            if isinstance(value, float) and ("dropout" in name or name.endswith("_pdrop")):
+                setattr(config, name, 0.0)
+    return model
 
 
 class Learner:
     def __init__(
         self,
         model: torch.nn.Module,
+        cfg,
         *,
         objective: Objective,
-        scope: str = "mini_batch",
-        lr: float = 1e-4,
-        betas: tuple[float, float] = (0.9, 0.999),
-        weight_decay: float = 0.0,
-        eps: float = 1e-8,
-        warmup_steps: int = 0,
-        grad_clip: float = 1.0,
-        micro_batch_size: int = 8,
+        pad_id: int,
         temperature: float = 1.0,
         max_response_len: int = 64,
-        critic: Critic | None = None,
+        critic_cfg=None,
+        agg: str = "token-mean",
         ref_model: torch.nn.Module | None = None,
-        reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
-        reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None,
-        packing: bool = False,
-        max_tokens_per_micro_batch: int | None = None,
+        device: torch.device | None = None,
     ):
-        if scope not in ("mini_batch", "micro_batch"):
-            raise ValueError(f"scope must be 'mini_batch' or 'micro_batch', got {scope!r}")
-        self.model = model.train()
-        self.device = next(model.parameters()).device
+        """``cfg``: the typed ``learner`` group (``bapo.config.SingleLearnerConfig`` / ``FSDPLearnerConfig``).
+
+        ``critic_cfg`` (``algo.critic``) adds a GAE critic on a copy of the policy's trunk;
+        ``ref_model`` a frozen reference for the loss's KL term.
+        """
+        self.cfg = cfg
         self.objective = objective
-        self.prepass = objective.adaptive and scope == "mini_batch"
-        self.scope = scope
-        self.grad_clip = grad_clip
-        self.micro_batch_size = micro_batch_size
+        self.pad_id = pad_id
         self.temperature = temperature
         self.max_response_len = max_response_len
-        self.critic = critic
-        self.ref_model = None if ref_model is None else ref_model.eval().requires_grad_(False)
-        self.reduce_sum = reduce_sum
-        self.reduce_max = reduce_max
-        self.packing = packing
-        self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
+        self.strategy = make_strategy(cfg, device)
+        self.model = self.strategy.wrap(disable_dropout(model)).train()
+        self.device = self.strategy.device
+        self.critic = None
+        if critic_cfg is not None:  # a copy of the policy's trunk, on the policy's device
+            if not self.strategy.supports_critic:
+                raise NotImplementedError("learner.kind=fsdp: algo.advantage=gae (the PPO critic) is single-process")
+            opt_kw = dict(betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, eps=cfg.eps, grad_clip=cfg.grad_clip)
+            self.critic = Critic(self.model, lr=critic_cfg.lr, vf_clip=critic_cfg.vf_clip, agg=agg, **opt_kw)
+        self.ref_model = None
+        if ref_model is not None:
+            self.ref_model = disable_dropout(ref_model).to(self.device).eval().requires_grad_(False)
         self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=lr, betas=tuple(betas), weight_decay=weight_decay, eps=eps
+            self.model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, eps=cfg.eps
         )
+        warmup = cfg.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps > 0 else 1.0
+            self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0
         )
+        self.version = 0  # optimizer updates so far, skipped ones included
         self.skipped_updates = 0
+        self.consecutive_skips = 0
+        self._scratch: torch.nn.Module | None = None  # the policy at an older version (recompute)
         self._update_stats: dict[str, float] = {}  # the chooser's stats over the last update's tokens
 
+    # ------------------------------------------------------------------ weights out
+
     def weights(self) -> dict[str, torch.Tensor]:
-        return self.model.state_dict()
+        """The full weights under their HF names, for an engine that loads them before the next update.
+
+        May alias the live parameters (one process); a collective under FSDP (every rank gets them)."""
+        return self.strategy.full_weights(self.model)
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """The full weights as a copy that later updates do not touch (a collective under FSDP)."""
+        return self.strategy.snapshot(self.model)
+
+    def shard(self, items: Sequence) -> list:
+        """This rank's share of a mini-batch (all of it in one process)."""
+        return self.strategy.shard(items)
+
+    # ------------------------------------------------------------------ forward passes
 
     def _forward(self, model: torch.nn.Module, mb: TrainBatch, entropy: bool = True):
         """(logp [B, L-1], entropy [B, L-1] or None) of a right-padded micro-batch, aligned with ``mb.mask``.
@@ -112,7 +154,7 @@ class Learner:
         With packing the model sees one padding-free row and computes logits only where
         they predict a response token; both outputs are then 0 outside ``mb.mask``.
         """
-        if self.packing:
+        if self.cfg.packing:
             pk = pack(mb)
             kw = {}
             if "flash" in str(getattr(model.config, "_attn_implementation", "")):  # varlen bounds, no per-layer sync
@@ -147,16 +189,16 @@ class Learner:
     def micro_batches(self, batch: TrainBatch, *, sync: bool = True) -> list[TrainBatch]:
         """The micro-batches of ``batch``: by token budget when set, else by ``micro_batch_size`` rows.
 
-        ``sync`` (with ``reduce_max``): ranks agree on the count, and a rank with fewer
+        ``sync`` (data parallel): ranks agree on the count, and a rank with fewer
         micro-batches adds ones without response tokens (they add 0 to loss and gradients),
         since FSDP's collectives need the same number of passes on every rank.
         """
-        if self.max_tokens_per_micro_batch:
-            micro = split_by_tokens(batch, self.max_tokens_per_micro_batch, packed=self.packing)
+        if self.cfg.max_tokens_per_micro_batch:
+            micro = split_by_tokens(batch, self.cfg.max_tokens_per_micro_batch, packed=self.cfg.packing)
         else:
-            micro = split(batch, self.micro_batch_size)
-        if sync and self.reduce_max is not None:
-            count = int(self.reduce_max(torch.tensor([len(micro)], dtype=torch.float64)).item())
+            micro = split(batch, self.cfg.micro_batch_size)
+        if sync and self.strategy.reduce_max is not None:
+            count = int(self.strategy.reduce_max(torch.tensor([len(micro)], dtype=torch.float64)).item())
             micro += [without_tokens(batch) for _ in range(count - len(micro))]
         return micro
 
@@ -165,7 +207,7 @@ class Learner:
         return None if self.ref_model is None else self._forward(self.ref_model, mb, entropy=False)[0]
 
     @torch.no_grad()
-    def values(self, batch: TrainBatch) -> torch.Tensor | None:
+    def values(self, samples: Sequence | TrainBatch) -> torch.Tensor | None:
         """The critic's values [B, T] per response token (right-padded), or None without a critic.
 
         Called at scoring time, before any update on these samples: GAE's and the value
@@ -173,28 +215,33 @@ class Learner:
         """
         if self.critic is None:
             return None
+        batch = samples if isinstance(samples, TrainBatch) else collate(samples, pad_id=self.pad_id)
         rows = [response_rows(self.critic.values(mb), mb.mask) for mb in self.micro_batches(batch, sync=False)]
         width = max(r.shape[1] for r in rows)
         return torch.cat([F.pad(r, (0, width - r.shape[1])) for r in rows])  # [B, T]
 
-    def _reduced(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` summed over ranks through ``reduce_sum`` (which may reduce in place and return None)."""
-        if self.reduce_sum is None:
-            return t
-        out = self.reduce_sum(t)
-        return t if out is None else out
-
     @torch.no_grad()
-    def response_logp(self, batch: TrainBatch, model: torch.nn.Module | None = None) -> torch.Tensor:
-        """Log-probs [B, T] of each row's response tokens (right-padded) under ``model`` (default: the
-        policy): ``learner.old_logp=recompute``'s behaviour log-probs, in the learner's own numerics."""
-        model = self.model if model is None else model
-        rows = [
-            response_rows(self._forward(model, mb, entropy=False)[0].cpu(), mb.mask)
-            for mb in split(batch, self.micro_batch_size)
-        ]
+    def response_logp(
+        self, samples: Sequence | TrainBatch, weights: dict[str, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """Log-probs [B, T] of each sample's response tokens (right-padded) under the policy, or under
+        ``weights`` (an older version's snapshot): ``learner.old_logp=recompute``'s behaviour
+        log-probs, in the learner's own numerics. Under FSDP every rank must call it (a collective)."""
+        batch = samples if isinstance(samples, TrainBatch) else collate(samples, pad_id=self.pad_id)
+        with self.strategy.policy_at(self.model, weights, self._scratch_model) as model:
+            rows = [
+                response_rows(self._forward(model, mb, entropy=False)[0].cpu(), mb.mask)
+                for mb in split(batch, self.cfg.micro_batch_size)
+            ]
         width = max(r.shape[1] for r in rows)
         return torch.cat([F.pad(r, (0, width - r.shape[1])) for r in rows])  # [B, T]
+
+    def _scratch_model(self) -> torch.nn.Module:
+        if self._scratch is None:
+            self._scratch = copy.deepcopy(self.model).eval().requires_grad_(False)
+        return self._scratch
+
+    # ------------------------------------------------------------------ updates
 
     @staticmethod
     def _flat(parts: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
@@ -206,34 +253,52 @@ class Learner:
     def _choose(self, parts) -> tuple[dict[str, float], dict[str, float]]:
         ratio, adv, mask, old = self._flat(parts)
         ones = torch.ones_like(mask, dtype=ratio.dtype)
-        return self.objective.choose(ratio, adv, ones, old, reduce_sum=self.reduce_sum)
+        return self.objective.choose(ratio, adv, ones, old, reduce_sum=self.strategy.reduce_sum)
+
+    def learn(self, samples: Sequence[ScoredSample]) -> dict[str, float]:
+        """One optimizer update on a mini-batch of scored samples (this rank's share of it under FSDP)."""
+        return self.update(collate(self.shard(samples), pad_id=self.pad_id))
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer update on a mini-batch; returns its metrics."""
+        """One optimizer update on a collated mini-batch; returns its metrics. Raises TrainingDiverged."""
         out = self.accumulate(batch)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
-        if math.isfinite(grad_norm) and math.isfinite(out.get("learner/loss", 0.0)):
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
+        applied = math.isfinite(grad_norm) and math.isfinite(out.get("learner/loss", 0.0))
+        if applied:
             self.optimizer.step()
             self.scheduler.step()
-            after = self.objective.after_update(self._update_stats)
-            out.update({f"{self.objective.prefix}/{k}": float(v) for k, v in after.items()})
+            out.update(self.objective.after_update(self._update_stats))
+            self.consecutive_skips = 0
         else:
             self.skipped_updates += 1
+            self.consecutive_skips += 1
         self.optimizer.zero_grad(set_to_none=True)
         if self.critic is not None:
             out.update(self.critic.step())
+        self.version += 1
         out.update({"learner/grad_norm": grad_norm, "learner/lr": self.scheduler.get_last_lr()[0]})
         out["learner/skipped_updates"] = float(self.skipped_updates)
+        if self.consecutive_skips >= self.cfg.max_consecutive_skips:
+            raise TrainingDiverged(
+                f"{self.consecutive_skips} optimizer updates in a row had a non-finite loss or gradient "
+                f"(learner.max_consecutive_skips={self.cfg.max_consecutive_skips}), at policy version {self.version}"
+            )
+        if applied and not self.strategy.params_finite(self.model):
+            raise TrainingDiverged(
+                f"the policy's weights are not finite after update {self.version} although its loss and gradient "
+                f"norm ({grad_norm:.3g}) were: the step overflowed (learner.lr={self.cfg.lr})"
+            )
         return out
 
     def accumulate(self, batch: TrainBatch) -> dict[str, float]:
         """Forward and backward over the micro-batches of one mini-batch; gradients accumulate."""
         micro = self.micro_batches(batch)
         local = torch.tensor([batch.mask.sum(), (batch.mask.sum(1) > 0).sum()], dtype=torch.float64)
-        num_tokens, num_seqs = self._reduced(local).tolist()  # over all ranks: the loss's normalisers are global
+        reduce_sum = self.strategy.reduce_sum
+        num_tokens, num_seqs = (local if reduce_sum is None else reduce_sum(local)).tolist()
         totals = dict(num_tokens=num_tokens, num_seqs=num_seqs, max_len=self.max_response_len)
         chosen = None
-        if self.prepass:
+        if self.objective.prepass:
             with torch.no_grad():
                 parts = []
                 for mb in micro:
@@ -242,7 +307,7 @@ class Learner:
                     parts.append((ratio, mb.adv, mb.mask, mb.old_logp))
             chosen = self._choose(parts)
 
-        stats: dict[str, float] = {}
+        sums: dict[str, float] = {}
         seen, per_micro = [], []
         for mb in micro:
             logp, ent = self._forward(self.model, mb)
@@ -265,18 +330,12 @@ class Learner:
             loss.backward()
             if self.critic is not None:
                 self.critic.backward(mb, totals)
-            w = mb.num_tokens / max(totals["num_tokens"], 1.0)
-            for k, v in st.items():
-                stats[k] = stats.get(k, 0.0) + (1.0 if k in ADDITIVE_STATS else w) * float(v)
-            stats["loss"] = stats.get("loss", 0.0) + float(loss.detach())
+            sums = stats.add_sums(sums, stats.to_sums(st | {"loss": float(loss.detach())}))
 
-        if self.reduce_sum is not None:  # each rank holds its share of the token-weighted means and of the loss
-            keys = sorted(stats)
-            summed = self._reduced(torch.tensor([stats[k] for k in keys], dtype=torch.float64)).tolist()
-            stats = dict(zip(keys, summed, strict=True))
+        sums = stats.reduce_sums(sums, reduce_sum, self.strategy.reduce_max)
         logged, self._update_stats = self._choice_stats(chosen, per_micro, seen)
-        out = {f"learner/{k}": v for k, v in stats.items()}
-        out.update({f"{self.objective.prefix}/{STAT_NAMES.get(k, k)}": float(v) for k, v in logged.items()})
+        out = {f"learner/{k}": v for k, v in stats.from_sums(sums).items()}
+        out.update({k: float(v) for k, v in logged.items()})
         return out
 
     def _choice_stats(self, chosen, per_micro, seen) -> tuple[dict[str, float], dict[str, float]]:
@@ -289,34 +348,49 @@ class Learner:
         """
         if chosen is not None:
             return chosen[1], chosen[1]
-        whole = self._choose(seen)[1] if self.scope == "mini_batch" or self.objective.state is not None else None
-        if self.scope == "mini_batch":
+        mini = self.objective.scope == "mini_batch"
+        whole = self._choose(seen)[1] if mini or self.objective.stateful else None
+        if mini:
             return whole, whole
         tot = sum(n for _, n in per_micro) or 1
         keys = {k for st, _ in per_micro for k in st}
         logged = {k: sum(float(st.get(k, 0.0)) * n for st, n in per_micro) / tot for k in keys}
         return logged, logged if whole is None else whole
 
+    # ------------------------------------------------------------------ checkpoints and export
+
     def state_dict(self) -> dict:
-        """Everything an exact resume needs: policy, optimizer, schedule, critic, objective state."""
-        state = {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+        """The small state beside the weights: version, schedule, skip counts, the objective's state."""
+        return {
+            "version": self.version,
             "scheduler": self.scheduler.state_dict(),
             "skipped_updates": self.skipped_updates,
+            "consecutive_skips": self.consecutive_skips,
+            "objective": self.objective.state_dict(),
         }
-        if self.critic is not None:
-            state["critic"] = self.critic.state_dict()
-        if self.objective.state is not None:
-            state["objective"] = self.objective.state.state_dict()
-        return state
 
     def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.version = int(state["version"])
         self.scheduler.load_state_dict(state["scheduler"])
-        self.skipped_updates = state["skipped_updates"]
-        if self.critic is not None:
-            self.critic.load_state_dict(state["critic"])
-        if self.objective.state is not None:
-            self.objective.state.load_state_dict(state["objective"])
+        self.skipped_updates = int(state["skipped_updates"])
+        self.consecutive_skips = int(state.get("consecutive_skips", 0))
+        self.objective.load_state_dict(state["objective"])
+
+    def save(self, path: Path) -> None:
+        """Write the learner (weights, AdamW, the critic, the state above) into the folder ``path``.
+
+        Under FSDP a collective: every rank writes its shard (DCP)."""
+        self.strategy.save(
+            path, model=self.model, optimizer=self.optimizer, extra=self.state_dict(), critic=self.critic
+        )
+
+    def load(self, path: Path) -> None:
+        """Restore what :meth:`save` wrote (resharding under FSDP); refuses non-finite weights."""
+        extra = self.strategy.load(path, model=self.model, optimizer=self.optimizer, critic=self.critic)
+        self.load_state_dict(extra)
+        if not self.strategy.params_finite(self.model):
+            raise checkpoint.CheckpointError(f"{path}: the policy's weights in this checkpoint are not finite")
+
+    def export_hf(self, out: Path, tokenizer) -> None:
+        """An HF folder (config + safetensors + tokenizer) of the current policy, renamed into place."""
+        self.strategy.export_hf(self.model, Path(out), tokenizer)

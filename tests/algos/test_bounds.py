@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bapo.algos import bapo_bounds, fixed_bounds, make_bound_fn, positive_contribution
+from bapo.algos import bounds as bounds_mod
 
 F64 = torch.float64
 # The authors' example script: c_low 0.8 -> 0.95 by 0.05, c_high 1.2 -> 2.0 by 0.1 (their target: 0.5).
@@ -421,6 +422,12 @@ def test_search_is_algorithm1_move_for_move(seed, hp, contribution, weight, spre
     assert stats["steps"] == len(moves)
     assert c_low == pytest.approx(hp["low_range"][0] + kl * hp["low_step"], abs=1e-9)
     assert c_high == pytest.approx(hp["high_range"][0] + kh * hp["high_step"], abs=1e-9)
-    assert moves == ["high"] * kh + ["low"] * kl
+    # the implementation's own walk (the candidate path it searched), cut where it stopped, move for move
+    highs = bounds_mod._candidates(*hp["high_range"], hp["high_step"], "paper")
+    lows = bounds_mod._candidates(*hp["low_range"], hp["low_step"], "paper")
+    path_h, path_l = bounds_mod._search_path(len(highs), len(lows), "paper")
+    steps = int(stats["steps"])
+    walked = ["high" if path_h[i + 1] > path_h[i] else "low" for i in range(steps)]
+    assert walked == moves and (path_h[steps], path_l[steps]) == (kh, kl)
     if kl:
         assert c_high + hp["high_step"] > hp["high_range"][1] + 1e-9  # c_high was at its cap

@@ -4,15 +4,17 @@ import pytest
 import torch
 
 from bapo.algos import (
-    CardState,
+    EpsFeedbackState,
     bapo_bounds,
-    card_g,
-    card_loss,
-    card_objective,
-    card_sums,
     compute_advantages,
+    eps_feedback_g,
+    eps_feedback_loss,
+    eps_feedback_objective,
+    eps_feedback_sums,
+    fixed_bounds,
     grpo_advantages,
     policy_loss,
+    positive_contribution,
     surrogate_objective,
 )
 
@@ -33,27 +35,46 @@ def test_surrogate_objective_is_bounds_plus_policy_loss():
     params, stats = obj.choose(ratio, adv, mask, old)
     lo, hi, bstats = bapo_bounds(ratio, adv, mask, old, rho0=0.5)
     assert params == {"ratio_low": lo, "ratio_high": hi}
-    assert stats == {"ratio_low": lo, "ratio_high": hi, **bstats}
-    assert obj.loss is policy_loss and obj.adaptive and obj.state is None and obj.after_update(stats) == {}
+    # every algorithm's window under clip/, the search's own diagnostics under bapo/
+    assert stats == {
+        "clip/low": lo,
+        "clip/high": hi,
+        "clip/rho": bstats["rho_after"],
+        "clip/P": bstats["P"],
+        "clip/N": bstats["N"],
+        "bapo/rho_before": bstats["rho_before"],
+        "bapo/search_steps": bstats["steps"],
+        "bapo/target_met": bstats["target_met"],
+    }
+    assert obj.loss is policy_loss and obj.adaptive and obj.prepass and not obj.stateful
+    assert obj.after_update(stats) == {} and obj.state_dict() == {}
+    assert not surrogate_objective("bapo", scope="micro_batch").prepass
     assert obj.loss_kw["agg"] == "seq-mean-token-sum" and obj.loss_kw["dual_clip"] == 3.0
     fixed = surrogate_objective("fixed", ratio_low=0.8, ratio_high=1.28)
-    assert not fixed.adaptive and fixed.choose(ratio, adv, mask, old)[0] == {"ratio_low": 0.8, "ratio_high": 1.28}
+    params, stats = fixed.choose(ratio, adv, mask, old)
+    assert not fixed.adaptive and not fixed.prepass and params == {"ratio_low": 0.8, "ratio_high": 1.28}
+    _, _, fstats = fixed_bounds(ratio, adv, mask, old, ratio_low=0.8, ratio_high=1.28)
+    assert stats == {"clip/low": 0.8, "clip/high": 1.28, "clip/rho": fstats["rho_after"], "clip/P": fstats["P"],
+                     "clip/N": fstats["N"]}  # fmt: skip
     with pytest.raises(ValueError, match="kind"):
-        surrogate_objective("card")
+        surrogate_objective("eps_feedback")
 
 
-def test_card_objective_chooses_g_and_steps_eps():
+def test_eps_feedback_objective_chooses_g_and_steps_eps():
     ratio, adv, mask, old = _tokens(1)
-    state = CardState()
-    obj = card_objective(state, entropy_coef=0.01)
+    state = EpsFeedbackState()
+    obj = eps_feedback_objective(state, entropy_coef=0.01)
     params, stats = obj.choose(ratio, adv, mask, old, reduce_sum=lambda t: 2 * t)  # two equal ranks: same g
-    g = card_g(card_sums(ratio, adv, mask, eps=0.2))
+    g = eps_feedback_g(eps_feedback_sums(ratio, adv, mask, eps=0.2))
     assert params == {"eps": 0.2, "g": pytest.approx(g)}
-    assert stats["ratio_low"] == pytest.approx(0.8) and stats["ratio_high"] == pytest.approx(1.2)
-    assert obj.loss is card_loss and obj.adaptive and obj.prefix == "card"
+    assert stats["clip/low"] == pytest.approx(0.8) and stats["clip/high"] == pytest.approx(1.2)
+    p, n = positive_contribution(ratio, adv, mask, old, ratio_low=0.8, ratio_high=1.2)
+    assert stats["clip/rho"] == pytest.approx(float(p / (p + n)))  # the same measure as every other algorithm
+    assert stats["eps_feedback/g"] == pytest.approx(g)
+    assert obj.loss is eps_feedback_loss and obj.adaptive and obj.stateful
     expected = 0.22 if g > 1 else 0.18 if g < 0.5 else 0.2
-    assert obj.after_update(stats) == {"eps_next": pytest.approx(expected)}
-    assert state.eps == pytest.approx(expected)
+    assert obj.after_update(stats) == {"eps_feedback/eps_next": pytest.approx(expected)}
+    assert state.eps == pytest.approx(expected) and obj.state_dict()["eps"] == pytest.approx(expected)
 
 
 def test_compute_advantages_grpo_broadcasts_over_tokens():

@@ -28,7 +28,30 @@ from bapo.modeling import load_model
 from bapo.types import Problem, Prompt, Sample, ScoredSample
 
 TINY = Path(__file__).resolve().parents[2] / "assets" / "tiny-math"
-LEARNER_KW = dict(lr=1e-3, micro_batch_size=3, max_response_len=40)
+LEARNER_KW = dict(lr=1e-3, micro_batch_size=3)
+
+
+def learner_config(kind: str = "single", **fields):
+    """The typed learner group of ``learner=<kind>`` with the test's settings and ``fields``."""
+    import dataclasses
+
+    from bapo.config import FSDPLearnerConfig, SingleLearnerConfig
+
+    common = dict(
+        lr=1e-3, betas=[0.9, 0.999], weight_decay=0.0, eps=1e-8, warmup_steps=0, grad_clip=1.0, ppo_epochs=1,
+        mini_batches_per_rollout=1, micro_batch_size=3, max_tokens_per_micro_batch=None, packing=False,
+        old_logp="rollout", max_consecutive_skips=10,
+    )  # fmt: skip
+    if kind == "fsdp":
+        cfg = FSDPLearnerConfig(kind="fsdp", mixed_precision="auto", activation_checkpointing=False, cpu_offload=False,
+                                **common)  # fmt: skip
+    else:
+        cfg = SingleLearnerConfig(kind="single", device="cpu", **common)
+    return dataclasses.replace(cfg, **fields)
+
+
+def make_learner(model, kind: str = "single", **fields) -> Learner:
+    return Learner(model, learner_config(kind, **fields), objective=objective(), pad_id=0, max_response_len=40)
 
 
 def objective():
@@ -52,7 +75,7 @@ def samples(model, n: int = 11, seed: int = 0, adv_shift: float = 0.0, noise: fl
         lp = lp + noise * torch.randn(lp.shape, generator=g, dtype=lp.dtype)
         prompt_ids = tuple(ids[0, :p].tolist())
         prompt = Prompt(Problem(str(i), "p", "1"), "p", prompt_ids)
-        s = Sample(prompt, i // 4, tuple(ids[0, p:].tolist()), tuple(lp.tolist()), "t", 0, False)
+        s = Sample(prompt, i // 4, ids[0, p:].clone(), lp.float(), "t", 0, False)
         out.append(ScoredSample(s, 0.0, float(torch.randn(1, generator=g)) + adv_shift, False))
     return out
 
@@ -92,7 +115,7 @@ def broken_checkpoints(lrn, out: Path) -> dict[str, str | None]:
     dist.barrier()
     for case in ("bad_metadata", "bad_shard"):
         try:
-            fsdp.load_checkpoint(lrn, out / case)
+            fsdp.load_sharded(out / case, model=lrn.model, optimizer=lrn.optimizer)
             seen[case] = None
         except checkpoint.CheckpointError as e:
             seen[case] = str(e)
@@ -109,7 +132,7 @@ def broken_checkpoints(lrn, out: Path) -> dict[str, str | None]:
         checkpoint.prepare(tmp)
     dist.barrier()
     try:
-        fsdp.save_checkpoint(lrn, tmp / "learner")
+        lrn.save(tmp / "learner")
         seen["full_disk"] = None
     except checkpoint.CheckpointError as e:
         seen["full_disk"] = str(e)
@@ -121,47 +144,44 @@ def broken_checkpoints(lrn, out: Path) -> dict[str, str | None]:
 def main(out_dir: str, packing: bool, max_tokens: int | None, dtype: str) -> None:
     from bapo.learner import fsdp
 
-    device = dist.init("gloo")
+    dist.init("gloo")
     out = Path(out_dir)
-    model = load_model(str(TINY)).to(getattr(torch, dtype))
     data = torch.load(out / "samples.pt", weights_only=False)  # written by the test: the same on every rank
-    model = fsdp.wrap(model, device=device)
 
-    def learner(m=model):
-        kw = dict(LEARNER_KW, packing=packing, max_tokens_per_micro_batch=max_tokens)
-        return Learner(m, objective=objective(), reduce_sum=dist.reduce_sum, reduce_max=dist.reduce_max, **kw)
+    def learner(**fields):
+        model = load_model(str(TINY)).to(getattr(torch, dtype))
+        return make_learner(model, "fsdp", packing=packing, max_tokens_per_micro_batch=max_tokens, **fields)
 
-    mine = collate(dist.shard(data), pad_id=0)
-    lrn = learner()
+    lrn = learner()  # the learner wraps the model in FSDP2 itself (its strategy)
+    mine = collate(lrn.shard(data), pad_id=0)
     metrics = lrn.accumulate(mine)
-    grads = full_grads(model)
-    torch.nn.utils.clip_grad_norm_(model.parameters(), lrn.grad_clip)
+    grads = full_grads(lrn.model)
+    torch.nn.utils.clip_grad_norm_(lrn.model.parameters(), lrn.cfg.grad_clip)
     lrn.optimizer.step()
     lrn.optimizer.zero_grad(set_to_none=True)
-    after_one = fsdp.full_state_dict(model)
-    fsdp.save_checkpoint(lrn, out / "ckpt")
+    after_one = fsdp.full_state_dict(lrn.model)
+    lrn.save(out / "ckpt")
     dist.barrier()
     if dist.rank() == 0:  # as bapo.checkpoint.save would, so that the loads below verify it
         checkpoint.write_manifest(out / "ckpt")
     dist.barrier()
     straight = lrn.update(mine)
-    after_two = fsdp.full_state_dict(model)
+    after_two = fsdp.full_state_dict(lrn.model)
     # A fresh learner (new AdamW, new schedule) restored from the checkpoint must take the same second step.
     lrn = learner()
-    fsdp.load_checkpoint(lrn, out / "ckpt")
+    lrn.load(out / "ckpt")
     restored = lrn.update(mine)
-    after_resume = fsdp.full_state_dict(model)
-    fsdp.save_hf(model, out / "export")
+    after_resume = fsdp.full_state_dict(lrn.model)
+    lrn.export_hf(out / "export", tokenizer=_NoTokenizer())
     # Options that must not change the gradients: activation checkpointing and CPU offload.
-    other = load_model(str(TINY)).to(getattr(torch, dtype))
-    other = fsdp.wrap(other, device=device, activation_checkpointing=True, cpu_offload=True)
-    learner(other).accumulate(mine)
+    other = learner(activation_checkpointing=True, cpu_offload=True)
+    other.accumulate(mine)
     broken = broken_checkpoints(lrn, out)
     result = dict(
         broken=broken,
         metrics=metrics,
         grads=grads,
-        grads_ac_offload=full_grads(other),
+        grads_ac_offload=full_grads(other.model),
         after_one=after_one,
         after_two=after_two,
         after_resume=after_resume,
@@ -172,6 +192,13 @@ def main(out_dir: str, packing: bool, max_tokens: int | None, dtype: str) -> Non
     )
     torch.save(result, out / f"rank{dist.rank()}.pt")
     dist.teardown()
+
+
+class _NoTokenizer:
+    """The export writes a tokenizer folder too; these tests compare weights only."""
+
+    def save_pretrained(self, path) -> None:
+        pass
 
 
 if __name__ == "__main__":

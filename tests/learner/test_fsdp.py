@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bapo.learner import Learner, collate
+from bapo.learner import collate
 from bapo.learner import fsdp as fsdp_mod
 
 HERE = Path(__file__).resolve().parent
@@ -51,11 +51,11 @@ def run(tmp_path_factory):
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
 
     # The reference: one process, the whole batch, padded, 3 rows per micro-batch.
-    lrn = Learner(model, objective=W.objective(), **W.LEARNER_KW)
+    lrn = W.make_learner(model)
     batch = collate(data, pad_id=0)
     metrics = lrn.accumulate(batch)
     grads = {k: p.grad.clone() for k, p in model.named_parameters()}
-    torch.nn.utils.clip_grad_norm_(model.parameters(), lrn.grad_clip)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), lrn.cfg.grad_clip)
     lrn.optimizer.step()
     lrn.optimizer.zero_grad(set_to_none=True)
     ref = dict(metrics=metrics, grads=grads, after_one=copy.deepcopy(model.state_dict()))
@@ -71,10 +71,10 @@ def test_ranks_take_disjoint_shards_with_different_micro_batch_counts(run):
 
 def test_bounds_are_identical_on_every_rank_and_equal_one_process(run):
     _, ranks, ref, _ = run
-    for key in ("bapo/ratio_low", "bapo/ratio_high", "bapo/search_steps"):
+    for key in ("clip/low", "clip/high", "bapo/search_steps"):
         assert ranks[0]["metrics"][key] == ranks[1]["metrics"][key] == ref["metrics"][key], key
     assert 0 < ref["metrics"]["bapo/search_steps"] < 51  # the search moved and stopped on the way (target met)
-    for key in ("learner/loss", "learner/entropy", "learner/pg_loss", "bapo/rho"):
+    for key in ("learner/loss", "learner/entropy", "learner/pg_loss", "clip/rho"):
         assert ranks[0]["metrics"][key] == pytest.approx(ref["metrics"][key], rel=1e-12), key
 
 
@@ -108,8 +108,10 @@ def test_dcp_checkpoint_of_two_ranks_resumes_in_one_plain_process(run):
     md = fsdp_mod.read_metadata(out / "ckpt")  # the restricted unpickler reads a real 2-rank file
     assert all(type(e).__name__ == "TensorStorageMetadata" for e in md.state_dict_metadata.values())
     model = load_model(str(W.TINY)).double()
-    lrn = Learner(model, objective=W.objective(), **W.LEARNER_KW)
-    fsdp_mod.load_checkpoint(lrn, out / "ckpt")  # written by 2 FSDP ranks, resharded to 1, verified
+    lrn = W.make_learner(model)
+    # written by 2 FSDP ranks, resharded to 1 process, verified against the manifest
+    extra = fsdp_mod.load_sharded(out / "ckpt", model=lrn.model, optimizer=lrn.optimizer)
+    lrn.load_state_dict(extra)
     assert max_rel(dict(model.state_dict()), ranks[0]["after_one"]) == 0.0
     lrn.update(collate(data, pad_id=0))
     assert max_rel(dict(model.state_dict()), ranks[0]["after_two"]) < 1e-12

@@ -31,7 +31,7 @@ def write_run(root, algo, mini_batches, seed, *, acc, grad_norm, entropy, step_s
     overrides = [f"algo={algo}", f"learner.mini_batches_per_rollout={mini_batches}", f"seed={seed}"]
     (d / ".hydra" / "overrides.yaml").write_text(json.dumps(overrides))
     cfg = {
-        "algo": {"name": algo, "bounds": "bapo" if algo == "bapo" else "fixed", "rho0": 0.4},
+        "algo": {"name": algo, "bounds": {"kind": "bapo", "rho0": 0.4} if algo == "bapo" else {"kind": "fixed"}},
         "buffer": {"max_staleness": 4},
         "learner": {"ppo_epochs": 1, "mini_batches_per_rollout": mini_batches},
         "train": {"steps": STEPS},
@@ -43,8 +43,7 @@ def write_run(root, algo, mini_batches, seed, *, acc, grad_norm, entropy, step_s
         row = {"step": step, "reward/mean": 0.1 * step, "learner/entropy": entropy[step - 1]}
         row |= {"learner/grad_norm": grad_norm[step - 1], "time/step_s": step_s}
         if algo == "bapo":
-            row |= {"bapo/ratio_low": 0.6, "bapo/ratio_high": 1.2 + 0.1 * step, "bapo/rho": 0.4}
-            row |= {"bapo/rho_before": 0.3}
+            row |= {"clip/low": 0.6, "clip/high": 1.2 + 0.1 * step, "clip/rho": 0.4, "bapo/rho_before": 0.3}
         if step % 4 == 0:
             row |= {"eval/accuracy": acc[step // 4], "eval/accuracy_greedy": acc[step // 4] + 0.1}
         rows.append(row)

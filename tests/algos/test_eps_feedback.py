@@ -1,4 +1,4 @@
-"""The card heuristic (NOT the paper's method): hand-computed loss, its eps rule, properties."""
+"""The eps-feedback heuristic (NOT the paper's method): hand-computed loss, its eps rule, properties."""
 
 import math
 
@@ -7,7 +7,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bapo.algos import AGG_MODES, CardState, agg_normalisers, aggregate, card_g, card_loss, card_sums
+from bapo.algos import (
+    AGG_MODES,
+    EpsFeedbackState,
+    agg_normalisers,
+    aggregate,
+    eps_feedback_g,
+    eps_feedback_loss,
+    eps_feedback_sums,
+)
 
 F64 = torch.float64
 
@@ -15,7 +23,7 @@ F64 = torch.float64
 #   t  ratio  A    term at eps = 0.2
 #   1  1.5   +1    min(1.5, clip 1.2) * 1        = 1.2       (no gradient: r > 1.2)
 #   2  0.5   +1    min(0.5, clip 0.8)            = 0.5
-#   3  0.5   -1    max(-0.5, -0.8)               = -0.5      (max, the card's rule)
+#   3  0.5   -1    max(-0.5, -0.8)               = -0.5      (max, the eps-feedback heuristic's rule)
 #   4  1.5   -1    max(-1.5, -1.2)               = -1.2
 #   5  1.0   -2    max(-2.0, -2.0)               = -2.0
 # positive sum 1.7, negative sum -3.7 -> g = 3.7 / 1.7 = 2.176470588 > 1
@@ -34,9 +42,9 @@ def _inputs(ratios=RATIO, advs=ADV):
     return logp, old, torch.tensor([advs], dtype=F64), torch.ones_like(old, dtype=torch.bool)
 
 
-def test_hand_computed_card_loss():
+def test_hand_computed_eps_feedback_loss():
     logp, old, adv, mask = _inputs()
-    loss, stats = card_loss(logp, old, adv, mask, eps=0.2, entropy_coef=0.0)
+    loss, stats = eps_feedback_loss(logp, old, adv, mask, eps=0.2, entropy_coef=0.0)
     assert stats["g"] == pytest.approx(G_HAND)
     assert stats["eps_neg"] == pytest.approx(EPS_NEG)
     assert loss.item() == pytest.approx((1.7 - 0.5 - (1 + EPS_NEG) - 2.0) / -5)
@@ -49,14 +57,14 @@ def test_hand_computed_card_loss():
     assert stats["clip_frac"] == pytest.approx(2 / 5)
     assert stats["pos_token_frac"] == pytest.approx(2 / 5)
     # the entropy bonus: entropy 1 everywhere, coefficient 0.01 -> 0.01 lower
-    loss_e, stats_e = card_loss(logp, old, adv, mask, eps=0.2, entropy=torch.ones_like(old))
+    loss_e, stats_e = eps_feedback_loss(logp, old, adv, mask, eps=0.2, entropy=torch.ones_like(old))
     assert loss_e.item() == pytest.approx(loss.item() - 0.01) and stats_e["entropy"] == 1.0
 
 
 def test_no_recompute_when_g_at_most_one():
     # t1 r = 1.5, A = +2 -> 2 * 1.2 = 2.4; t2 r = 1.5, A = -1 -> max(-1.5, -1.2) = -1.2; g = 0.5
     logp, old, adv, mask = _inputs([1.5, 1.5], [2.0, -1.0])
-    loss, stats = card_loss(logp, old, adv, mask, eps=0.2, entropy_coef=0.0)
+    loss, stats = eps_feedback_loss(logp, old, adv, mask, eps=0.2, entropy_coef=0.0)
     assert stats["g"] == pytest.approx(0.5) and stats["eps_neg"] == 0.2
     assert loss.item() == pytest.approx(-(2.4 - 1.2) / 2)
 
@@ -64,42 +72,43 @@ def test_no_recompute_when_g_at_most_one():
 def test_given_g_overrides_the_local_one():
     logp, old, adv, mask = _inputs()
     # g = 0.9 given (say, from the whole update): no recompute, t4 stays at -1.2
-    loss, stats = card_loss(logp, old, adv, mask, eps=0.2, g=0.9, entropy_coef=0.0)
+    loss, stats = eps_feedback_loss(logp, old, adv, mask, eps=0.2, g=0.9, entropy_coef=0.0)
     assert stats["eps_neg"] == 0.2 and loss.item() == pytest.approx(-(1.7 - 3.7) / 5)
 
 
 def test_sums_and_g():
     _, _, adv, mask = _inputs()
-    sums = card_sums(torch.tensor([RATIO], dtype=F64), adv, mask, eps=0.2)
+    sums = eps_feedback_sums(torch.tensor([RATIO], dtype=F64), adv, mask, eps=0.2)
     assert sums.tolist() == pytest.approx([1.7, -3.7])
-    assert card_g(sums) == pytest.approx(G_HAND)
-    assert card_g(torch.zeros(2)) == 0.0  # nothing to compare: 0 / (0 + 1e-8)
+    assert eps_feedback_g(sums) == pytest.approx(G_HAND)
+    assert eps_feedback_g(torch.zeros(2)) == 0.0  # nothing to compare: 0 / (0 + 1e-8)
 
 
 def test_eps_rule():
-    state = CardState()
+    state = EpsFeedbackState()
     assert state.eps == 0.2
     # g > 1: eps * 1.1; 0.5 <= g <= 1: unchanged; g < 0.5: eps * 0.9
-    assert state.after_update({"g": 2.0}) == {"eps_next": pytest.approx(0.22)}
-    assert state.after_update({"g": 1.0})["eps_next"] == pytest.approx(0.22)
-    assert state.after_update({"g": 0.5})["eps_next"] == pytest.approx(0.22)
-    assert state.after_update({"g": 0.49})["eps_next"] == pytest.approx(0.198)
+    nxt = "eps_feedback/eps_next"
+    assert state.after_update({"eps_feedback/g": 2.0}) == {nxt: pytest.approx(0.22)}
+    assert state.after_update({"eps_feedback/g": 1.0})[nxt] == pytest.approx(0.22)
+    assert state.after_update({"eps_feedback/g": 0.5})[nxt] == pytest.approx(0.22)
+    assert state.after_update({"eps_feedback/g": 0.49})[nxt] == pytest.approx(0.198)
     for _ in range(20):
-        state.after_update({"g": 5.0})
+        state.after_update({"eps_feedback/g": 5.0})
     assert state.eps == 0.5  # capped
     for _ in range(30):
-        state.after_update({"g": 0.0})
+        state.after_update({"eps_feedback/g": 0.0})
     assert state.eps == 0.1  # floored
     saved = state.state_dict()
-    other = CardState()
+    other = EpsFeedbackState()
     other.load_state_dict(saved)
     assert other == state
     with pytest.raises(ValueError):
-        CardState(eps=0.6)
+        EpsFeedbackState(eps=0.6)
 
 
-def card_reference(ratio, adv, eps, g_high=1.0, widen=0.5):
-    """The card, token by token in python: A * min(r, 1 + eps_side) is what min/max reduce to."""
+def eps_feedback_reference(ratio, adv, eps, g_high=1.0, widen=0.5):
+    """The eps-feedback heuristic, token by token in python: A * min(r, 1 + eps_side) is what min/max reduce to."""
     pos = sum(a * min(r, 1 + eps) for r, a in zip(ratio, adv, strict=True) if a > 0)
     neg = sum(a * min(r, 1 + eps) for r, a in zip(ratio, adv, strict=True) if a <= 0)
     g = abs(neg) / (abs(pos) + 1e-8)
@@ -122,9 +131,9 @@ def _random(seed, b=4, t=6, spread=0.5, dtype=F64):
 @given(seed=st.integers(0, 10_000), eps=st.floats(0.1, 0.5), spread=st.floats(0.05, 1.5))
 def test_matches_token_by_token_reference(seed, eps, spread):
     logp, old, adv, mask = _random(seed, spread=spread)
-    loss, stats = card_loss(logp, old, adv, mask, eps=eps, entropy_coef=0.0)
+    loss, stats = eps_feedback_loss(logp, old, adv, mask, eps=eps, entropy_coef=0.0)
     ratio = (logp - old).exp()[mask].tolist()
-    expected, g = card_reference(ratio, adv[mask].tolist(), eps)
+    expected, g = eps_feedback_reference(ratio, adv[mask].tolist(), eps)
     assert loss.item() == pytest.approx(expected, rel=1e-9, abs=1e-12)
     assert stats["g"] == pytest.approx(g, rel=1e-9)
 
@@ -133,7 +142,7 @@ def test_matches_token_by_token_reference(seed, eps, spread):
 @given(seed=st.integers(0, 10_000), agg=st.sampled_from(AGG_MODES))
 def test_on_policy_is_plain_policy_gradient(seed, agg):
     _, old, adv, mask = _random(seed)
-    loss, stats = card_loss(old.clone(), old, adv, mask, eps=0.2, entropy_coef=0.0, agg=agg)
+    loss, stats = eps_feedback_loss(old.clone(), old, adv, mask, eps=0.2, entropy_coef=0.0, agg=agg)
     torch.testing.assert_close(loss, -aggregate(adv, mask, agg=agg))
     assert stats["clip_frac"] == 0.0
 
@@ -143,15 +152,17 @@ def test_micro_batch_split_invariant_given_the_update_g(agg):
     logp, old, adv, mask = _random(7, b=8, spread=0.8)
     mask[2] = False
     entropy = torch.rand(8, 6, dtype=F64, generator=torch.Generator().manual_seed(3))
-    g = card_g(card_sums((logp - old).exp(), adv, mask, eps=0.2))
+    g = eps_feedback_g(eps_feedback_sums((logp - old).exp(), adv, mask, eps=0.2))
     kw = dict(eps=0.2, g=g, agg=agg, entropy_coef=0.01)
     full_logp = logp.clone().requires_grad_()
-    full, _ = card_loss(full_logp, old, adv, mask, entropy=entropy, **kw)
+    full, _ = eps_feedback_loss(full_logp, old, adv, mask, entropy=entropy, **kw)
     full.backward()
     norms = agg_normalisers(mask)
     micro_logp, total = logp.clone().requires_grad_(), 0.0
     for rows in (slice(0, 3), slice(3, 5), slice(5, 8)):
-        loss, _ = card_loss(micro_logp[rows], old[rows], adv[rows], mask[rows], entropy=entropy[rows], **kw, **norms)
+        loss, _ = eps_feedback_loss(
+            micro_logp[rows], old[rows], adv[rows], mask[rows], entropy=entropy[rows], **kw, **norms
+        )
         loss.backward()
         total += loss.item()
     assert total == pytest.approx(full.item(), abs=1e-12)
@@ -165,9 +176,9 @@ garbage = st.sampled_from([float("nan"), float("inf"), -float("inf"), 1e30])
 @given(seed=st.integers(0, 10_000), junk=st.lists(garbage, min_size=3, max_size=3))
 def test_masked_positions_change_nothing(seed, junk):
     logp, old, adv, mask = _random(seed)
-    base, st_base = card_loss(logp, old, adv, mask, eps=0.2)
+    base, st_base = eps_feedback_loss(logp, old, adv, mask, eps=0.2)
     dirty = [x.masked_fill(~mask, j) for x, j in zip((logp, old, adv), junk, strict=True)]
-    loss, st_dirty = card_loss(*dirty, mask, eps=0.2)
+    loss, st_dirty = eps_feedback_loss(*dirty, mask, eps=0.2)
     assert loss.item() == base.item() and st_dirty == st_base
 
 
@@ -177,7 +188,7 @@ def test_extreme_log_ratios_stay_finite(seed, dtype):
     logp, old, adv, mask = _random(seed, dtype=dtype)
     signs = torch.where(torch.rand(logp.shape, generator=torch.Generator().manual_seed(seed)) < 0.5, -1.0, 1.0)
     logp = (old + 50.0 * signs.to(dtype)).requires_grad_()
-    loss, stats = card_loss(logp, old, adv, mask, eps=0.2, entropy=torch.ones_like(old))
+    loss, stats = eps_feedback_loss(logp, old, adv, mask, eps=0.2, entropy=torch.ones_like(old))
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
     assert all(math.isfinite(v) for v in stats.values())

@@ -1,11 +1,11 @@
-"""The "card" heuristic: kept for comparison only. It is NOT BAPO and NOT the paper's method.
+"""The eps-feedback heuristic (formerly "card"): kept for comparison only. It is NOT BAPO and NOT the paper's method.
 
 It has its own loss shape (``max`` for non-positive tokens), so it does not go
 through the clipped surrogate of ``surrogate.py``. Per response token t, with one
 state epsilon ``eps`` (0.2 at the start) and r_t = exp(logp_t - old_logp_t):
 
     A_t > 0:   s_t = min(r_t A_t, clip(r_t, 1 - eps, 1 + eps) A_t)         (the usual PPO term)
-    A_t <= 0:  s_t = max(r_t A_t, clip(r_t, 1 - eps, 1 + eps) A_t)         (max, not min: the card's rule)
+    A_t <= 0:  s_t = max(r_t A_t, clip(r_t, 1 - eps, 1 + eps) A_t)         (max, not min: the heuristic's rule)
     g = |sum of the A <= 0 terms| / (|sum of the A > 0 terms| + 1e-8)
     if g > g_high (1): the A <= 0 terms are recomputed with eps_neg = eps * (1 + widen * g), widen = 0.5
     loss = -aggregate(s_t) - entropy_coef * aggregate(entropy_t)           (token mean, entropy_coef 0.01)
@@ -19,11 +19,11 @@ What the rule does: for A <= 0, max(r A, clip(r) A) = A * min(r, 1 + eps), so a
 non-positive token keeps its gradient while r < 1 + eps and loses it above; the
 lower bound 1 - eps plays no part anywhere. ``clip_frac_low`` is still reported
 with the project's definition (A < 0 and r < 1 - eps) so that the metric reads the
-same for every algorithm, but under the card those tokens are *not* clipped; the
+same for every algorithm, but under the eps-feedback heuristic those tokens are *not* clipped; the
 non-positive tokens that really lose their gradient are ``neg_clip_frac``.
 
 Project choices: g is computed from detached terms, once per optimizer update over
-all of its tokens (the learner passes it in as ``g``; without it, ``card_loss``
+all of its tokens (the learner passes it in as ``g``; without it, ``eps_feedback_loss``
 computes g from its own tokens); the optional dual clip (off by default) applies
 to the A < 0 terms, g included; the log-ratio is clamped to [-20, 20] as in the
 surrogate; the entropy and KL terms are the project's shared regularisers.
@@ -42,8 +42,8 @@ G_EPS = 1e-8
 
 
 @dataclass
-class CardState:
-    """The card's one piece of state (eps) and the constants of its rule (module docstring)."""
+class EpsFeedbackState:
+    """The eps-feedback heuristic's one piece of state (eps) and the constants of its rule (module docstring)."""
 
     eps: float = 0.2
     eps_min: float = 0.1
@@ -61,13 +61,13 @@ class CardState:
             raise ValueError("need grow >= 1, 0 < shrink <= 1, 0 <= g_low <= g_high, widen >= 0")
 
     def after_update(self, stats: dict[str, float]) -> dict[str, float]:
-        """Apply the eps rule with the update's g; returns {"eps_next": eps}."""
-        g = stats["g"]
+        """Apply the eps rule with the update's g (``eps_feedback/g``); returns {"eps_feedback/eps_next": eps}."""
+        g = stats["eps_feedback/g"]
         if g > self.g_high:
             self.eps = min(self.grow * self.eps, self.eps_max)
         elif g < self.g_low:
             self.eps = max(self.shrink * self.eps, self.eps_min)
-        return {"eps_next": self.eps}
+        return {"eps_feedback/eps_next": self.eps}
 
     def state_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -78,7 +78,7 @@ class CardState:
 
 
 def _terms(ratio, adv, pos, eps_pos, eps_neg, dual_clip):
-    """[B, T] card terms: min(...) for A > 0 at eps_pos, max(...) for A <= 0 at eps_neg."""
+    """[B, T] eps-feedback terms: min(...) for A > 0 at eps_pos, max(...) for A <= 0 at eps_neg."""
     pos_terms = torch.minimum(ratio * adv, ratio.clamp(1 - eps_pos, 1 + eps_pos) * adv)
     neg_terms = torch.maximum(ratio * adv, ratio.clamp(max(1 - eps_neg, 0.0), 1 + eps_neg) * adv)
     if dual_clip is not None:
@@ -92,12 +92,12 @@ def _ratio(logp, old_logp, m):
     return log_ratio, torch.exp(log_ratio)
 
 
-def card_sums(
+def eps_feedback_sums(
     ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, *, eps: float, dual_clip: float | None = None
 ) -> torch.Tensor:
     """float64 [2]: (sum of the A > 0 terms, sum of the A <= 0 terms) at ``eps``, detached.
 
-    Sums, so that micro-batches and data-parallel ranks can add them before ``card_g``.
+    Sums, so that micro-batches and data-parallel ranks can add them before ``eps_feedback_g``.
     """
     with torch.no_grad():
         m = mask.bool()
@@ -108,13 +108,13 @@ def card_sums(
         return torch.stack([torch.where(pos, s, 0.0).sum(), torch.where(pos, 0.0, s).sum()])
 
 
-def card_g(sums: torch.Tensor) -> float:
-    """g = |negative-term sum| / (|positive-term sum| + 1e-8), from ``card_sums``."""
+def eps_feedback_g(sums: torch.Tensor) -> float:
+    """g = |negative-term sum| / (|positive-term sum| + 1e-8), from ``eps_feedback_sums``."""
     pos_sum, neg_sum = sums.double().tolist()
     return abs(neg_sum) / (abs(pos_sum) + G_EPS)
 
 
-def card_loss(
+def eps_feedback_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
     adv: torch.Tensor,
@@ -135,9 +135,9 @@ def card_loss(
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The card's loss over [B, T] tokens (module docstring). NOT the paper's method.
+    """The eps-feedback heuristic's loss over [B, T] tokens (module docstring). NOT the paper's method.
 
-    ``g``: the update's g (from ``card_sums`` over all of its tokens); None computes it
+    ``g``: the update's g (from ``eps_feedback_sums`` over all of its tokens); None computes it
     from this call's tokens. Stats: pg_loss, g, eps, eps_neg, clip_frac_high (A > 0,
     r > 1 + eps), clip_frac_low (A < 0, r < 1 - eps; not clipped by the card),
     neg_clip_frac (A < 0 tokens with r > 1 + eps_neg: they get no gradient),
@@ -152,18 +152,18 @@ def card_loss(
     adv = torch.where(m, adv, torch.zeros_like(adv)).to(ratio.dtype)  # [B, T]
     pos = (adv > 0) & m  # [B, T]
     if g is None:
-        g = card_g(card_sums(ratio, adv, m, eps=eps, dual_clip=dual_clip))
+        g = eps_feedback_g(eps_feedback_sums(ratio, adv, m, eps=eps, dual_clip=dual_clip))
     eps_neg = eps * (1 + widen * g) if g > g_high else eps
     terms = _terms(ratio, adv, pos, eps, eps_neg, dual_clip)  # [B, T]
     norms = {"agg": agg, "num_tokens": num_tokens, "num_seqs": num_seqs, "max_len": max_len}
     pg_loss = -aggregate(terms, m, **norms)
     loss, reg = regularised(pg_loss, logp, m, norms, entropy, entropy_coef, ref_logp, kl_coef, kl_estimator)
-    stats = _card_stats(pg_loss, ratio, log_ratio, m, pos, adv, eps, eps_neg, dual_clip, entropy)
+    stats = _eps_feedback_stats(pg_loss, ratio, log_ratio, m, pos, adv, eps, eps_neg, dual_clip, entropy)
     return loss, stats | reg | {"g": float(g), "eps": float(eps), "eps_neg": float(eps_neg)}
 
 
 @torch.no_grad()
-def _card_stats(pg_loss, ratio, log_ratio, m, pos, adv, eps, eps_neg, dual_clip, entropy):
+def _eps_feedback_stats(pg_loss, ratio, log_ratio, m, pos, adv, eps, eps_neg, dual_clip, entropy):
     neg = (adv < 0) & m
     high = pos & (ratio > 1 + eps)  # positive tokens without gradient
     neg_clip = neg & (ratio > 1 + eps_neg)  # negative tokens without gradient
@@ -182,6 +182,8 @@ def _card_stats(pg_loss, ratio, log_ratio, m, pos, adv, eps, eps_neg, dual_clip,
         "approx_kl": 0.5 * log_ratio.double().pow(2).sum() / n_tok.clamp(min=1),
         "pos_token_frac": n_pos / n_tok.clamp(min=1),
         "tokens": n_tok,
+        "pos_tokens": n_pos,
+        "neg_tokens": n_neg,
     }
     if entropy is not None:
         values["entropy"] = torch.where(m, entropy.detach(), torch.zeros_like(entropy)).double().sum() / n_tok.clamp(

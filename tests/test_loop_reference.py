@@ -1,0 +1,56 @@
+"""`python train.py train.steps=6 eval.every=3` against a recorded reference, metric for metric.
+
+A refactor of the loop, the learner or the stages must not move a number of the default run. The reference
+(tests/data/reference_steps6.jsonl) holds every metric but timings; a change that is meant to move it
+records it again and says why in its commit:
+
+    python tests/test_loop_reference.py --record
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+REFERENCE = Path(__file__).resolve().parent / "data" / "reference_steps6.jsonl"
+ARGS = ["train.py", "train.steps=6", "eval.every=3", "logger.mode=disabled", "logger.progress=false"]
+# Wall-clock and throughput differ between any two runs; everything else must not.
+VOLATILE = ("time/", "reward/verify_s", "rollout/tokens_per_s", "buffer/consumer_wait_s", "buffer/producer_wait_s")
+
+
+def default_run(run_dir: Path) -> list[dict]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
+    proc = subprocess.run(
+        [sys.executable, *ARGS, f"hydra.run.dir={run_dir}"], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=1200,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]
+
+
+@pytest.mark.slow
+def test_the_default_run_matches_the_recorded_reference(tmp_path):
+    ref = [json.loads(x) for x in REFERENCE.read_text().splitlines()]
+    got = default_run(tmp_path / "run")
+    assert [r["step"] for r in got] == [r["step"] for r in ref] == list(range(7))
+    for a, b in zip(got, ref, strict=True):
+        assert a.keys() == b.keys(), (a["step"], sorted(a.keys() ^ b.keys()))
+        diff = {k: (a[k], b[k]) for k in a if a[k] != b[k]}
+        assert not diff, (a["step"], diff)
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    if sys.argv[1:] != ["--record"]:
+        sys.exit(__doc__)
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = default_run(Path(tmp) / "run")
+    REFERENCE.parent.mkdir(exist_ok=True)
+    REFERENCE.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
+    print(f"recorded {len(rows)} rows in {REFERENCE}")
