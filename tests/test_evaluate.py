@@ -218,6 +218,7 @@ def _check_run_folder(out: Path, sets: dict[str, int], k: int) -> dict:
     return results
 
 
+@pytest.mark.slow
 def test_eval_py_subprocess(tmp_path):
     out = tmp_path / "run"
     env = os.environ | {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}

@@ -12,6 +12,8 @@ from hydra import compose, initialize_config_dir
 
 from bapo.loop import run
 
+pytestmark = pytest.mark.slow  # end to end: real runs of the loop (make test-fast skips them)
+
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = [
     "step",

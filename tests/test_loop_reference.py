@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # end to end: real runs of the loop (make test-fast skips them)
+
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = Path(__file__).resolve().parent / "data" / "reference_steps6.jsonl"
 ARGS = ["train.py", "train.steps=6", "eval.every=3", "logger.mode=disabled", "logger.progress=false"]

@@ -20,7 +20,9 @@ from bapo.config import ConfigError
 from bapo.learner import TrainingDiverged
 from bapo.loop import run
 from tests.test_loop import _cfg
-from tests.test_resume import TIMING, rows
+from tests.test_loop_resume import TIMING, rows
+
+pytestmark = pytest.mark.slow  # end to end: real runs of the loop (make test-fast skips them)
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled")

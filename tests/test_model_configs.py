@@ -138,6 +138,7 @@ def test_random_init_errors_name_the_key():
         arch_config({"hidden_size": 8})
 
 
+@pytest.mark.slow
 def test_gpu_check_dry_run_end_to_end(tmp_path):
     out = tmp_path / "summary.json"
     env = os.environ | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}

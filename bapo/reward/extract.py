@@ -96,7 +96,10 @@ def clean_answer(s: str) -> str:
                     continue  # "$a$ and $b$" is not one math span
                 s, changed = inner.strip(), True
                 break
-        stripped = s.rstrip(" .,;:!\n\t")
+        end = len(s)  # trailing punctuation and any whitespace (str.isspace: NEL, NBSP, ... too)
+        while end and (s[end - 1].isspace() or s[end - 1] in ".,;:!"):
+            end -= 1
+        stripped = s[:end]
         if stripped != s:
             # "3\." and "3\," are LaTeX spacing, not punctuation we should split.
             if not stripped.endswith("\\"):

@@ -21,6 +21,8 @@ import torch
 from bapo.learner import collate
 from bapo.learner import fsdp as fsdp_mod
 
+pytestmark = pytest.mark.slow  # end to end: real runs of the loop (make test-fast skips them)
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 spec = importlib.util.spec_from_file_location("fsdp_worker", HERE / "fsdp_worker.py")

@@ -163,3 +163,9 @@ def test_extraction_is_linear_on_long_runs(run, fallback):
     extract_answer(text, fallback=fallback)
     extract_answer("\\boxed{" + text, fallback=fallback)
     assert time.monotonic() - start < 5.0
+
+
+def test_unicode_whitespace_before_trailing_punctuation_is_stripped():
+    # found by hypothesis: NEL (\x85) is whitespace to str.strip but was left in front of a stripped ':'
+    assert extract_answer("0\x85:", fallback="last_line") == "0"
+    assert extract_answer("answer: 7\u00a0.", fallback="final_answer") == "7"

@@ -112,6 +112,7 @@ ADVERSARIAL = [
 # fmt: on
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("response, gold, reward", ADVERSARIAL, ids=range(len(ADVERSARIAL)))
 def test_adversarial_inputs_are_bounded(adversarial_verifier, response, gold, reward):
     start = time.monotonic()
@@ -160,6 +161,7 @@ def test_pathological_input_times_out():
     assert elapsed < 10.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("marker, timed_out", [("exit", 0), ("segv", 0), ("hang", 1)])
 def test_worker_failure_is_contained(marker, timed_out):
     responses = [

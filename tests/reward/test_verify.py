@@ -389,6 +389,7 @@ def _agreement(rows, fallback):
     return sum(agree) / len(rows), [r["id"] for r, a in zip(rows, agree, strict=True) if not a]
 
 
+@pytest.mark.slow
 # Measured on grader_cases.jsonl (core tier, 268 rows):
 #   default settings (fallback "none"): 234/268 = 87.3%. All 136 bare answers agree; of the
 #     132 responses, 33 disagree because they have no box at all (expected True: "The answer
@@ -414,6 +415,7 @@ def test_grader_cases_core_agreement():
     assert rate >= 0.99
 
 
+@pytest.mark.slow
 def test_grader_cases_lenient_agreement():
     rows = [r for r in _jsonl("grader_cases.jsonl") if r["tier"] == "lenient"]
     rate, wrong = _agreement(rows, "last_line")

@@ -294,6 +294,7 @@ print(tokens.shape[1], grown // 1024)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("decode", PATHS)
 def test_decode_memory_is_one_step_of_logits(decode):
     env = os.environ | {"MALLOC_MMAP_THRESHOLD_": "65536"}

@@ -8,7 +8,9 @@ pytest.importorskip("vllm")
 
 from bapo.loop import run  # noqa: E402
 from tests.test_loop import _cfg  # noqa: E402
-from tests.test_resume import rows, untimed  # noqa: E402
+from tests.test_loop_resume import rows, untimed  # noqa: E402
+
+pytestmark = pytest.mark.slow  # end to end: real runs of the loop (make test-fast skips them)
 
 VLLM = ["rollout=vllm", "rollout.enforce_eager=true", "train.steps=4", "checkpoint.every=2"]
 

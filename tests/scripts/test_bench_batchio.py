@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # end to end: real runs of the loop (make test-fast skips them)
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "bench_batchio.py"
 STAGES = ("collate", "gather (2 ranks)", "checkpoint write", "checkpoint read", "checkpoint bytes")

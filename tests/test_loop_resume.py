@@ -17,6 +17,8 @@ from bapo import checkpoint
 from bapo.loop import TrainingDiverged, run
 from tests.test_loop import _cfg
 
+pytestmark = pytest.mark.slow  # end to end: real runs of the loop (make test-fast skips them)
+
 ROOT = Path(__file__).resolve().parents[1]
 # Wall-clock and throughput differ between any two runs; everything else must not.
 TIMING = ("time/", "reward/verify_s", "rollout/tokens_per_s", "buffer/consumer_wait_s", "buffer/producer_wait_s")

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_resume import rows, untimed
+from tests.test_loop_resume import rows, untimed
+
+pytestmark = pytest.mark.slow  # end to end: real runs of the loop (make test-fast skips them)
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]

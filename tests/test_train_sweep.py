@@ -6,6 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # end to end: real runs of the loop (make test-fast skips them)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
