@@ -33,7 +33,15 @@ def torchrun(run_dir: Path, *extra: str, launcher=TORCHRUN) -> str:
     return p.stdout + p.stderr
 
 
-@pytest.mark.parametrize("mode", [[], ["train.async_rollout=true", "buffer.max_staleness=3"]], ids=["sync", "async"])
+MODES = {
+    "sync": [],
+    "async": ["train.async_rollout=true", "buffer.max_staleness=3"],
+    # issue 11 item 9: this crashed (no scratch model under FSDP); recompute needs the weights of an older version
+    "sync_every2_recompute": ["train.sync_every=2", "learner.mini_batches_per_rollout=1", "learner.old_logp=recompute"],
+}
+
+
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
 def test_two_rank_fsdp_run_trains_checkpoints_and_resumes_exactly(tmp_path, mode):
     out = torchrun(tmp_path / "full", *mode)
     full = rows(tmp_path / "full")
