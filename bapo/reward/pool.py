@@ -374,6 +374,11 @@ def score_math(response: str, answer: str) -> float:
     fresh interpreter that never imports the caller.
     """
     global _default_verifier
+    if not isinstance(response, str) or not isinstance(answer, str):
+        raise TypeError(
+            f"score_math(response, answer) grades one response: both must be str, got {type(response).__name__} "
+            f"and {type(answer).__name__}; for a batch use MathVerifier().score(responses, answers)"
+        )
     with _default_lock:
         if _default_verifier is None:
             _default_verifier = MathVerifier(num_workers=1)

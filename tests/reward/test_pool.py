@@ -234,3 +234,8 @@ def test_score_math_in_fresh_interpreter():
 def test_score_math_returns_float():
     assert score_math(r"The answer is $\boxed{\frac{\pi}{2}}$.", r"\frac{\pi}{2}") == 1.0
     assert score_math(r"The answer is $\boxed{\pi}$.", r"\frac{\pi}{2}") == 0.0
+
+
+def test_score_math_names_the_batch_api_when_given_lists():
+    with pytest.raises(TypeError, match=r"grades one response.*got list and list.*MathVerifier\(\)\.score"):
+        score_math(["\\boxed{4}"], ["4"])
