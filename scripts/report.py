@@ -11,7 +11,18 @@ run. Runs are grouped by algo x staleness and written to DIR (default `<sweep>/r
 - `curves_*.png`: eval accuracy, reward, entropy and grad norm over steps, one panel per staleness
   level, one line per algo (mean over seeds), a min-max band over seeds;
 - `bapo_bounds.png`, `bapo_rho.png`: BAPO's ratio_low / ratio_high over training and the positive
-  share rho before and after the bound search (the paper's Figs. 8 and 9).
+  share rho before and after the bound search (the paper's Figs. 8 and 9);
+- `clip_window.png`, `clip_by_sign.png`: every arm's clip window (`clip/low`, `clip/high`) and its
+  clipped fractions by advantage sign (`learner/clip_frac_pos`, `learner/clip_frac_neg`);
+- `acc_vs_samples.png`, `acc_vs_wall.png`: held-out accuracy against the samples consumed (the running
+  sum of `buffer/served`) and against wall time (the running sum of `time/step_s`).
+
+With `--intervals` (or whenever some group has two or more completed seeds) report.md also has:
+- bootstrap 95% intervals over seeds of final accuracy, best accuracy and final entropy (`bootstrap_ci`);
+- a paired comparison of every arm against `--reference` (default bapo) on the seeds both completed at
+  the same staleness: the mean difference (arm − reference) and its bootstrap interval (`paired_difference`);
+- the pathology checks: entropy at the end over entropy at the start, the drop of accuracy from its
+  peak, and the share of steps on which `bapo/rho_before` < rho0.
 
 Definitions (repeated in report.md):
 - staleness: `staleness_of(cfg)`; the configured `buffer.max_staleness` is its own column.
@@ -100,6 +111,47 @@ def staleness_of(cfg: dict) -> int | None:
     if epochs is None or mini_batches is None:
         return None
     return epochs * mini_batches - 1
+
+
+# ------------------------------------------------------------------------------------ statistics
+
+EXACT_BOOTSTRAP_MAX_N = 7  # n^n resamples: 823,543 at n = 7; above it, n_boot Monte Carlo resamples
+
+
+def bootstrap_ci(xs, *, level: float = 0.95, n_boot: int = 20_000, seed: int = 0) -> tuple[float, float, float]:
+    """The mean of ``xs`` and a percentile bootstrap interval for it: ``(mean, lo, hi)``.
+
+    For n <= EXACT_BOOTSTRAP_MAX_N the bootstrap distribution is enumerated exactly (all n^n ordered
+    resamples, each equally likely), so the interval is a function of the data alone and can be checked by
+    hand; above that, ``n_boot`` resamples drawn with ``seed``. The bounds are the (1 - level)/2 and
+    (1 + level)/2 quantiles of the resampled means, each the smallest resampled mean whose cumulative share
+    reaches that level (``numpy.quantile(method="inverted_cdf")``). Non-finite values are dropped; none left
+    gives NaNs, and one value gives a zero-width interval (a single seed says nothing about the spread).
+    """
+    x = np.asarray([v for v in xs if math.isfinite(v)], dtype=float)
+    n = len(x)
+    if n == 0:
+        return math.nan, math.nan, math.nan
+    if n <= EXACT_BOOTSTRAP_MAX_N:
+        idx = np.indices((n,) * n).reshape(n, -1)  # [n, n^n]: every ordered resample, one per column
+        means = x[idx].mean(axis=0)
+    else:
+        idx = np.random.default_rng(seed).integers(0, n, size=(n_boot, n))
+        means = x[idx].mean(axis=1)
+    alpha = (1 - level) / 2
+    lo, hi = np.quantile(means, [alpha, 1 - alpha], method="inverted_cdf")
+    return float(x.mean()), float(lo), float(hi)
+
+
+def paired_difference(arm: dict, reference: dict, **kw) -> tuple[float, float, float, int]:
+    """Mean of ``arm[s] - reference[s]`` over the seeds s both have (finite), its bootstrap interval, and n.
+
+    ``arm`` and ``reference`` map a seed to a value. Pairing by seed removes what the seed does to both runs
+    alike (the same prompts, the same initial samples), so the interval is on the difference itself.
+    """
+    seeds = sorted(s for s in set(arm) & set(reference) if math.isfinite(arm[s]) and math.isfinite(reference[s]))
+    mean, lo, hi = bootstrap_ci([arm[s] - reference[s] for s in seeds], **kw)
+    return mean, lo, hi, len(seeds)
 
 
 def count_spikes(values, factor: float = SPIKE_FACTOR, min_history: int = SPIKE_MIN_HISTORY) -> int:
@@ -195,6 +247,37 @@ class Run:
             "spikes": float(count_spikes(grad_norm)),
             "wall_min": wall / 60,
         }
+
+    def pathology(self) -> dict[str, float]:
+        """What the pathology checks read: entropy at the start and at the end, the accuracy drop from its
+        peak to the end, and the share of training steps whose ``bapo/rho_before`` is below rho0 (NaN for
+        runs without the search)."""
+        _, ent = self.series("learner/entropy")
+        _, acc = self.series("eval/accuracy")
+        _, rho = self.series("bapo/rho_before")
+        rho0 = rho_target(self.cfg)
+        below = float(np.mean(rho < rho0)) if len(rho) and isinstance(rho0, int | float) else math.nan
+        return {
+            "entropy_start": float(ent[0]) if len(ent) else math.nan,
+            "entropy_end": float(ent[-1]) if len(ent) else math.nan,
+            "entropy_min": float(np.min(ent)) if len(ent) else math.nan,
+            "acc_start": float(acc[0]) if len(acc) else math.nan,
+            "acc_peak": float(np.max(acc)) if len(acc) else math.nan,
+            "acc_final": float(acc[-1]) if len(acc) else math.nan,
+            "rho_below_share": below,
+        }
+
+    def against(self, key: str, axis: str) -> tuple[np.ndarray, np.ndarray]:
+        """``key`` against the samples consumed (``axis="samples"``, the running sum of ``buffer/served``) or
+        the wall time in minutes (``axis="wall"``, step 0's eval time plus the running sum of ``time/step_s``)
+        at the steps that logged ``key``."""
+        per_step = "buffer/served" if axis == "samples" else "time/step_s"
+        total, at = 0.0, {}
+        for step, m in self.steps.items():
+            total += m.get(per_step, m.get("time/eval_s", 0.0) if axis == "wall" and step == 0 else 0.0)
+            at[step] = total / 60 if axis == "wall" else total
+        x, y = self.series(key)
+        return np.array([at[int(s)] for s in x], dtype=float), y
 
     def status(self) -> str:
         planned = _as_int(cfg_get(self.cfg, "train.steps")) or "?"
@@ -392,6 +475,52 @@ def plot_bapo(groups, out: Path, smooth: int = 1) -> list[Path]:
     return written
 
 
+def plot_clipping(groups, out: Path, smooth: int = 1) -> list[Path]:
+    """Every arm's clip window and its clipped fractions by advantage sign, one panel per staleness."""
+    levels = sorted({lv for _, lv in groups}, key=_level_key)
+    labels = sorted({lb for lb, _ in groups})
+    color = {lb: f"C{i % 10}" for i, lb in enumerate(labels)}
+    figures = {
+        "clip_window.png": ("ratio bounds", [("clip/high", "high", "-"), ("clip/low", "low", "--")]),
+        "clip_by_sign.png": (
+            "clipped fraction",
+            [("learner/clip_frac_pos", "A>0", "-"), ("learner/clip_frac_neg", "A<0", "--")],
+        ),
+    }
+    written = []
+    for name, (title, lines) in figures.items():
+        fig, axes = _panels(levels, title)
+        drew = False
+        for ax, level in zip(axes, levels, strict=True):
+            for lb in labels:
+                for key, what, style in lines:
+                    if runs := groups.get((lb, level)):
+                        drew |= _draw(ax, runs, key, smooth, color[lb], f"{lb} {what}", style)
+        written += _save(fig, axes, out / name, drew)
+    return written
+
+
+def plot_budget(groups, out: Path) -> list[Path]:
+    """Held-out accuracy against the samples consumed and against wall time: one line per run."""
+    levels = sorted({lv for _, lv in groups}, key=_level_key)
+    labels = sorted({lb for lb, _ in groups})
+    color = {lb: f"C{i % 10}" for i, lb in enumerate(labels)}
+    written = []
+    for axis, xlabel in (("samples", "samples consumed"), ("wall", "wall time (min)")):
+        fig, axes = _panels(levels, "held-out accuracy")
+        drew = False
+        for ax, level in zip(axes, levels, strict=True):
+            ax.set_xlabel(xlabel)
+            for lb in labels:
+                for i, run in enumerate(groups.get((lb, level), [])):
+                    x, y = run.against("eval/accuracy", axis)
+                    if len(x):
+                        ax.plot(x, y, color=color[lb], lw=1, alpha=0.7, label=lb if i == 0 else None)
+                        drew = True
+        written += _save(fig, axes, out / f"acc_vs_{axis}.png", drew)
+    return written
+
+
 # ------------------------------------------------------------------------------------------ report
 
 COLUMNS = (
@@ -417,7 +546,65 @@ def results_table(groups) -> list[str]:
     return lines
 
 
-def render(sweep: Path, runs: list[Run], groups, plots: list[Path], out: Path) -> str:
+def _ci(stat: tuple[float, float, float], fmt: str = "{:.3f}") -> str:
+    mean, lo, hi = stat[:3]
+    return DASH if not math.isfinite(mean) else f"{fmt.format(mean)} [{fmt.format(lo)}, {fmt.format(hi)}]"
+
+
+def interval_table(groups) -> list[str]:
+    """Bootstrap 95% intervals over the completed seeds of each algo x staleness."""
+    cols = ["algo", "staleness", "final acc [95% CI]", "best acc [95% CI]", "entropy (end) [95% CI]", "seeds"]
+    lines = [_row(cols), _row(["---"] * len(cols))]
+    for (label, level), runs in groups.items():
+        done = [r.summary() for r in runs if r.complete]
+        cells = [_ci(bootstrap_ci([d[k] for d in done])) for k in ("final", "best", "entropy")]
+        lines.append(_row([label, _show(level), *cells, len(done)]))
+    return lines
+
+
+def paired_table(groups, reference: str) -> list[str]:
+    """Each arm minus ``reference`` on the seeds both completed at the same staleness."""
+    cols = ["staleness", "arm", f"final acc − {reference} [95% CI]", f"best acc − {reference} [95% CI]", "pairs"]
+    lines = [_row(cols), _row(["---"] * len(cols))]
+    for (label, level), runs in groups.items():
+        ref = groups.get((reference, level))
+        if label == reference or not ref:
+            continue
+        cells = []
+        for key in ("final", "best"):
+            arm = {r.seed: r.summary()[key] for r in runs if r.complete}
+            base = {r.seed: r.summary()[key] for r in ref if r.complete}
+            mean, lo, hi, n = paired_difference(arm, base)
+            cells.append(_ci((mean, lo, hi), "{:+.3f}"))
+        lines.append(_row([_show(level), label, *cells, n]))
+    return lines
+
+
+def pathology_table(groups) -> list[str]:
+    """Per algo x staleness, means over completed seeds: entropy end/start, accuracy peak − final, rho < rho0."""
+    cols = ["algo", "staleness", "entropy start → end (min)", "end/start", "acc start → peak → final",
+            "peak − final", "steps with rho_before < rho0"]  # fmt: skip
+    lines = [_row(cols), _row(["---"] * len(cols))]
+    for (label, level), runs in groups.items():
+        p = [r.pathology() for r in runs if r.complete]
+        if not p:
+            continue
+        m = {k: float(np.nanmean([d[k] for d in p])) if any(math.isfinite(d[k]) for d in p) else math.nan for k in p[0]}
+        ratio = m["entropy_end"] / m["entropy_start"] if m["entropy_start"] else math.nan
+        rho = DASH if not math.isfinite(m["rho_below_share"]) else f"{m['rho_below_share']:.0%}"
+        lines.append(_row([
+            label, _show(level),
+            f"{m['entropy_start']:.3f} → {m['entropy_end']:.3f} ({m['entropy_min']:.3f})", f"{ratio:.2f}",
+            f"{m['acc_start']:.3f} → {m['acc_peak']:.3f} → {m['acc_final']:.3f}",
+            f"{m['acc_peak'] - m['acc_final']:.3f}", rho,
+        ]))  # fmt: skip
+    return lines
+
+
+def render(
+    sweep: Path, runs: list[Run], groups, plots: list[Path], out: Path, *, intervals: bool = False,
+    reference: str = "bapo",
+) -> str:  # fmt: skip
     bad = [r for r in runs if not r.complete]
     lines = [
         "# Sweep report",
@@ -435,6 +622,35 @@ def render(sweep: Path, runs: list[Run], groups, plots: list[Path], out: Path) -
         "",
         *results_table(groups),
         "",
+    ]
+    if intervals or any(sum(r.complete for r in g) >= 2 for g in groups.values()):
+        lines += [
+            "## Intervals over seeds",
+            "",
+            "Mean and percentile bootstrap 95% interval over the completed seeds (exact: every ordered resample "
+            f"of up to {EXACT_BOOTSTRAP_MAX_N} seeds). With 3-5 seeds these intervals are wide and a little too "
+            "narrow for their nominal level; read them as a guide, not a test.",
+            "",
+            *interval_table(groups),
+            "",
+            f"## Paired against {reference}",
+            "",
+            f"Difference arm − {reference} on the seeds both completed at the same staleness (same seed: same "
+            "prompts, same initial weights), mean and bootstrap 95% interval of the per-seed differences. An "
+            "interval that excludes 0 is a difference these seeds support.",
+            "",
+            *paired_table(groups, reference),
+            "",
+            "## Pathology checks",
+            "",
+            "Means over the completed seeds. Entropy is `learner/entropy` (nats per response token, per training "
+            "step); accuracy is `eval/accuracy`; the last column is the share of training steps whose "
+            "`bapo/rho_before` (mean over the step's updates) is below the run's rho0.",
+            "",
+            *pathology_table(groups),
+            "",
+        ]
+    lines += [
         "## Incomplete runs",
         "",
     ]
@@ -458,6 +674,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("sweep", type=Path, help="a multirun folder (or a single run folder)")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: <sweep>/report)")
     parser.add_argument("--smooth", type=int, default=1, help="trailing mean over K points in the plots")
+    parser.add_argument("--intervals", action="store_true", help="interval, paired and pathology tables always")
+    parser.add_argument("--reference", default="bapo", help="the arm the paired comparison is against")
     args = parser.parse_args(argv)
     if not args.sweep.is_dir():
         parser.error(f"not a folder: {args.sweep}")
@@ -470,7 +688,9 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     groups = group_runs(runs)
     plots = plot_curves(groups, out, args.smooth) + plot_bapo(groups, out, args.smooth)
-    (out / "report.md").write_text(render(args.sweep, runs, groups, plots, out))
+    plots += plot_clipping(groups, out, args.smooth) + plot_budget(groups, out)
+    text = render(args.sweep, runs, groups, plots, out, intervals=args.intervals, reference=args.reference)
+    (out / "report.md").write_text(text)
     for problem in (p for r in runs for p in r.problems):
         print(f"warning: {problem}", file=sys.stderr)
     n_bad = sum(not r.complete for r in runs)

@@ -41,7 +41,8 @@ def write_run(root, algo, mini_batches, seed, *, acc, grad_norm, entropy, step_s
     rows = [{"step": 0, "eval/accuracy": acc[0], "eval/accuracy_greedy": acc[0], "time/eval_s": 12.0}]
     for step in range(1, last + 1):
         row = {"step": step, "reward/mean": 0.1 * step, "learner/entropy": entropy[step - 1]}
-        row |= {"learner/grad_norm": grad_norm[step - 1], "time/step_s": step_s}
+        row |= {"learner/grad_norm": grad_norm[step - 1], "time/step_s": step_s, "buffer/served": 16}
+        row |= {"learner/clip_frac_pos": 0.01 * step, "learner/clip_frac_neg": 0.02}
         if algo == "bapo":
             row |= {"clip/low": 0.6, "clip/high": 1.2 + 0.1 * step, "clip/rho": 0.4, "bapo/rho_before": 0.3}
         if step % 4 == 0:
@@ -199,3 +200,56 @@ def test_label_keeps_algo_overrides(tmp_path):
     overrides = ["algo=bapo", "algo.contribution=gradient", "seed=2"]
     (tmp_path / ".hydra" / "overrides.yaml").write_text(json.dumps(overrides))
     assert report.label_of(tmp_path, {"algo": {"name": "bapo"}}) == "bapo[contribution=gradient]"
+
+
+# ------------------------------------------------------------------------------------ statistics
+
+
+def test_bootstrap_ci_exact_hand_computed():
+    # xs = [0, 0, 0, 0, 1]: a resample's mean is k/5 with k ~ Binomial(5, 1/5).
+    # P(k=0) = 0.8^5 = 0.32768 >= 0.025, so lo = 0. P(k<=2) = 0.94208 < 0.975 <= P(k<=3) = 0.99328, so hi = 3/5.
+    assert report.bootstrap_ci([0, 0, 0, 0, 1]) == pytest.approx((0.2, 0.0, 0.6))
+    # xs = [1, 2, 3]: 27 resamples; sums 3..9 with counts 1, 3, 6, 7, 6, 3, 1. P(mean = 1) = 1/27 = 0.037 >= 0.025,
+    # so lo = 1; P(mean <= 8/3) = 26/27 = 0.963 < 0.975, so hi = 3.
+    assert report.bootstrap_ci([1, 2, 3]) == pytest.approx((2.0, 1.0, 3.0))
+    # 50%: the 0.25 quantile is the smallest mean with CDF >= 0.25: CDF(4/3) = 4/27 < 0.25 <= CDF(5/3) = 10/27
+    # -> 5/3; the 0.75 quantile: CDF(2) = 17/27 = 0.63 < 0.75 <= CDF(7/3) = 23/27 -> 7/3.
+    assert report.bootstrap_ci([1, 2, 3], level=0.5) == pytest.approx((2.0, 5 / 3, 7 / 3))
+
+
+def test_bootstrap_ci_edge_cases_and_monte_carlo():
+    assert all(math.isnan(v) for v in report.bootstrap_ci([]))
+    assert report.bootstrap_ci([0.3, math.nan]) == pytest.approx((0.3, 0.3, 0.3))  # one value: no spread
+    # n = 10 goes Monte Carlo: seeded, so repeatable, and the interval brackets the mean
+    xs = [0.1 * i for i in range(10)]
+    a, b = report.bootstrap_ci(xs, seed=3), report.bootstrap_ci(xs, seed=3)
+    assert a == b and a[1] < a[0] < a[2]
+    # the sd of the mean is 0.287/sqrt(10) = 0.091: a 95% interval is about +-0.18 around 0.45
+    assert a[1] == pytest.approx(0.45 - 0.18, abs=0.04) and a[2] == pytest.approx(0.45 + 0.18, abs=0.04)
+
+
+def test_paired_difference_uses_shared_seeds_only():
+    arm = {1: 0.5, 2: 0.6, 3: 0.7, 5: 0.1}
+    ref = {1: 0.4, 2: 0.6, 3: 0.5, 4: 0.9, 5: math.nan}
+    # shared finite seeds 1, 2, 3: differences 0.1, 0.0, 0.2 -> as [1, 0, 2] x 0.1: mean 0.1, lo 0, hi 0.2
+    mean, lo, hi, n = report.paired_difference(arm, ref)
+    assert (mean, lo, hi, n) == pytest.approx((0.1, 0.0, 0.2, 3))
+    # pairing matters: the two arms' own values overlap, but a constant gap gives a zero-width interval
+    assert report.paired_difference({1: 0.3, 2: 0.9}, {1: 0.2, 2: 0.8}) == pytest.approx((0.1, 0.1, 0.1, 2))
+
+
+def test_report_has_interval_paired_and_pathology_tables(sweep, tmp_path):
+    out = tmp_path / "rep"
+    assert report.main([str(sweep), "--out", str(out), "--reference", "grpo"]) == 0
+    text = (out / "report.md").read_text()
+    for title in ("## Intervals over seeds", "## Paired against grpo", "## Pathology checks"):
+        assert title in text
+    # grpo at staleness 0 has two complete seeds with final accuracy 0.4 and 0.6: exact bootstrap over
+    # 4 resamples gives means 0.4, 0.5, 0.5, 0.6 -> [0.4, 0.6]
+    assert "| grpo | 0 | 0.500 [0.400, 0.600] |" in text
+    # the pathology row of grpo: entropy 0.5 at the first step; its two seeds end at 0.3 and 0.5 (mean 0.4)
+    assert "| grpo | 0 | 0.500 → 0.400 (0.400) | 0.80 |" in text
+    # bapo's rho_before is 0.3 < rho0 0.4 on every step
+    assert text.count("| 100% |") >= 1
+    for png in ("clip_window.png", "clip_by_sign.png", "acc_vs_samples.png", "acc_vs_wall.png"):
+        assert (out / png).is_file(), png
