@@ -88,10 +88,50 @@ class FixedBoundsConfig:
     ratio_high: float = MISSING
 
     def __post_init__(self) -> None:
-        _require(0 < self.ratio_low < 1 < self.ratio_high, "algo.bounds", "need 0 < ratio_low < 1 < ratio_high")
+        # 0 = no lower bound (CISPO, TOPR); ratio_high = 1 is TOPR's [0, 1] taper of negative sequences
+        _require(
+            0 <= self.ratio_low <= 1 <= self.ratio_high and self.ratio_low < self.ratio_high,
+            "algo.bounds",
+            f"need 0 <= ratio_low <= 1 <= ratio_high, ratio_low < ratio_high (got {self.ratio_low}, {self.ratio_high})",
+        )
 
 
 BOUNDS: dict[str, type] = {"bapo": BapoBoundsConfig, "fixed": FixedBoundsConfig}
+
+
+@dataclass
+class SurrogateConfig:
+    """``algo.surrogate``: the loss's options for BAPO's rivals (bapo/algos/surrogate.py); absent = PPO's clip.
+
+    ``mask_threshold`` is the token mask's parameter (M2PO's tau, DPPO's delta): set exactly when
+    ``token_mask`` is not ``none``."""
+
+    ratio_level: str = MISSING  # token | sequence (TOPR) | sequence_mean (GSPO)
+    is_weight: str = MISSING  # clip (PPO) | stop_grad (CISPO, TOPR)
+    positive_weight: str = MISSING  # ratio | one (TOPR)
+    token_mask: str = MISSING  # none | second_moment (M2PO) | divergence (DPPO binary-TV)
+    mask_threshold: float | None = MISSING
+
+    def __post_init__(self) -> None:
+        from bapo.algos.objective import SURROGATE_OPTIONS
+
+        for key, allowed in SURROGATE_OPTIONS.items():
+            _choice(getattr(self, key), f"algo.surrogate.{key}", allowed)
+        _require(
+            (self.mask_threshold is None) == (self.token_mask == "none"),
+            "algo.surrogate.mask_threshold",
+            f"set exactly when token_mask is not none (token_mask={self.token_mask}, got {self.mask_threshold})",
+        )
+        _require(
+            self.mask_threshold is None or self.mask_threshold > 0,
+            "algo.surrogate.mask_threshold",
+            f"must be > 0, got {self.mask_threshold}",
+        )
+        _require(
+            self.positive_weight == "ratio" or self.is_weight == "stop_grad",
+            "algo.surrogate.positive_weight",
+            "one needs is_weight=stop_grad (a clipped ratio of 1 has no gradient)",
+        )
 
 
 @dataclass
@@ -148,6 +188,7 @@ class AlgoConfig:
     kl_coef: float = MISSING
     kl_estimator: str = MISSING
     bounds: Any = None  # BapoBoundsConfig | FixedBoundsConfig | None
+    surrogate: Any = None  # SurrogateConfig | None (None: PPO's clipped surrogate)
     critic: Any = None  # CriticConfig | None
     eps_feedback: Any = None  # EpsFeedbackConfig | None
 
@@ -583,15 +624,27 @@ def _algo(node: Any) -> AlgoConfig:
     if not isinstance(node, dict):
         raise ConfigError(f"algo: expected a group of keys, got {node!r}")
     node = dict(node)
-    bounds, critic, eps_feedback = (node.pop(k, None) for k in ("bounds", "critic", "eps_feedback"))
+    subs = ("bounds", "surrogate", "critic", "eps_feedback")
+    bounds, surrogate, critic, eps_feedback = (node.pop(k, None) for k in subs)
     algo = _typed("algo", node, AlgoConfig)
     algo.bounds = None if bounds is None else _variant("algo.bounds", bounds, "kind", BOUNDS)
+    algo.surrogate = None if surrogate is None else _typed("algo.surrogate", surrogate, SurrogateConfig)
     algo.critic = None if critic is None else _typed("algo.critic", critic, CriticConfig)
     algo.eps_feedback = None if eps_feedback is None else _typed("algo.eps_feedback", eps_feedback, EpsFeedbackConfig)
     _require(
         (algo.bounds is None) != (algo.eps_feedback is None),
         "algo.bounds",
         "set exactly one of algo.bounds (the clipped surrogate) and algo.eps_feedback (the heuristic's loss)",
+    )
+    _require(
+        algo.surrogate is None or algo.bounds is not None,
+        "algo.surrogate",
+        "the surrogate's options need algo.bounds (the eps-feedback heuristic has its own loss)",
+    )
+    _require(
+        algo.surrogate is None or algo.dual_clip is None or algo.surrogate.is_weight == "clip",
+        "algo.dual_clip",
+        "applies to algo.surrogate.is_weight=clip only",
     )
     _require(
         (algo.critic is not None) == (algo.advantage == "gae"),

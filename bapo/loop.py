@@ -187,6 +187,8 @@ def make_objective(a: AlgoConfig) -> Objective:
         e = a.eps_feedback
         state = EpsFeedbackState(**{k: v for k, v in vars(e).items() if k != "scope"})
         return eps_feedback_objective(state, scope=e.scope, **loss_kw)
+    if a.surrogate is not None:
+        loss_kw |= vars(a.surrogate)  # the rivals' loss options (ratio_level, is_weight, token_mask, ...)
     b = a.bounds
     if b.kind == "fixed":
         return surrogate_objective("fixed", ratio_low=b.ratio_low, ratio_high=b.ratio_high, **loss_kw)

@@ -40,7 +40,15 @@ import torch
 
 from bapo.algos.bounds import ADAPTIVE, ReduceSum, _reduce, make_bound_fn, positive_contribution
 from bapo.algos.eps_feedback import EpsFeedbackState, eps_feedback_g, eps_feedback_loss, eps_feedback_sums
-from bapo.algos.surrogate import policy_loss
+from bapo.algos.surrogate import (
+    IS_WEIGHTS,
+    POSITIVE_WEIGHTS,
+    RATIO_LEVELS,
+    TOKEN_MASKS,
+    check_surrogate_options,
+    policy_loss,
+    second_moment_cutoff,
+)
 
 ChooseFn = Callable[..., tuple[dict[str, float], dict[str, float]]]
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
@@ -100,19 +108,53 @@ def surrogate_objective(
     entropy_coef: float = 0.0,
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
+    ratio_level: str = "token",
+    is_weight: str = "clip",
+    positive_weight: str = "ratio",
+    token_mask: str = "none",
+    mask_threshold: float | None = None,
     **bound_params: Any,
 ) -> Objective:
-    """The clipped surrogate with ``make_bound_fn(bounds, **bound_params)`` choosing its bounds."""
+    """The one surrogate ``policy_loss`` with ``make_bound_fn(bounds, **bound_params)`` choosing its bounds.
+
+    ``ratio_level``, ``is_weight``, ``positive_weight`` and ``token_mask`` are the loss's options
+    (``surrogate.py``): BAPO's rivals are configurations of them, not subclasses. ``token_mask=
+    second_moment`` (M2PO) makes the chooser adaptive: it also picks the squared log-ratio cutoff over
+    the update's tokens, with ``mask_threshold`` as M2PO's tau; ``divergence`` (DPPO) passes
+    ``mask_threshold`` (delta) to the loss.
+    """
     bound_fn = make_bound_fn(bounds, **bound_params)
+    m2 = token_mask == "second_moment"
+    if m2 and not (mask_threshold is not None and mask_threshold >= 0):
+        raise ValueError(f"token_mask='second_moment' needs mask_threshold (tau) >= 0, got {mask_threshold}")
+    probe = torch.zeros(1, 1)  # the option checks need a tensor's dimension only
+    delta = mask_threshold if token_mask == "divergence" else None
+    check_surrogate_options(probe, ratio_level, is_weight, positive_weight, token_mask, delta, 0.0, dual_clip)
 
     def choose(ratio, adv, mask, old_logp, *, reduce_sum: ReduceSum | None = None):
         lo, hi, raw = bound_fn(ratio, adv, mask, old_logp, reduce_sum=reduce_sum)
         stats = {"clip/low": lo, "clip/high": hi}
         stats |= {BAPO_NAMES[k]: v for k, v in raw.items() if bounds == "bapo" or BAPO_NAMES[k].startswith("clip/")}
-        return {"ratio_low": lo, "ratio_high": hi}, stats
+        params = {"ratio_low": lo, "ratio_high": hi}
+        if m2:
+            log_ratio = torch.log(ratio.detach().double().clamp(min=1e-300))
+            cutoff, m2_stats = second_moment_cutoff(log_ratio, mask, m2_threshold=mask_threshold, reduce_sum=reduce_sum)
+            params["m2_cutoff"] = cutoff
+            stats |= {f"m2po/{k}": v for k, v in m2_stats.items()} | {"m2po/cutoff": cutoff}
+        return params, stats
 
     loss_kw = dict(dual_clip=dual_clip, agg=agg, entropy_coef=entropy_coef, kl_coef=kl_coef, kl_estimator=kl_estimator)
-    return Objective(choose, policy_loss, loss_kw, adaptive=ADAPTIVE[bounds], scope=scope)
+    loss_kw |= dict(ratio_level=ratio_level, is_weight=is_weight, positive_weight=positive_weight)
+    loss_kw |= dict(token_mask=token_mask, mask_threshold=None if m2 else mask_threshold)
+    return Objective(choose, policy_loss, loss_kw, adaptive=ADAPTIVE[bounds] or m2, scope=scope)
+
+
+SURROGATE_OPTIONS = {
+    "ratio_level": RATIO_LEVELS,
+    "is_weight": IS_WEIGHTS,
+    "positive_weight": POSITIVE_WEIGHTS,
+    "token_mask": TOKEN_MASKS,
+}
 
 
 def eps_feedback_objective(

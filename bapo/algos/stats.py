@@ -23,12 +23,17 @@ DENOMINATOR = {
     "clip_frac_low": "neg_tokens",
     "dual_clip_frac": "neg_tokens",
     "neg_clip_frac": "neg_tokens",
+    "clip_frac_pos": "pos_tokens",
+    "clip_frac_neg": "neg_tokens",
 }
-# Summed as they are: a micro-batch's share of the update's loss (mini-batch normalisers), and the counts.
-ADDITIVE = ("pg_loss", "loss", "tokens", "pos_tokens", "neg_tokens")
-MAXIMA = ("ratio_max",)
+# The clip fractions by sign and behaviour-probability bucket (surrogate.BUCKETS), each over its own count.
+BUCKET_COUNTS = tuple(f"{sign}_{b}_tokens" for sign in ("pos", "neg") for b in ("low", "mid", "high"))
+DENOMINATOR |= {f"clip_frac_{c.removesuffix('_tokens')}": c for c in BUCKET_COUNTS}
 # Counts every loss call reports so that the means above can be re-weighted.
-COUNTS = ("tokens", "pos_tokens", "neg_tokens")
+COUNTS = ("tokens", "pos_tokens", "neg_tokens", *BUCKET_COUNTS)
+# Summed as they are: a micro-batch's share of the update's loss (mini-batch normalisers), and the counts.
+ADDITIVE = ("pg_loss", "loss", *COUNTS)
+MAXIMA = ("ratio_max",)
 
 
 def _weight(key: str) -> str | None:
@@ -90,6 +95,23 @@ def from_sums(sums: dict[str, float]) -> dict[str, float]:
         else:
             den = sums.get(w, 0.0)
             out[k] = v / den if den > 0 else 0.0
+    return out | derived(out)
+
+
+def derived(means: dict[str, float]) -> dict[str, float]:
+    """Ratios of merged means, computed once after merging (a ratio of means is not a mean):
+
+    - pos_share = pos_contrib / (pos_contrib + neg_contrib): the positive share of the loss's
+      actual contribution sum |w s_t| (BAPO's rho, measured on what the loss used; 1 when both are 0);
+    - ess = w_mean^2 / w2_mean = (sum w)^2 / (N sum w^2): the effective sample size of a correction's
+      token weights, as a share of N (1 when every weight is equal).
+    """
+    out = {}
+    if "pos_contrib" in means and "neg_contrib" in means:
+        tot = means["pos_contrib"] + means["neg_contrib"]
+        out["pos_share"] = means["pos_contrib"] / tot if tot > 0 else 1.0
+    if "w_mean" in means and "w2_mean" in means:
+        out["ess"] = means["w_mean"] ** 2 / means["w2_mean"] if means["w2_mean"] > 0 else 1.0
     return out
 
 
