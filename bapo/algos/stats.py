@@ -103,15 +103,16 @@ def derived(means: dict[str, float]) -> dict[str, float]:
 
     - pos_share = pos_contrib / (pos_contrib + neg_contrib): the positive share of the loss's
       actual contribution sum |w s_t| (BAPO's rho, measured on what the loss used; 1 when both are 0);
-    - ess = w_mean^2 / w2_mean = (sum w)^2 / (N sum w^2): the effective sample size of a correction's
-      token weights, as a share of N (1 when every weight is equal).
+    - ess = ratio_mean^2 / ratio_sq_mean = (sum r)^2 / (N sum r^2): the effective sample size of the
+      loss's importance ratios pi / pi_old over its N tokens, as a share of N (1 when every ratio is equal).
     """
     out = {}
     if "pos_contrib" in means and "neg_contrib" in means:
         tot = means["pos_contrib"] + means["neg_contrib"]
         out["pos_share"] = means["pos_contrib"] / tot if tot > 0 else 1.0
-    if "w_mean" in means and "w2_mean" in means:
-        out["ess"] = means["w_mean"] ** 2 / means["w2_mean"] if means["w2_mean"] > 0 else 1.0
+    if "ratio_mean" in means and "ratio_sq_mean" in means:
+        sq = means["ratio_sq_mean"]
+        out["ess"] = means["ratio_mean"] ** 2 / sq if sq > 0 else 1.0
     return out
 
 

@@ -188,7 +188,8 @@ def policy_loss(
     token mask dropped), ratio_mean, ratio_max, approx_kl (mean of 0.5 *
     log_ratio^2, on the clamped token log-ratio), pos_token_frac, pos_contrib /
     neg_contrib (token means of |w s_t| over A>0 / A<0 tokens: ``stats.derived`` turns
-    them into pos_share, the loss's positive share), the clip fractions by advantage
+    them into pos_share, the loss's positive share), ratio_sq_mean (``stats.derived``: the
+    ratios' effective sample size ess), the clip fractions by advantage
     sign and behaviour-probability bucket (``BUCKETS``), tokens, pos_tokens,
     neg_tokens and the bucket counts (the denominators: ``bapo.algos.stats`` merges
     calls by them), entropy when given, kl_ref (token mean of the KL estimate) when
@@ -447,6 +448,7 @@ def _loss_stats(
         "clip_frac_neg": frac((cut & neg).sum(), n_neg),
         "ratio_mean": frac(masked_ratio.double().sum(), n_tok),
         "ratio_max": masked_ratio.amax().double() if m.numel() else n_tok.double(),  # 0 when empty
+        "ratio_sq_mean": frac(masked_ratio.double().pow(2).sum(), n_tok),
         "approx_kl": frac(0.5 * log_ratio.double().pow(2).sum(), n_tok),  # log_ratio is 0 where masked
         "pos_token_frac": frac(n_pos, n_tok),
         "pos_contrib": frac(torch.where(pos, contrib, torch.zeros_like(contrib)).sum(), n_tok),

@@ -363,3 +363,29 @@ def test_m2po_objective_chooses_over_the_whole_update():
 def test_bad_option_combinations_fail_at_construction(kw, match):
     with pytest.raises(ValueError, match=match):
         surrogate_objective("fixed", ratio_low=0.8, ratio_high=1.2, **kw)
+
+
+def test_merged_stats_derive_the_positive_share_and_the_ess():
+    # two micro-batches: ratios [1, 3] (A = +1, -1) and [1] (A = +1); token means merge by tokens, then
+    #   ess = mean(r)^2 / mean(r^2) = (5/3)^2 / (11/3) = 25/33, pos_share = |1 + 1| / (|1 + 1| + |-3|) = 2/5
+    from bapo.algos import stats
+
+    old = torch.zeros(1, 2, dtype=F64)
+    a = policy_loss(
+        torch.tensor([[0.0, math.log(3.0)]], dtype=F64),
+        old,
+        torch.tensor([[1.0, -1.0]], dtype=F64),
+        torch.ones(1, 2, dtype=torch.bool),
+        ratio_low=0.0,
+        ratio_high=1e9,
+    )[1]
+    b = policy_loss(
+        torch.zeros(1, 1, dtype=F64),
+        torch.zeros(1, 1, dtype=F64),
+        torch.ones(1, 1, dtype=F64),
+        torch.ones(1, 1, dtype=torch.bool),
+        ratio_low=0.0,
+        ratio_high=1e9,
+    )[1]
+    merged = stats.merge([a, b])
+    assert merged["ess"] == pytest.approx(25 / 33) and merged["pos_share"] == pytest.approx(2 / 5)
