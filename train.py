@@ -16,17 +16,22 @@ def _only_hydra_files(run_dir: Path) -> bool:
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
+    from bapo.checkpoint import CheckpointError
     from bapo.config import ConfigError
+    from bapo.learner.learner import TrainingDiverged
     from bapo.loop import run
+    from bapo.rundir import RunFolderBusy
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     fresh = not run_dir.exists() or _only_hydra_files(run_dir)
     try:
         metrics = run(cfg, run_dir)
-    except ConfigError:
+    except (ConfigError, RunFolderBusy, CheckpointError, TrainingDiverged) as e:
         if fresh and _only_hydra_files(run_dir):  # a config error leaves no run folder behind
             shutil.rmtree(run_dir, ignore_errors=True)
-        raise
+        # the message names the key / folder / checkpoint: a stack trace would only bury it
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        sys.exit(2 if isinstance(e, (ConfigError, RunFolderBusy)) else 1)
     if "stopped_by_signal" in metrics:  # SIGTERM / Ctrl-C: checkpoint saved; say so the conventional way
         sys.exit(128 + int(metrics["stopped_by_signal"]))
 
