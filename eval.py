@@ -3,6 +3,11 @@
     python eval.py checkpoint=outputs/<date>/<run> eval=[aime24,aime25,math500] k=16 temperature=0.6 top_p=0.95
     python eval.py model=smollm2_135m eval=gsm8k k=4 eval.limit=50
     .venv-vllm/bin/python eval.py rollout=vllm eval=arith k=2 eval.limit=8
+    torchrun --nproc_per_node=8 eval.py rollout=vllm checkpoint=... eval=aime24 k=16   (data-parallel)
+
+Under torchrun every rank builds its own engine (vLLM: one per rank in torchrun's process group)
+and samples its share of the problems; the shares are gathered and rank 0 writes the reports.
+Every sample row records its generate call's seed and request index (bapo/evaluate.py).
 
 Writes results.json, results.md and samples_<set>.jsonl to the run folder
 (outputs/eval/<date>/<time>). This is evaluation's composition root, as
@@ -27,6 +32,7 @@ def run(cfg: DictConfig, run_dir) -> dict:
     """Evaluate as configured; returns {set: metrics}."""
     import logging
 
+    from bapo import dist
     from bapo import evaluate as ev
     from bapo.modeling import load_model, load_tokenizer, model_path, pick_device
     from bapo.reward import MathVerifier
@@ -34,8 +40,10 @@ def run(cfg: DictConfig, run_dir) -> dict:
 
     log = logging.getLogger("eval")
     job = ev.build_job(cfg)
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = dist.shared_path(run_dir)  # torchrun: joins the process group; rank 0's folder
+    main = dist.is_main()
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
     sets = {name: ev.load_evalset(s, limit=job.run.limit) for name, s in job.sets.items()}  # fail before loading
     m, r = job.model, job.run
     path = (
@@ -47,7 +55,8 @@ def run(cfg: DictConfig, run_dir) -> dict:
     tok = load_tokenizer(path, trust_remote_code=m.trust_remote_code)
     model = None  # vLLM loads the checkpoint itself
     if job.engine == "hf":
-        model = load_model(path, dtype=m.dtype, device=pick_device(r.device), trust_remote_code=m.trust_remote_code)
+        device = dist.init() if dist.launched() else pick_device(r.device)  # torchrun: this rank's device
+        model = load_model(path, dtype=m.dtype, device=device, trust_remote_code=m.trust_remote_code)
     # evaluation records no log-probs, so nucleus sampling (top_p < 1) is allowed here
     engine_cfg = SimpleNamespace(**OmegaConf.to_container(cfg.rollout, resolve=True))
     rollout = build_rollout(
@@ -64,10 +73,13 @@ def run(cfg: DictConfig, run_dir) -> dict:
                 instruction=r.instruction, max_distinct=r.maj_max_distinct, seed=r.seed,
             )  # fmt: skip
             results[name] = res
-            ev.write_samples(run_dir / f"samples_{name}.jsonl", res.samples)
-            ev.write_results(run_dir, results, k=r.k, config=config)  # after each set: a crash keeps what is done
-            log.info("%s: %s", name, " ".join(f"{k}={v:.3f}" for k, v in res.metrics.items()))
-    log.info("results in %s\n%s", run_dir, (run_dir / "results.md").read_text())
+            if main:  # every rank has the same results (gathered); one writes them
+                ev.write_samples(run_dir / f"samples_{name}.jsonl", res.samples)
+                ev.write_results(run_dir, results, k=r.k, config=config)  # after each set: a crash keeps what is done
+                log.info("%s: %s", name, " ".join(f"{k}={v:.3f}" for k, v in res.metrics.items()))
+    if main:
+        log.info("results in %s\n%s", run_dir, (run_dir / "results.md").read_text())
+    dist.teardown()
     return {name: res.metrics for name, res in results.items()}
 
 

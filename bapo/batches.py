@@ -8,8 +8,10 @@ cursor (the prompt stream's state) for checkpoints.
 
 Under torchrun every rank draws the same prompts and generates its share of them
 (prompts rank, rank + world, ...) with its own seed; :meth:`RolloutMaker.gather`
-then gives every rank the whole batch in rank order. The shares cross ranks as a
-few flat tensors (token ids, log-probs, UTF-8 bytes of the texts and extracted
+then gives every rank the whole batch in rank order. An engine split over ``t`` ranks
+(vLLM's ``tensor_parallel_size``) makes the ranks ``[g*t, (g+1)*t)`` one generator: they take
+share ``g`` of ``world / t`` with one seed, and the gather keeps the first rank's copy of it.
+The shares cross ranks as a few flat tensors (token ids, log-probs, UTF-8 bytes of the texts and extracted
 answers, per-sample integers and rewards), never as pickled Python objects: a
 paper-sized step holds tens of millions of tokens.
 """
@@ -51,18 +53,23 @@ class RolloutMaker:
         self.prompts_per_step = prompts_per_step
         self.seed = seed
         self.rank, self.world = rank, world
+        tp = int(getattr(engine, "tensor_parallel_size", 1))
+        if world % tp:
+            raise ValueError(f"the engine's tensor_parallel_size {tp} does not divide the {world} ranks")
+        self.tp = tp
+        self.share, self.shares = rank // tp, world // tp  # this rank's generator group, and how many
         self.skipped = skipped
 
     def make(self, t: int, version: int, weights: dict) -> RolloutBatch:
         """Generate and grade rollout batch ``t`` with the weights of ``version`` (this rank's share)."""
         t_sync = self.engine.load_weights(weights, version) if self.engine.version != version else 0.0
         prompts = tuple(next(self.prompts) for _ in range(self.prompts_per_step))
-        mine = list(prompts[self.rank :: self.world])
+        mine = list(prompts[self.share :: self.shares])
         t0 = time.perf_counter()
-        purpose = "rollout" if self.rank == 0 else f"rollout/rank{self.rank}"
+        purpose = "rollout" if self.share == 0 else f"rollout/rank{self.share}"
         samples = self.engine.generate(mine, seed=derive_seed(self.seed, purpose, t))
-        if self.world > 1:  # group ids: the prompt's index in the whole batch
-            samples = [dataclasses.replace(s, group=self.rank + self.world * s.group) for s in samples]
+        if self.shares > 1:  # group ids: the prompt's index in the whole batch
+            samples = [dataclasses.replace(s, group=self.share + self.shares * s.group) for s in samples]
         t_rollout = time.perf_counter() - t0
         grades, rstats = self.verifier.grade([s.text for s in samples], [s.prompt.problem.answer for s in samples])
         n_tok = sum(len(s.response_ids) for s in samples)
@@ -87,7 +94,7 @@ class RolloutMaker:
 
     def gather(self, item: RolloutBatch) -> RolloutBatch:
         """The whole batch on every rank (this rank's share in one process)."""
-        return item if self.world == 1 else gather_batch(item, self.world)
+        return item if self.world == 1 else gather_batch(item, self.world, tp=self.tp)
 
     def state_dict(self) -> dict:
         return {"prompts": self.prompts.state_dict()}
@@ -190,12 +197,14 @@ def merge_stats(parts: list[dict]) -> dict:
     return out
 
 
-def gather_batch(mine: RolloutBatch, world: int) -> RolloutBatch:
-    """Every rank's share of one rollout batch, as one batch in rank order (the same on every rank)."""
+def gather_batch(mine: RolloutBatch, world: int, *, tp: int = 1) -> RolloutBatch:
+    """Every rank's share of one rollout batch, as one batch in rank order (the same on every rank).
+
+    ``tp``: ranks ``[g*tp, (g+1)*tp)`` generated one share together; rank ``g*tp``'s copy of it is kept."""
     gathered = dist.all_gather_tensors(encode_share(mine))
     if len(gathered) != world:
         raise RuntimeError(f"gathered {len(gathered)} shares from {world} ranks")
-    parts = [decode_share(p, mine) for p in gathered]
+    parts = [decode_share(p, mine) for p in gathered[::tp]]
     correct = tuple(c for p in parts for c in p.correct)
     stats = merge_stats([p.stats for p in parts])
     stats["reward/accuracy"] = sum(correct) / max(len(correct), 1)

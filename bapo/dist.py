@@ -26,6 +26,7 @@ T = TypeVar("T")
 
 
 _JOINED = False  # did init() create the process group (and so teardown() own it)?
+_BEFORE_TEARDOWN: list = []  # callbacks teardown() runs first (colocated vLLM engines shut down)
 
 
 def launched() -> bool:
@@ -80,9 +81,19 @@ def init(backend: str = "auto", timeout_s: float = 1800.0) -> torch.device:
     return device
 
 
+def before_teardown(fn) -> None:
+    """Run ``fn()`` at the start of :func:`teardown`, before the process group goes (a colocated vLLM engine
+    shuts down inside torchrun's group, and its shutdown destroys groups it built on it)."""
+    _BEFORE_TEARDOWN.append(fn)
+
+
 def teardown() -> None:
     """Leave the process group that :func:`init` joined (a no-op otherwise: vLLM, for one, sets up its own)."""
     global _JOINED
+    if _JOINED and dist.is_available() and dist.is_initialized():
+        dist.barrier()  # every rank is done with the group before an engine takes its part of it down
+    while _BEFORE_TEARDOWN:
+        _BEFORE_TEARDOWN.pop()()
     if _JOINED and dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -9,6 +9,13 @@ stage grades, with the same code that produces training rewards.
 * The eval entry (``eval.py``) also uses the typed config (:func:`build_job`),
   the set loader (:func:`load_evalset`) and the report writers here.
 
+Data-parallel. Under torchrun every rank (every tensor-parallel group of a vLLM engine split over
+``t`` ranks) samples its share of the problems, ``prompts[g::G]``, with its own seed
+(:func:`share_seed`), and the shares are gathered back into problem order on every rank, so the
+metrics are the same on every rank and rank 0 writes them. Each sample's row records the seed of
+its generate call and its request index in that call, which is all the engines sample from: a
+rerun with the same seed, world size and engine reproduces every sample, and so avg@k, exactly.
+
 maj@k groups answers written differently (``\\frac{1}{2}`` and ``0.5``): answers
 are normalised first, then the most frequent distinct ones are compared in
 pairs with the verifier's equivalence, run in its worker pool like any grade
@@ -18,26 +25,78 @@ pairs with the verifier's equivalence, run in its worker pool like any grade
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from bapo import dist
 from bapo import metrics as M
 from bapo.config import EVAL_SETS_DIR, ConfigError, ModelConfig, RewardConfig, resolve_path
 from bapo.data import ArithSpec, arith_heldout, gsm8k_answer, load_hub, load_jsonl, render_prompt
 from bapo.reward import normalize_answer
-from bapo.types import Problem, Prompt
+from bapo.seeding import derive_seed
+from bapo.types import Problem, Prompt, Sample
+
+
+def shares_of(rollout) -> tuple[int, int]:
+    """(this rank's share, number of shares) of the problems: one share per engine (tensor-parallel group)."""
+    if not dist.active():
+        return 0, 1
+    tp = int(getattr(rollout, "tensor_parallel_size", 1))
+    return dist.rank() // tp, dist.world_size() // tp
+
+
+def share_seed(seed: int | None, share: int, shares: int) -> int | None:
+    """The seed of share ``share``'s generate call: ``seed`` itself in one process."""
+    return seed if seed is None or shares == 1 else derive_seed(seed, "eval/share", share)
+
+
+def generate_shared(
+    rollout, prompts: Sequence[Prompt], *, n: int, temperature: float, seed: int | None
+) -> tuple[list[Sample], list[dict]]:
+    """``n`` samples per prompt, grouped by prompt, generated data-parallel over the ranks (module docstring).
+
+    Returns the samples (the same on every rank) and, per sample, where its randomness came from:
+    ``{"share", "seed", "request"}`` (the share's call seed, the index of the request in that call).
+    A collective under torchrun: every rank calls it with the same prompts."""
+    share, shares = shares_of(rollout)
+    mine = list(prompts[share::shares])
+    call_seed = share_seed(seed, share, shares)
+    local = rollout.generate(mine, n=n, temperature=temperature, seed=call_seed) if mine else []
+    if len(local) != len(mine) * n:
+        raise RuntimeError(f"the rollout engine returned {len(local)} samples for {len(mine)} prompts x n={n}")
+    if shares == 1:
+        return local, [{"share": 0, "seed": call_seed, "request": j} for j in range(len(local))]
+    rows = [(torch.as_tensor(s.response_ids).tolist(), s.text, s.truncated, s.version, call_seed) for s in local]
+    parts = dist.all_gather_object(rows)  # plain lists and strings: a small pickle per rank, once per set
+    samples: list[Sample | None] = [None] * (len(prompts) * n)
+    origin: list[dict | None] = [None] * (len(prompts) * n)
+    for rank, part in enumerate(parts):
+        if rank % (len(parts) // shares):  # the other ranks of a tensor-parallel group: the same samples again
+            continue
+        g = rank // (len(parts) // shares)
+        for j, (ids, text, truncated, version, used_seed) in enumerate(part):
+            i = (g + shares * (j // n)) * n + j % n  # the prompt's place in the whole list, then the sample's
+            p = prompts[i // n]
+            samples[i] = Sample(p, i // n, torch.tensor(ids, dtype=torch.long), torch.full((len(ids),), math.nan),
+                                text, version, truncated)  # fmt: skip
+            origin[i] = {"share": g, "seed": used_seed, "request": j}
+    return samples, origin
 
 
 def evaluate(
     rollout, verifier, prompts: Sequence[Prompt], *, n: int, temperature: float, prefix: str, seed: int | None = None
 ) -> dict:
-    """avg@n accuracy (mean per-sample correctness), pass@n, mean length and truncation rate."""
-    samples = rollout.generate(prompts, n=n, temperature=temperature, seed=seed)
+    """avg@n accuracy (mean per-sample correctness), pass@n, mean length and truncation rate.
+
+    Data-parallel under torchrun (:func:`generate_shared`): every rank calls it and gets the same metrics."""
+    samples, _ = generate_shared(rollout, prompts, n=n, temperature=temperature, seed=seed)
     grades, _ = verifier.grade([s.text for s in samples], [s.prompt.problem.answer for s in samples])
     correct = [g.correct for g in grades]
     per_problem = [any(correct[i * n : (i + 1) * n]) for i in range(len(prompts))]
@@ -90,12 +149,11 @@ def evaluate_problems(
     """Sample ``k`` responses per problem, grade them, and compute the set's metrics.
 
     With ``seed`` the generator is reseeded first, so a set's samples do not depend
-    on which sets ran before it.
+    on which sets ran before it. Data-parallel under torchrun (:func:`generate_shared`): every
+    rank calls it and gets the same result; each sample row records its seed and request index.
     """
     prompts = [render_prompt(p, tokenizer, instruction=instruction) for p in problems]
-    samples = rollout.generate(prompts, n=k, temperature=temperature, seed=seed)
-    if len(samples) != len(prompts) * k:
-        raise RuntimeError(f"the rollout engine returned {len(samples)} samples for {len(prompts)} prompts x k={k}")
+    samples, origin = generate_shared(rollout, prompts, n=k, temperature=temperature, seed=seed)
     grades, _ = verifier.grade([s.text for s in samples], [s.prompt.problem.answer for s in samples])
     rows = [range(i * k, (i + 1) * k) for i in range(len(prompts))]  # samples come grouped by prompt
     correct = [[grades[j].correct for j in r] for r in rows]
@@ -137,6 +195,7 @@ def evaluate_problems(
             "length": len(s.response_ids),
             "truncated": s.truncated,
         }
+        | origin[j]
         for j, (s, g) in enumerate(zip(samples, grades, strict=True))
     ]
     return SetResult(out, per_problem, per_sample)

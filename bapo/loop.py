@@ -203,8 +203,10 @@ def build_stages(rc: RunConfig) -> Stages:
     path = model_path(m.name_or_path, m.gguf.package if m.gguf else None, m.gguf.file if m.gguf else None)
     tok = load_tokenizer(path, trust_remote_code=m.trust_remote_code)
     load = dict(trust_remote_code=m.trust_remote_code, init=m.init, arch=m.arch)
-    # The learner's master weights; the HF engine gets its own copy in model.dtype
-    policy = load_model(path, dtype=master_dtype(rc.learner, m.dtype), **load)
+    # The learner's master weights; the HF engine gets its own copy in model.dtype. A sharded learner with
+    # nothing to copy them into starts from the meta device and reads each rank's shard of the checkpoint.
+    lazy = rc.learner.kind != "single" and rc.rollout.engine != "hf" and rc.algo.kl_coef == 0 and m.init != "random"
+    policy = load_model(path, dtype=master_dtype(rc.learner, m.dtype), **load, device="meta" if lazy else "cpu")
     engine_model = None
     if rc.rollout.engine == "hf":
         engine_model = copy.deepcopy(policy).to(DTYPE_OF[m.dtype])
@@ -319,6 +321,9 @@ def fill(rc: RunConfig, s: Stages, batch) -> tuple[list, list[dict], float]:
         waited += w
         rows.append(put(rc, s, more))
         samples += s.buffer.get(n - len(samples), s.learner.version, horizon=U - 1)
+    if rc.algo.correction is not None and rc.algo.correction.kind == "decoupled":  # the step's proximal policy
+        samples, prox_stats = scoring.proximal(samples, s.learner, rc.algo.correction)
+        rows.append(prox_stats)
     return samples, rows, waited
 
 
@@ -358,13 +363,12 @@ def learn(rc: RunConfig, s: Stages, samples: list) -> list[dict]:
 
 
 def evaluate_now(rc: RunConfig, s: Stages, step: int) -> dict:
-    """Evaluate the learner's current weights, borrowing the rollout engine from the producer."""
+    """Evaluate the learner's current weights, borrowing the rollout engine from the producer. Every rank
+    samples its share of the problems (data-parallel) and gets the same metrics."""
     with s.producer.paused():
-        weights = s.learner.weights()  # on every rank (a collective when sharded), whatever its engine holds
-        if s.engine.version != s.learner.version:
-            s.engine.load_weights(weights, s.learner.version)
-        if not dist.is_main():
-            return {}
+        # Async producers may stand at different batches: all ranks load (a streamed gather) if any is behind.
+        if any(v != s.learner.version for v in dist.all_gather_object(s.engine.version)):
+            s.engine.load_weights(s.learner.weights(), s.learner.version)
         t0, e = time.perf_counter(), rc.eval
         seed = derive_seed(rc.seed, "eval", step)
         out = evaluate(s.engine, s.verifier, s.heldout, n=e.n, temperature=e.temperature, prefix="eval/", seed=seed)

@@ -10,11 +10,12 @@ what ``scripts/gpu_check.py`` and the tests use for Qwen2.5-shaped models.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,38 @@ def arch_config(arch: Mapping[str, Any]):
     return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Every parameter registered in the block goes to the meta device; buffers stay real.
+
+    ``torch.device("meta")`` would put the buffers there too, and a non-persistent buffer (a rotary
+    table) is in no checkpoint, so nothing could fill it afterwards. Not thread-safe (patches nn.Module).
+    """
+    register = torch.nn.Module.register_parameter
+
+    def to_meta(self, name, param):
+        if param is not None and not param.is_meta:
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(self, name, param)
+
+    torch.nn.Module.register_parameter = to_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def empty_model(path: str, *, dtype: str = "float32", trust_remote_code: bool = False):
+    """The architecture of the checkpoint at ``path`` with its parameters on the meta device (no weights read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    with _parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+    model.config._name_or_path = str(path)
+    return model
+
+
 def load_model(
     path: str,
     *,
@@ -113,6 +146,11 @@ def load_model(
 
     A random model is created directly on ``device`` (a 7B model initialises in seconds on a GPU
     instead of minutes on a CPU); its weights follow the architecture's own initialiser.
+
+    ``device="meta"`` (pretrained only) reads no weights: the parameters are on the meta device,
+    the buffers (rotary tables, computed from the config) are real, and ``config._name_or_path`` is
+    ``path``. The FSDP learner then reads each rank's shard of every parameter straight from the
+    checkpoint (:func:`bapo.learner.fsdp.load_local_shards`), so no rank ever holds the whole model.
     """
     from transformers import AutoModelForCausalLM
 
@@ -123,5 +161,7 @@ def load_model(
             return AutoModelForCausalLM.from_config(arch_config(arch), dtype=DTYPES[dtype])
     if init != "pretrained":
         raise ValueError(f"model.init: must be 'pretrained' or 'random', got {init!r}")
+    if torch.device(device).type == "meta":
+        return empty_model(path, dtype=dtype, trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
     return model.to(device)

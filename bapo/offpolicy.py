@@ -40,6 +40,12 @@ weights for as long as a batch may load it, so it is a copy, except in one case
 that asks for this version is the very next one, made before any further update.
 With ``sync_every`` larger than the updates per step, two batches share a version,
 and the second is made after more updates: it gets a copy.
+
+Live weights under FSDP are a :class:`~bapo.learner.strategy.StreamedWeights`: nothing is gathered
+when they are published, and the engine gathers one parameter at a time as it loads them, on every
+rank together (the sync producer runs inline on the learner's thread). A copy is a full snapshot
+gathered at publish time on the learner's thread, kept on the CPU: the async producer's thread
+loads it later and must run no collective of its own.
 """
 
 from __future__ import annotations
@@ -127,8 +133,10 @@ class WeightMailbox:
             return sorted(self._snaps)
 
     def snapshots(self, exclude: int | None = None) -> dict[int, dict]:
+        """The stored copies (for a checkpoint): not ``exclude``'s, and not live weights (a streamed mapping of the
+        learner's current weights, which a resume republishes from the model)."""
         with self.cond:
-            return {v: s for v, s in self._snaps.items() if v != exclude}
+            return {v: s for v, s in self._snaps.items() if v != exclude and isinstance(s, dict)}
 
     def close(self) -> None:
         with self.cond:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import pickle
 import re
 import warnings
@@ -100,18 +101,85 @@ def wrap(
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if not cpu_offload:
+    empty = any(p.is_meta for p in model.parameters())
+    source = getattr(getattr(model, "config", None), "_name_or_path", "") if empty else None
+    if empty and not source:
+        raise ValueError("fsdp.wrap: the model's parameters are on the meta device but its config names no checkpoint")
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()} if empty else {}
+    if not cpu_offload and not empty:
         model.to(device)
     kw = dict(mesh=mesh, mp_policy=mp, offload_policy=offload)
     for layer in decoder_layers(model):
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **kw)
     # The root's parameters (embeddings, final norm, LM head) are needed again at once by the backward.
     fully_shard(model, reshard_after_forward=False, **kw)
+    if empty:  # allocate this rank's shards only, then read them from the checkpoint
+        model.to_empty(device="cpu" if cpu_offload else device)
+        with torch.no_grad():
+            for name, b in buffers.items():  # to_empty wiped them (rotary tables: computed, not stored)
+                model.get_buffer(name).copy_(b)
+        load_local_shards(model, source)
     for m in model.modules():
         if isinstance(m, FSDPModule):  # sum, not mean, over ranks: see the module docstring
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def checkpoint_files(path: str | Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file of the HF folder ``path`` that holds it (one file, or an index)."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: path / file for name, file in weight_map.items()}
+    single = path / "model.safetensors"
+    if not single.is_file():
+        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json to read shards from")
+    from safetensors import safe_open
+
+    with safe_open(str(single), framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def shard_rows(n: int, rank: int, world: int) -> tuple[int, int]:
+    """The rows [start, stop) of a dim-0 length ``n`` that FSDP2's ``Shard(0)`` gives ``rank`` (torch.chunk's split:
+    ceil(n / world) rows per rank, the last ranks fewer or none)."""
+    chunk = -(-n // world)
+    start = min(n, rank * chunk)
+    return start, min(n, start + chunk)
+
+
+@torch.no_grad()
+def load_local_shards(model: nn.Module, path: str | Path) -> None:
+    """Fill each sharded parameter of ``model`` (after ``to_empty``) with its rows of the checkpoint at ``path``.
+
+    Every rank reads only its own rows of each tensor (safetensors slices, memory-mapped), in the file's dtype,
+    and casts them into its shard (fp32 master weights from a bf16 checkpoint: fp32 for this shard only).
+    No rank ever holds a full copy of the model. Tied parameters appear once (``named_parameters``).
+    """
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor, Shard
+
+    files = checkpoint_files(path)
+    params = dict(model.named_parameters())
+    missing = sorted(n for n in params if n not in files)
+    if missing:
+        raise ValueError(f"{path}: the checkpoint lacks {len(missing)} of the model's parameters, e.g. {missing[:3]}")
+    for name, p in params.items():
+        # One open per tensor: the file's pages this rank read leave its address space (and its RSS) at once.
+        with safe_open(str(files[name]), framework="pt") as f:
+            if not isinstance(p, DTensor):  # not sharded (not under fully_shard): the whole tensor
+                p.copy_(f.get_tensor(name))
+                continue
+            if tuple(p.placements) != (Shard(0),):
+                raise ValueError(f"{name}: placements {p.placements}, expected FSDP2's (Shard(0),)")
+            local = p.to_local()
+            start, stop = shard_rows(p.shape[0], p.device_mesh.get_local_rank(), p.device_mesh.size())
+            if local.shape[0] != stop - start:
+                raise RuntimeError(f"{name}: local shard has {local.shape[0]} rows, expected {stop - start}")
+            if stop > start:
+                local.copy_(f.get_slice(name)[start:stop])
 
 
 def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:

@@ -11,17 +11,25 @@ device               ``learner.device``                  this rank's (``bapo.dis
 wrap                 move to the device                  ``fully_shard`` per decoder layer + root
 collectives          none                                all-reduce sum / max over the ranks
 mini-batch           all of it                           this rank's share (``dist.shard``)
-full weights         the live ``state_dict``             gathered on every rank (a collective)
+full weights         the live ``state_dict``             streamed: one parameter gathered at a time
+snapshot             a copy of the ``state_dict``        streamed into CPU tensors (a full copy)
 policy at a version  a scratch copy loaded with it       the shards swapped in, then back
 checkpoint           ``learner.pt`` (weights_only)       DCP shards + plain state (no pickle)
 HF export            ``save_pretrained``                 gathered, rank 0 writes
 ===================  ==================================  =======================================
+
+Streaming. Under FSDP, :meth:`FSDPStrategy.full_weights` returns :class:`StreamedWeights`: a
+mapping whose values are gathered (``full_tensor``) only when read, one parameter at a time, so a
+rank never holds the whole unsharded model. Reading it is a collective: every rank must read the
+same keys in the same order (``items()`` does), which is why the producer only hands these *live*
+weights to an engine inline on the learner's thread (sync mode, at a step boundary); the async
+producer's thread gets :meth:`snapshot` copies, made on the learner's thread (``bapo.offpolicy``).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -56,6 +64,62 @@ def _finite(params: Sequence[torch.Tensor]) -> torch.Tensor:
         return torch.ones(())
     norms = torch._foreach_norm([p.detach() for p in params])
     return torch.isfinite(torch.stack([n.float() for n in norms])).all().float().cpu()
+
+
+class StreamedWeights(Mapping):
+    """The full (unsharded) weights of an FSDP2 model under their state-dict names, gathered lazily.
+
+    ``weights[name]`` gathers that one tensor (a collective); ``items()`` yields every entry in the
+    model's state-dict order, gathering each shared tensor once (a tied ``lm_head.weight`` is the
+    embedding's tensor again). The values are new tensors on this rank's device, so a consumer that
+    drops each one after use holds at most one full parameter at a time. Reads see the live weights:
+    an optimizer step between two reads changes what the second returns.
+    """
+
+    def __init__(self, model: torch.nn.Module, device: torch.device):
+        self._sd = model.state_dict(keep_vars=True)  # the DTensor parameters themselves: tied names share one
+        self._device = device
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return _gather(self._sd[name], self._device)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._sd)
+
+    def __len__(self) -> int:
+        return len(self._sd)
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:  # type: ignore[override]
+        gathered: dict[int, torch.Tensor] = {}  # id(shard) -> its full tensor, for aliases only
+        aliased = _aliased(self._sd)
+        for name, t in self._sd.items():
+            full = gathered.get(id(t))
+            if full is None:
+                full = _gather(t, self._device)
+                if id(t) in aliased:
+                    gathered[id(t)] = full
+            yield name, full
+
+
+def _aliased(sd: Mapping[str, torch.Tensor]) -> set[int]:
+    """Ids of the tensors that appear under more than one name (tied weights)."""
+    seen: set[int] = set()
+    twice: set[int] = set()
+    for t in sd.values():
+        (twice if id(t) in seen else seen).add(id(t))
+    return twice
+
+
+def _gather(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The full tensor of a DTensor shard (a collective), on ``device``; a plain tensor detached as is."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return t.detach()
+    local = t.to_local()
+    if local.device != device:  # CPU offload: the collective runs on the rank's device
+        t = DTensor.from_local(local.to(device), t.device_mesh, t.placements, shape=t.shape, stride=t.stride())
+    return t.full_tensor().detach()
 
 
 class SingleStrategy:
@@ -139,13 +203,21 @@ class FSDPStrategy:
     def shard(self, items: Sequence) -> list:
         return dist.shard(items)
 
-    def full_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        from bapo.learner import fsdp
-
-        return fsdp.full_state_dict(model, rank0_only=False)
+    def full_weights(self, model: torch.nn.Module) -> Mapping[str, torch.Tensor]:
+        """The live weights, gathered one tensor at a time as they are read (:class:`StreamedWeights`)."""
+        return StreamedWeights(model, self.device)
 
     def snapshot(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        return self.full_weights(model)  # gathered into new tensors: already a copy
+        """A full copy on the CPU (an async batch may load it after more updates; it holds no GPU memory),
+        gathered one tensor at a time; tied names share one tensor, as in the model."""
+        sd = model.state_dict(keep_vars=True)
+        copies: dict[int, torch.Tensor] = {}  # id(shard) -> its CPU copy: tied names get one tensor
+        out: dict[str, torch.Tensor] = {}
+        for name, t in sd.items():
+            if id(t) not in copies:
+                copies[id(t)] = _gather(t, self.device).to("cpu", copy=True)
+            out[name] = copies[id(t)]
+        return out
 
     @contextlib.contextmanager
     def policy_at(self, model, weights, scratch) -> Iterator[torch.nn.Module]:

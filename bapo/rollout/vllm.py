@@ -16,12 +16,26 @@ Sampling ignores the checkpoint's generation defaults (``generation_config="vllm
 penalties, no top-k), as the HF engine does. A response ends at the first of the tokenizer's
 and the checkpoint's eos ids (:func:`bapo.rollout.base.stop_ids_of`).
 
-Weight sync. The learner's state dict is written as safetensors into a private folder and
-the workers reload it in place with ``collective_rpc("reload_weights")``. A direct
-``model.load_weights`` from outside the worker corrupts the CPU build, whose linear weights
-are repacked for oneDNN after loading; for the same reason a tied output layer keeps its old
-packed copy after a reload, so on CPU it is re-packed inside the worker. The prefix cache
-holds KV computed by the old weights and is reset at every sync.
+Weight sync. The learner's weights are streamed into the engine's model, one tensor at a time,
+through vLLM's in-place reload (``collective_rpc("reload_weights", weights_iterator=...)``): each
+tensor is cast to the engine's dtype, handed to the model's own ``load_weights`` and dropped, and
+vLLM re-runs its post-load processing (the CPU build's oneDNN repacking) layer by layer. With an
+FSDP learner the mapping is :class:`bapo.learner.strategy.StreamedWeights`, so each parameter is
+gathered only when the engine reads it: no rank holds a full state dict and nothing touches disk.
+Only where the workers live in other processes (``tensor_parallel_size > 1`` in one process, no
+torchrun) does the state dict go through a private safetensors folder and ``reload_weights``
+from that path. A tied output layer keeps its old packed copy after a reload on CPU, so it is
+re-packed inside the worker. The prefix cache holds KV computed by the old weights and is reset at
+every sync.
+
+Colocation under torchrun. When a process group with several ranks is up (``bapo.dist``), every
+rank builds its own engine with ``distributed_executor_backend="external_launcher"``: the engine
+runs in the rank's process, on the rank's device, inside torchrun's process group. With
+``tensor_parallel_size = t`` (which must divide the world size) ranks ``[g*t, (g+1)*t)`` form one
+tensor-parallel engine: they must submit the same prompts with the same seeds, which
+:class:`bapo.batches.RolloutMaker` does from :attr:`VLLMRollout.tensor_parallel_size`. On a GPU
+with ``enable_sleep_mode`` the engines sleep while the learner updates (weights offloaded, KV cache
+freed), wake their weights to load new ones and their KV cache to generate.
 
 Each response is its own request (``n=1``), which is what vLLM does internally for ``n > 1``;
 on a GPU this gives every sample its own seed, so ``generate(..., seed=s)`` is reproducible. On
@@ -35,11 +49,12 @@ import shutil
 import tempfile
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
 
+from bapo import dist
 from bapo.config import ConfigError
 from bapo.rollout.base import EngineBase, check_top_p, make_sample, pad_id_of, stop_ids_of
 from bapo.types import Prompt, Sample
@@ -75,6 +90,11 @@ def checkpoint_generation_config(path: str):
         return GenerationConfig.from_model_config(AutoConfig.from_pretrained(path))
 
 
+def request_seed(seed: int, i: int) -> int:
+    """The seed of request ``i`` of a ``generate(..., seed=seed)`` call on a GPU (within int64)."""
+    return (seed * 1_000_003 + i) % (1 << 63)
+
+
 def _repack_lm_head(worker) -> bool:
     """Runs inside each worker: rebuild the CPU GEMM's packed copy of the output layer."""
     head = getattr(worker.model_runner.get_model(), "lm_head", None)
@@ -107,6 +127,11 @@ class VLLMRollout(EngineBase):
         **llm_kwargs,
     ):
         check_top_p(top_p, logprobs)
+        world = dist.world_size() if dist.active() else 1
+        if world % tensor_parallel_size:
+            raise ConfigError(
+                f"rollout.tensor_parallel_size: {tensor_parallel_size} must divide the number of ranks ({world})"
+            )
         vllm = _import_vllm()
         from vllm.platforms import current_platform
 
@@ -118,14 +143,20 @@ class VLLMRollout(EngineBase):
         self.logprobs = logprobs
         self.max_new_tokens = max_new_tokens
         self.version = 0
+        self.tensor_parallel_size = tensor_parallel_size
+        self.colocated = world > 1  # one engine per torchrun rank, in its process group
+        # the workers run in this process (their model is reachable): one engine per rank, or one worker
+        self.in_process = self.colocated or tensor_parallel_size == 1
         self.pad_id = pad_id_of(tokenizer)
         self.stop_ids = stop_ids_of(tokenizer, checkpoint_generation_config(str(model_path_or_dir)))
         self.sleep_mode = enable_sleep_mode and not self.on_cpu  # vLLM's sleep mode needs CUDA
-        self.asleep = False
+        self.asleep: set[str] = set()  # the parts put to sleep and not woken: "weights", "kv_cache"
+        if self.colocated:
+            llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")
         self.llm = vllm.LLM(
             model=str(model_path_or_dir),
             dtype=dtype,
-            seed=seed,
+            seed=seed,  # the same on every rank: the ranks of a tensor-parallel group must sample alike
             gpu_memory_utilization=gpu_memory_utilization,
             tensor_parallel_size=tensor_parallel_size,
             enable_sleep_mode=self.sleep_mode,
@@ -138,35 +169,69 @@ class VLLMRollout(EngineBase):
         hf_config = self.llm.llm_engine.model_config.hf_config
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.engine_dtype = self.llm.llm_engine.model_config.dtype
-        self._weights_dir = Path(tempfile.mkdtemp(prefix="bapo-vllm-weights-"))
-        self._cleanup = weakref.finalize(self, shutil.rmtree, self._weights_dir, True)
+        self._weights_dir: Path | None = None
+        if not self.in_process:
+            self._weights_dir = Path(tempfile.mkdtemp(prefix="bapo-vllm-weights-"))
+            self._cleanup = weakref.finalize(self, shutil.rmtree, self._weights_dir, True)
+        if self.colocated:  # vLLM's shutdown tears the process group down: it must come before ours
+            dist.before_teardown(self.close)
+
+    def close(self) -> None:
+        """Shut the engine down (under torchrun, before the process group is destroyed)."""
+        core = getattr(getattr(self, "llm", None), "llm_engine", None)
+        core = getattr(core, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
 
     def sleep(self) -> None:
         """Free the engine's GPU memory for the update (weights offloaded, KV cache dropped)."""
         if self.sleep_mode and not self.asleep:
             self.llm.sleep(level=1)
-            self.asleep = True
+            self.asleep = {"weights", "kv_cache"}
 
-    def wake(self) -> None:
-        if self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
+    def wake(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
+        """Wake the parts ``tags`` names (a weight load needs only the weights: the KV cache stays free)."""
+        woken = [t for t in tags if t in self.asleep]
+        if woken:
+            self.llm.wake_up(tags=woken)
+            self.asleep -= set(woken)
+
+    def _cast(self, weights: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weights one at a time, in the engine's dtype (each dropped once the engine has copied it)."""
+        for name, t in weights.items():
+            yield name, (t.detach().to(self.engine_dtype) if t.is_floating_point() else t.detach())
 
     @torch.no_grad()
     def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> float:
-        """Load the learner's weights into the workers; returns the seconds it took."""
+        """Load the learner's weights into the workers; returns the seconds it took.
+
+        ``weights`` is read once, in its own order (a :class:`~bapo.learner.strategy.StreamedWeights`
+        is gathered as it is read: every rank loads at the same time)."""
+        t0 = time.perf_counter()
+        self.wake(("weights",))
+        if self.in_process:
+            self.llm.collective_rpc(
+                "reload_weights", kwargs={"weights_iterator": self._cast(weights), "is_checkpoint_format": True}
+            )
+        else:
+            self._reload_from_disk(weights)
+        if self.tied and self.on_cpu:
+            self.llm.collective_rpc(_repack_lm_head)
+        self.llm.reset_prefix_cache()  # cached prompt KV was computed by the old weights
+        self.version = version
+        return time.perf_counter() - t0
+
+    def _reload_from_disk(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Workers in other processes: write the weights as safetensors, and the workers reload that folder."""
         from safetensors.torch import save_file
 
-        t0 = time.perf_counter()
-        self.wake()
         tensors, seen = {}, set()
-        for name, t in weights.items():
+        for name, t in self._cast(weights):
             key = (t.data_ptr(), t.shape)
             if key in seen:  # a tied alias (lm_head.weight): safetensors refuses shared storage
                 continue
             seen.add(key)
-            t = t.detach()
-            tensors[name] = (t.to(self.engine_dtype) if t.is_floating_point() else t).cpu().contiguous()
+            tensors[name] = t.cpu().contiguous()
         # write then rename, so a worker never reads a half-written file
         tmp = self._weights_dir / "model.safetensors.tmp"
         save_file(tensors, str(tmp), metadata={"format": "pt"})
@@ -174,11 +239,6 @@ class VLLMRollout(EngineBase):
         self.llm.collective_rpc(
             "reload_weights", kwargs={"weights_path": str(self._weights_dir), "is_checkpoint_format": True}
         )
-        if self.tied and self.on_cpu:
-            self.llm.collective_rpc(_repack_lm_head)
-        self.llm.reset_prefix_cache()  # cached prompt KV was computed by the old weights
-        self.version = version
-        return time.perf_counter() - t0
 
     def generate(
         self,
@@ -197,7 +257,7 @@ class VLLMRollout(EngineBase):
 
         n = self.n if n is None else n
         temperature = self.temperature if temperature is None else temperature
-        self.wake()
+        self.wake()  # weights and KV cache
         # vLLM 0.32's CPU runner crashes when a seeded request's prefill is chunked (it rewinds the
         # generator with set_offset, which CPU generators lack). Its CPU sampler draws from the
         # global torch RNG of this process (the engine runs in-process), so seed that instead.
@@ -218,7 +278,7 @@ class VLLMRollout(EngineBase):
                     stop_token_ids=list(self.stop_ids),
                     ignore_eos=True,  # stop on exactly these ids, as the HF engine does
                     detokenize=False,
-                    seed=seed * 1_000_003 + i if request_seeds else None,
+                    seed=request_seed(seed, i) if request_seeds else None,
                 )
             )
         outputs = self.llm.generate(requests, params, use_tqdm=False)
