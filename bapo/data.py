@@ -36,6 +36,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from bapo.config import resolve_path
 from bapo.types import Problem, Prompt
 
 log = logging.getLogger(__name__)
@@ -156,6 +157,100 @@ def arith_heldout(n: int, *, seed: int, heldout_frac: float, spec: ArithSpec) ->
         seen.setdefault(p.problem, p)
         if len(seen) == n:
             break
+    return list(seen.values())
+
+
+# ----------------------------------------------------------------------------- mixed operations
+
+
+@dataclass(frozen=True)
+class MixedSpec:
+    """The ``mixops`` task: ``num_terms`` operands joined by ``+``, ``-`` and ``*`` with the usual precedence.
+
+    Sums use operands in [1, max_value]; a factor of a product is in [2, max_factor], so products stay
+    small and the work is the order of operations, not long multiplication.
+    """
+
+    min_terms: int = 3
+    max_terms: int = 5
+    max_value: int = 20
+    max_factor: int = 9
+    p_mul: float = 0.35  # the share of operators that are '*'
+
+
+def mixed_problem(rng: random.Random, spec: MixedSpec) -> tuple[str, list[str], int]:
+    """Draw one expression and a correct worked solution by one of several strategies.
+
+    Returns (expression, solution lines, value). The products are worked out first, in a random order;
+    the remaining signed terms are then combined either left to right, or by adding up the positive
+    terms and the negative terms separately and taking the difference. Both strategies are right: the
+    solution's length and its order of steps vary, which is where a warm-started policy keeps real
+    uncertainty (``scripts/build_tiny_explore_model.py``).
+    """
+    n = rng.randint(spec.min_terms, spec.max_terms)
+    ops = ["*" if rng.random() < spec.p_mul else rng.choice("+-") for _ in range(n - 1)]
+    # Group the operands into products: a run of '*' joins neighbours into one factor list.
+    groups: list[list[int]] = [[]]
+    signs = [1]
+    values = []
+    for i in range(n):
+        is_factor = (i > 0 and ops[i - 1] == "*") or (i < n - 1 and ops[i] == "*")
+        v = rng.randint(2, spec.max_factor) if is_factor else rng.randint(1, spec.max_value)
+        values.append(v)
+        if i > 0 and ops[i - 1] != "*":
+            groups.append([])
+            signs.append(1 if ops[i - 1] == "+" else -1)
+        groups[-1].append(v)
+    expr = str(values[0]) + "".join(f" {op} {v}" for op, v in zip(ops, values[1:], strict=True))
+    lines: list[str] = []
+    terms = [g[0] for g in groups]
+    products = [i for i, g in enumerate(groups) if len(g) > 1]
+    rng.shuffle(products)
+    for i in products:
+        acc = groups[i][0]
+        for f in groups[i][1:]:
+            lines.append(f"{acc}*{f}={acc * f}")
+            acc *= f
+        terms[i] = acc
+    if len(terms) > 1 and rng.random() < 0.5:  # positives and negatives apart, then the difference
+        pos = [t for t, s in zip(terms, signs, strict=True) if s > 0]
+        neg = [t for t, s in zip(terms, signs, strict=True) if s < 0]
+        sums = []
+        for part in (pos, neg):
+            acc = part[0] if part else 0
+            for t in part[1:]:
+                lines.append(f"{acc}+{t}={acc + t}")
+                acc += t
+            sums.append(acc)
+        value = sums[0] - sums[1]
+        if neg:
+            lines.append(f"{sums[0]}-{sums[1]}={value}")
+    else:  # left to right
+        value = terms[0]
+        for t, s in zip(terms[1:], signs[1:], strict=True):
+            new = value + s * t
+            lines.append(f"{value}{'+' if s > 0 else '-'}{t}={new}")
+            value = new
+    return expr, lines, value
+
+
+def mixed_solution(lines: Sequence[str], answer: int) -> str:
+    """The worked solution the ``mixops`` warm start teaches: one line per step, then the box."""
+    return "\n".join([*lines, f"\\boxed{{{answer}}}"])
+
+
+def mixed_split(n: int, *, seed: int, split: str, heldout_frac: float, spec: MixedSpec) -> list[Problem]:
+    """``n`` distinct ``mixops`` problems of one split (by the hash of their text, as :func:`is_heldout`)."""
+    if split not in ("train", "heldout"):
+        raise ValueError(f"mixops split must be 'train' or 'heldout', got {split!r}")
+    rng = random.Random(seed)
+    seen: dict[str, Problem] = {}
+    while len(seen) < n:
+        expr, _, ans = mixed_problem(rng, spec)
+        text = f"What is {expr}?"
+        if is_heldout(text, heldout_frac) == (split == "heldout") and text not in seen:
+            pid = hashlib.sha1(text.encode()).hexdigest()[:12]
+            seen[text] = Problem(id=f"mixops-{pid}", problem=text, answer=str(ans), source="mixops")
     return list(seen.values())
 
 
@@ -481,8 +576,8 @@ def problem_sources(cfg) -> tuple[Iterator[Problem], list[Problem], LoadReport]:
         keys = dict(problem_key=cfg.problem_key, answer_key=cfg.answer_key, report=report)
         if hub:
             rows = load_hub(where, split=which, subset=cfg.subset, **keys)
-        else:
-            rows = load_jsonl(where, **keys)
+        else:  # a relative path that is not under the working directory is taken from the repo root
+            rows = load_jsonl(resolve_path(where), **keys)
         return [gsm8k_answer(p) for p in rows] if cfg.answer_format == "gsm8k" else rows
 
     rows = load(cfg.path, cfg.split if hub else None)

@@ -347,3 +347,101 @@ def test_prompt_stream_with_nothing_under_the_limit_raises(tiny_tok, monkeypatch
     )
     with hang_guard(), pytest.raises(ValueError, match="last 30 problems.*unknown size"):
         next(arith)
+
+
+# ----------------------------------------------------------------------------- mixops (the exploration testbed)
+
+
+def _precedence_value(expr: str) -> int:
+    """Evaluate 'a op b op c ...' (+ - * with the usual precedence) by hand: no eval of text."""
+    toks = expr.split()
+    terms, sign, prod = [], 1, int(toks[0])
+    for op, v in zip(toks[1::2], toks[2::2], strict=True):
+        if op == "*":
+            prod *= int(v)
+        else:
+            terms.append(sign * prod)
+            sign, prod = (1 if op == "+" else -1), int(v)
+    return sum(terms) + sign * prod
+
+
+def _replay(lines: list[str]) -> list[tuple[int, str, int, int]]:
+    """Each solution line 'a<op>b=c' as (a, op, b, c); the arithmetic of every line must hold."""
+    out = []
+    for line in lines:
+        m = re.fullmatch(r"(-?\d+)([+\-*])(\d+)=(-?\d+)", line)
+        assert m, line
+        a, op, b, c = int(m[1]), m[2], int(m[3]), int(m[4])
+        assert {"+": a + b, "-": a - b, "*": a * b}[op] == c, line
+        out.append((a, op, b, c))
+    return out
+
+
+def test_mixed_answers_follow_precedence_and_every_step_is_right():
+    import random
+
+    rng = random.Random(0)
+    spec = data.MixedSpec()
+    for _ in range(500):
+        expr, lines, value = data.mixed_problem(rng, spec)
+        assert _precedence_value(expr) == value, expr
+        n = len(expr.split()) // 2 + 1
+        assert spec.min_terms <= n <= spec.max_terms
+        steps = _replay(lines)
+        if steps:  # the last step produces the answer
+            assert steps[-1][3] == value, (expr, lines)
+        assert data.mixed_solution(lines, value).endswith(f"\\boxed{{{value}}}")
+
+
+def test_mixed_precedence_hand_computed():
+    # 2 + 3 * 4 = 2 + 12 = 14 (left to right without precedence would give 20)
+    assert _precedence_value("2 + 3 * 4") == 14
+    assert _precedence_value("20 - 9 * 7 + 5 * 7 + 3") == 20 - 63 + 35 + 3
+
+
+def test_mixed_solutions_vary_in_strategy_and_length():
+    import random
+
+    rng = random.Random(1)
+    spec = data.MixedSpec(min_terms=4, max_terms=4, p_mul=0.0)
+    lengths, orders = set(), set()
+    for _ in range(300):
+        expr, lines, value = data.mixed_problem(rng, spec)
+        lengths.add(len(lines))
+        toks = expr.split()
+        # the left-to-right solution, by hand: each step combines the running value with the next operand
+        acc, ltr = int(toks[0]), []
+        for op, v in zip(toks[1::2], toks[2::2], strict=True):
+            new = acc + int(v) if op == "+" else acc - int(v)
+            ltr.append(f"{acc}{op}{v}={new}")
+            acc = new
+        orders.add(lines == ltr)
+    assert orders == {True, False}  # both strategies occur
+    assert lengths == {3}  # n - 1 combining steps either way: strategy changes the order, not the count
+    rng = random.Random(2)
+    lengths = {len(data.mixed_problem(rng, data.MixedSpec())[1]) for _ in range(300)}
+    assert lengths == {2, 3, 4}  # 3-5 operands: 2-4 steps (a product is one step as a sum is)
+
+
+def test_mixed_split_is_disjoint_deterministic_and_named():
+    spec = data.MixedSpec()
+    held = data.mixed_split(100, seed=3, split="heldout", heldout_frac=0.1, spec=spec)
+    train = data.mixed_split(300, seed=3, split="train", heldout_frac=0.1, spec=spec)
+    assert len({p.problem for p in held}) == 100 and len({p.problem for p in train}) == 300
+    assert not {p.problem for p in held} & {p.problem for p in train}
+    assert all(is_heldout(p.problem, 0.1) for p in held)
+    assert [p.problem for p in held] == [
+        p.problem for p in data.mixed_split(100, seed=3, split="heldout", heldout_frac=0.1, spec=spec)
+    ]
+    assert all(p.answer == str(_precedence_value(p.problem[len("What is ") : -1])) for p in held)
+    with pytest.raises(ValueError, match="split"):
+        data.mixed_split(1, seed=0, split="test", heldout_frac=0.1, spec=spec)
+
+
+def test_jsonl_relative_path_is_found_from_the_repo_root(tmp_path, monkeypatch):
+    # data=mixops names its files relative to the repo; a run launched elsewhere must still find them
+    monkeypatch.chdir(tmp_path)
+    rc = run_config("data=mixops", "model=tiny_explore")
+    train, held, _ = problem_sources(rc.data)
+    assert len(held) == 200 and next(train).source == ""
+    assert held[0].problem.startswith("What is ")

@@ -1,0 +1,249 @@
+"""Build the exploration testbed, ``assets/tiny-explore``: a model and its ``mixops`` task.
+
+The shipped tiny model (``scripts/build_tiny_model.py``) is near-deterministic per token
+(0.02 nats) and starts near 50% accuracy, so the positive share of its updates is about 0.5
+and there is no entropy to lose (docs/study/README.md). This testbed is built to start where
+off-policy RL on LLMs starts: mostly wrong, uncertain, with room to learn.
+
+The task (``bapo.data.mixed_problem``): expressions of 3-5 operands with ``+``, ``-`` and ``*``
+and the usual precedence ("What is 12 + 8 * 7 - 20?"). The worked solutions do the products
+first, in a random order, then either go left to right or add the positive and the negative
+terms apart and take the difference: every solution is correct, but length and order vary.
+The gold answer is an integer, graded by the ordinary reward stage (``reward=math``).
+
+Steps, all deterministic under ``--seed``:
+1. Write the task's problem sets: ``train.jsonl`` and ``heldout.jsonl``, split by a hash
+   of the problem text (``bapo.data.is_heldout``), so they never overlap.
+2. Train a byte-level BPE tokenizer (digits one per token) with a ChatML template.
+3. Build a small Llama (untied embeddings, for vLLM's weight reload).
+4. Supervised warm start on correct worked solutions, stopped early: as soon as the
+   sampled held-out accuracy (T = 1) reaches ``--target``. An early-stopped model is
+   uncertain about digits and about which strategy to follow, so its per-token entropy
+   is high and its accuracy low: no teacher mistakes are needed (the tiny model's
+   careless teacher is not used here).
+5. Measure the bands the testbed promises, on the held-out set at T = 1 with 8 samples
+   per problem: avg@8, pass@8 and the mean entropy per response token; they go into
+   ``build_info.json``.
+
+Usage:  python scripts/build_tiny_explore_model.py [--out assets/tiny-explore] [--target 0.12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import re
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from build_tiny_model import CHAT_TEMPLATE, SPECIALS, encode_batch  # noqa: E402
+
+from bapo.data import DEFAULT_INSTRUCTION, MixedSpec, is_heldout, mixed_problem, mixed_solution, mixed_split  # noqa: E402
+
+SPEC = MixedSpec(min_terms=3, max_terms=5, max_value=20, max_factor=9, p_mul=0.35)
+HELDOUT_FRAC = 0.1  # as conf/data/mixops.yaml
+SPLIT_SEED = 1234
+N_TRAIN = 20_000
+N_HELDOUT = 500
+MAX_NEW_TOKENS = 64  # as conf/model/tiny_explore.yaml
+BOX = re.compile(r"\\boxed\{(-?\d+)\}")
+
+
+def render(problem: str, solution: str | None) -> str:
+    user = f"<|im_start|>user\n{problem}\n{DEFAULT_INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n"
+    return user if solution is None else user + solution + "<|im_end|>\n"
+
+
+def sft_example(rng: random.Random) -> tuple[str, str]:
+    """A training-split problem (never one whose text hashes into the held-out split) and a worked solution."""
+    while True:
+        expr, lines, value = mixed_problem(rng, SPEC)
+        text = f"What is {expr}?"
+        if not is_heldout(text, HELDOUT_FRAC):
+            return render(text, None), mixed_solution(lines, value)
+
+
+def build_tokenizer(rng: random.Random, vocab_size: int) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(["".join(sft_example(rng)) for _ in range(4000)], trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+@torch.no_grad()
+def measure(model, tok, problems, *, n: int) -> dict[str, float]:
+    """avg@n and pass@n at T = 1, and the mean entropy (nats) per sampled response token."""
+    model.eval()
+    tok.padding_side = "left"
+    correct = []
+    ent_sum = ent_tokens = 0.0
+    for i in range(0, len(problems), 32):
+        chunk = problems[i : i + 32]
+        enc = tok([render(p.problem, None) for p in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
+        out = model.generate(
+            **enc,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=MAX_NEW_TOKENS,
+            num_return_sequences=n,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+        new = out.sequences[:, enc["input_ids"].shape[1] :]  # [B*n, T]
+        logp = torch.stack(out.scores, dim=1).log_softmax(-1)  # [B*n, T, V]
+        ent = -(logp.exp() * logp).sum(-1)  # [B*n, T]
+        # a response's tokens run up to and including its first end token; padding after it is not counted
+        ended = (new == tok.eos_token_id).long().cumsum(1)
+        live = (ended == 0) | ((ended == 1) & (new == tok.eos_token_id))
+        ent_sum += (ent * live).sum().item()
+        ent_tokens += live.sum().item()
+        texts = tok.batch_decode(new, skip_special_tokens=True)
+        for j, t in enumerate(texts):
+            m = BOX.findall(t)
+            correct.append(bool(m) and m[-1] == chunk[j // n].answer)
+    model.train()
+    per_problem = [correct[k : k + n] for k in range(0, len(correct), n)]
+    return {
+        f"avg@{n}": sum(correct) / len(correct),
+        f"pass@{n}": sum(any(c) for c in per_problem) / len(per_problem),
+        "entropy_per_token": ent_sum / max(ent_tokens, 1),
+    }
+
+
+def write_jsonl(path: Path, problems) -> None:
+    with path.open("w") as f:
+        for p in problems:
+            f.write(json.dumps({"id": p.id, "problem": p.problem, "answer": p.answer}) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=str(ROOT / "assets" / "tiny-explore"))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vocab", type=int, default=384)
+    ap.add_argument("--hidden", type=int, default=96)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--max-steps", type=int, default=3000)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=4e-3)
+    ap.add_argument("--target", type=float, default=0.12, help="stop once the sampled held-out accuracy reaches this")
+    ap.add_argument("--eval-every", type=int, default=150)
+    args = ap.parse_args()
+
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    heldout = mixed_split(N_HELDOUT, seed=SPLIT_SEED, split="heldout", heldout_frac=HELDOUT_FRAC, spec=SPEC)
+    train = mixed_split(N_TRAIN, seed=SPLIT_SEED, split="train", heldout_frac=HELDOUT_FRAC, spec=SPEC)
+    assert not {p.problem for p in heldout} & {p.problem for p in train}
+    probe = heldout[:200]  # what the early stop watches
+
+    tok = build_tokenizer(rng, args.vocab)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 4,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    model = LlamaForCausalLM(cfg)
+    nparams = sum(p.numel() for p in model.parameters())
+    print(f"vocab={len(tok)} params={nparams / 1e6:.2f}M", flush=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
+    warm = 100
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt,
+        lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, args.max_steps) / args.max_steps)),
+    )
+    t0, history, step = time.time(), [], 0
+    for step in range(1, args.max_steps + 1):
+        x, m = encode_batch(tok, [sft_example(rng) for _ in range(args.batch)], "cpu")
+        logits = model(input_ids=x).logits[:, :-1]
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none")
+        loss = (nll * m[:, 1:]).sum() / m[:, 1:].sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step % args.eval_every == 0:
+            torch.manual_seed(args.seed + step)  # the probe's samples depend on the step only
+            probe_stats = measure(model, tok, probe, n=2)
+            history.append({"step": step, "loss": round(loss.item(), 4), **probe_stats})
+            print(f"step {step:5d} loss {loss.item():.4f} {probe_stats} [{time.time() - t0:.0f}s]", flush=True)
+            if probe_stats["avg@2"] >= args.target:
+                break
+
+    torch.manual_seed(args.seed)
+    bands = measure(model, tok, heldout[:200], n=8)
+    print(f"final: step {step} {bands}", flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    gc = model.generation_config
+    gc.do_sample, gc.temperature, gc.top_k, gc.top_p = True, 1.0, 0, 1.0
+    gc.eos_token_id, gc.pad_token_id = tok.eos_token_id, tok.pad_token_id
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.padding_side = "left"
+    tok.save_pretrained(tmp)
+    write_jsonl(tmp / "train.jsonl", train)
+    write_jsonl(tmp / "heldout.jsonl", heldout)
+    meta = {
+        "built_by": "scripts/build_tiny_explore_model.py",
+        "args": vars(args) | {"out": str(Path(args.out).relative_to(ROOT)) if out.is_relative_to(ROOT) else args.out},
+        "task": {"spec": vars(SPEC), "train": N_TRAIN, "heldout": N_HELDOUT, "split_seed": SPLIT_SEED},
+        "params": nparams,
+        "sft_steps": step,
+        "heldout_bands_T1_n8_first200": bands,
+        "history": history,
+        "seconds": round(time.time() - t0, 1),
+    }
+    (tmp / "build_info.json").write_text(json.dumps(meta, indent=2) + "\n")
+    tmp.chmod(0o755)  # mkdtemp makes it private; the shipped folder is read by everyone
+    for f in tmp.iterdir():
+        f.chmod(0o644)
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    print(f"saved to {out}")
+
+
+if __name__ == "__main__":
+    main()
