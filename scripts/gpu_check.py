@@ -3,7 +3,9 @@
     bash scripts/gpu_check.sh                 # torchrun --standalone --nproc_per_node=1 scripts/gpu_check.py
     python scripts/gpu_check.py --dry-run     # the same code on CPU with tiny shapes (seconds; the test runs it)
 
-Five checks, each recorded in one JSON summary on stdout (and ``--out``):
+Six checks, each recorded in one JSON summary on stdout (and ``--out``), which opens with the
+headline figures (``headline``: MFU, the learner's, HF rollout's and vLLM's tokens/s, vLLM's
+weight-sync seconds):
 
 a. models: every GPU model config (conf/model/*.yaml with a ``model.arch``) is built with random
    weights from its config.json fields: the parameter count on the meta device, then, where it
@@ -15,6 +17,11 @@ c. learner: ``bapo.learner.Learner`` with the paper's BAPO objective (conf/algo/
    by ``torch.cuda.get_device_name()``, or ``--peak-tflops``).
 d. rollout: ``bapo.rollout.HFRollout`` on the GPU (bf16): generated tokens/s.
 e. loop: ``python train.py model=tiny learner.device=cuda train.steps=3 debug=smoke`` as a subprocess.
+f. vllm: ``bapo.rollout.vllm.VLLMRollout`` on a random-weight model of the bench shape saved to a
+   temporary folder: generated tokens/s, then the weights of an FSDP2-sharded copy streamed into
+   the engine (``StreamedWeights``, one parameter gathered at a time: the training path's sync,
+   seconds in ``sync_s``), and on a GPU a sleep/wake cycle before generating again. Where vLLM is
+   not importable the check passes with ``skipped`` saying so, and the other checks still run.
 
 FLOPs (MFU's numerator). Per forward pass over sequences of lengths L_i:
     2 * N * sum(L_i)  +  2 * n_layers * d_attn * sum(L_i^2)
@@ -312,6 +319,71 @@ def check_rollout(arch: dict, device: torch.device, args) -> dict:
     return out
 
 
+def check_vllm(arch: dict, device: torch.device, args) -> dict:
+    """(f) vLLM generation, a streamed weight sync from FSDP2 shards, sleep/wake (GPU); skipped without vLLM."""
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:  # absent, or a broken install (a torchvision built for another torch)
+        return {"ok": True, "skipped": f"vLLM not importable ({type(e).__name__}: {e}); the other checks ran"}
+    from bapo.learner import fsdp
+    from bapo.learner.strategy import StreamedWeights
+    from bapo.modeling import load_model
+    from bapo.rollout.vllm import VLLMRollout
+    from bapo.types import Problem, Prompt
+
+    torch.manual_seed(0)
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    if device.type == "cpu":  # vLLM's CPU attention has no kernel for the dry run's head_dim 16
+        arch = arch | {"num_attention_heads": 2, "num_key_value_heads": 2}
+    init_group(device)
+    with tempfile.TemporaryDirectory(prefix="gpu_check-vllm-") as tmp:
+        load_model("", init="random", arch=arch, dtype=dtype, device="cpu").save_pretrained(tmp)
+        n = args.rollout_n
+        engine = VLLMRollout(
+            tmp, StubTokenizer(arch["eos_token_id"]), n=n, temperature=1.0, max_new_tokens=args.rollout_tokens,
+            dtype=dtype, seed=0, enforce_eager=args.dry_run, gpu_memory_utilization=0.4,
+            enable_sleep_mode=device.type == "cuda", skip_tokenizer_init=True, max_model_len=arch.get(
+                "max_position_embeddings", args.prompt_len + args.rollout_tokens),
+        )  # fmt: skip
+        try:
+            g = torch.Generator().manual_seed(0)
+            rows = torch.randint(
+                0, arch["vocab_size"] - 2, (args.rollout_prompts, args.prompt_len), generator=g
+            ).tolist()
+            prompts = [Prompt(Problem(str(i), "", ""), "", tuple(r)) for i, r in enumerate(rows)]
+            engine.generate(prompts[:2], n=1)  # warm-up
+            sync(device)
+            t0 = time.perf_counter()
+            samples = engine.generate(prompts)
+            sync(device)
+            sec = time.perf_counter() - t0
+            tokens = sum(len(s.response_ids) for s in samples)
+            policy = fsdp.wrap(load_model(tmp, dtype="float32"), device=device)  # fp32 master shards, like the learner
+            engine.sleep()  # as during the learner's update (a no-op on CPU)
+            sync(device)
+            t0 = time.perf_counter()
+            engine.load_weights(StreamedWeights(policy, device), version=1)
+            sync(device)
+            sync_s = time.perf_counter() - t0
+            again = engine.generate(prompts[:2], n=1)
+            logp_ok = all(math.isfinite(x) and x <= 1e-6 for s in samples + again for x in s.logp)
+            out = {
+                "dtype": dtype,
+                "sequences": len(samples),
+                "new_tokens": tokens,
+                "seconds": round(sec, 3),
+                "tokens_per_s": round(tokens / sec, 1),
+                "sync_s": round(sync_s, 3),
+                "sleep_mode": engine.sleep_mode,
+                "ok": bool(
+                    len(samples) == args.rollout_prompts * n and tokens > 0 and logp_ok and again[0].version == 1
+                ),
+            }
+        finally:
+            engine.close()  # before the process group goes (vLLM tears its groups down on shutdown)
+    return out
+
+
 def check_loop(device: torch.device, args) -> dict:
     """(e) The real loop on the shipped tiny model, in a child process with torchrun's variables removed."""
     with tempfile.TemporaryDirectory(prefix="gpu_check-run-") as tmp:
@@ -345,10 +417,28 @@ def _run_loop(run_dir: Path, device: torch.device, args) -> dict:
 # ----------------------------------------------------------------------------- main
 
 
+def headline(summary: dict) -> dict:
+    """The figures a reader wants first, pulled from the checks that ran (None where a check did not)."""
+
+    def get(check: str, key: str):
+        return summary.get(check, {}).get(key)
+
+    return {
+        "mfu": get("learner", "mfu"),
+        "learner_tokens_per_s": get("learner", "tokens_per_s"),
+        "hf_rollout_tokens_per_s": get("rollout", "tokens_per_s"),
+        "vllm_tokens_per_s": get("vllm", "tokens_per_s"),
+        "vllm_sync_s": get("vllm", "sync_s"),
+        "vllm": "skipped" if get("vllm", "skipped") else ("ran" if "vllm" in summary else "not run"),
+    }
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dry-run", action="store_true", help="CPU, gloo, tiny shapes, few steps: check the script itself")
-    p.add_argument("--only", nargs="+", choices=["models", "learner", "rollout", "loop"], help="run only these checks")
+    p.add_argument(
+        "--only", nargs="+", choices=["models", "learner", "rollout", "loop", "vllm"], help="run only these checks"
+    )
     p.add_argument("--bench-model", default="qwen2.5_1.5b", help="model config whose shape the learner/rollout use")
     p.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak of one GPU (overrides the table)")
     p.add_argument("--prompt-len", type=int, default=256)
@@ -383,7 +473,7 @@ def main(argv=None) -> int:
     else:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-    wanted = set(args.only or ["models", "learner", "rollout", "loop"])
+    wanted = set(args.only or ["models", "learner", "rollout", "loop", "vllm"])
     summary: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dry_run": args.dry_run,
@@ -399,6 +489,7 @@ def main(argv=None) -> int:
         "learner": lambda: check_learner(bench, device, args),
         "rollout": lambda: check_rollout(bench, device, args),
         "loop": lambda: check_loop(device, args),
+        "vllm": lambda: check_vllm(bench, device, args),
     }
     if "learner" in wanted:
         summary["backend"] = init_group(device)
@@ -418,6 +509,7 @@ def main(argv=None) -> int:
             torch.cuda.reset_peak_memory_stats(device)
     if dist.is_initialized():
         dist.destroy_process_group()
+    summary = {"headline": headline(summary)} | summary
     failed = [name for name in checks if name in summary and not summary[name]["ok"]]
     summary["failed"] = failed
     summary["ok"] = not failed

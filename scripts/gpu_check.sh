@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU check: one GPU, under 8 minutes (killed at 480 s), nothing downloaded. Prints one JSON summary
 # (random-weight Qwen2.5 models from conf/model, FSDP2 over NCCL in bf16, the learner's tokens/s
-# and MFU on a 1.5B shape, HF rollout on CUDA, a short train.py loop); exits 1 if a check failed.
+# and MFU on a 1.5B shape, HF rollout on CUDA, a short train.py loop, and vLLM's tokens/s with a weight
+# sync streamed from FSDP2 shards, skipped and said so where vLLM is absent); exits 1 if a check failed.
 #   bash scripts/gpu_check.sh                          # on the GPU machine
 #   bash scripts/gpu_check.sh --peak-tflops 989 --out gpu_check.json
 #   python scripts/gpu_check.py --dry-run              # the same script on CPU with tiny shapes
