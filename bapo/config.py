@@ -135,6 +135,64 @@ class SurrogateConfig:
 
 
 @dataclass
+class NoCorrectionConfig:
+    """``algo/correction: none``."""
+
+    kind: str = MISSING
+
+
+@dataclass
+class ISCorrectionConfig:
+    """``algo/correction: tis | mis``: truncated or masked IS between the engine's and the learner's log-probs."""
+
+    kind: str = MISSING
+    level: str = MISSING  # token | sequence
+    cap: float = MISSING
+
+    def __post_init__(self) -> None:
+        from bapo.algos.correction import check_correction
+
+        _delegated("algo.correction", check_correction, self.kind, level=self.level, cap=self.cap)
+
+
+@dataclass
+class GeoRejectConfig:
+    """``algo/correction: geo_reject``: sequences whose geometric-mean weight leaves [1/cap, cap] are dropped."""
+
+    kind: str = MISSING
+    cap: float = MISSING
+
+    def __post_init__(self) -> None:
+        from bapo.algos.correction import check_correction
+
+        _delegated("algo.correction", check_correction, self.kind, cap=self.cap)
+
+
+@dataclass
+class DecoupledConfig:
+    """``algo/correction: decoupled``: decoupled PPO (AReaL), its proximal policy exact or log-linear."""
+
+    kind: str = MISSING
+    proximal: str = MISSING  # exact | loglinear
+    cap: float | None = MISSING
+
+    def __post_init__(self) -> None:
+        from bapo.algos.correction import PROXIMAL, check_correction
+
+        _choice(self.proximal, "algo.correction.proximal", PROXIMAL)
+        _delegated("algo.correction", check_correction, self.kind, cap=self.cap)
+
+
+CORRECTIONS: dict[str, type] = {
+    "none": NoCorrectionConfig,
+    "tis": ISCorrectionConfig,
+    "mis": ISCorrectionConfig,
+    "geo_reject": GeoRejectConfig,
+    "decoupled": DecoupledConfig,
+}
+
+
+@dataclass
 class CriticConfig:
     """The value model of ``advantage: gae`` (PPO): GAE and the clipped value loss."""
 
@@ -187,7 +245,10 @@ class AlgoConfig:
     entropy_coef: float = MISSING
     kl_coef: float = MISSING
     kl_estimator: str = MISSING
+    filter_groups: bool = MISSING  # DAPO dynamic sampling (judged by correctness), refilled with fresh groups
+    overlong_filter: bool = MISSING  # truncated responses carry no loss
     bounds: Any = None  # BapoBoundsConfig | FixedBoundsConfig | None
+    correction: Any = None  # one of CORRECTIONS' schemas, or None (= none)
     surrogate: Any = None  # SurrogateConfig | None (None: PPO's clipped surrogate)
     critic: Any = None  # CriticConfig | None
     eps_feedback: Any = None  # EpsFeedbackConfig | None
@@ -624,9 +685,15 @@ def _algo(node: Any) -> AlgoConfig:
     if not isinstance(node, dict):
         raise ConfigError(f"algo: expected a group of keys, got {node!r}")
     node = dict(node)
-    subs = ("bounds", "surrogate", "critic", "eps_feedback")
-    bounds, surrogate, critic, eps_feedback = (node.pop(k, None) for k in subs)
+    subs = ("bounds", "surrogate", "critic", "eps_feedback", "correction")
+    bounds, surrogate, critic, eps_feedback, correction = (node.pop(k, None) for k in subs)
     algo = _typed("algo", node, AlgoConfig)
+    algo.correction = None if correction is None else _variant("algo.correction", correction, "kind", CORRECTIONS)
+    _require(
+        algo.eps_feedback is None or algo.correction is None or algo.correction.kind == "none",
+        "algo.correction",
+        "the eps-feedback heuristic's loss takes no token weights: use algo/correction=none",
+    )
     algo.bounds = None if bounds is None else _variant("algo.bounds", bounds, "kind", BOUNDS)
     algo.surrogate = None if surrogate is None else _typed("algo.surrogate", surrogate, SurrogateConfig)
     algo.critic = None if critic is None else _typed("algo.critic", critic, CriticConfig)
@@ -715,6 +782,18 @@ def check_combinations(rc: RunConfig, world: int | None = None) -> None:
         "reward.num_workers",
         "0 grades in-process, where the time limit only works on the main thread; train.async_rollout=true "
         "grades on the producer's thread, so use reward.num_workers >= 1",
+    )
+    _require(
+        world == 1 or not rc.algo.filter_groups,
+        "algo.filter_groups",
+        "under torchrun each rank makes only its share of a batch, so ranks would disagree on the refills",
+    )
+    corr = rc.algo.correction.kind if rc.algo.correction is not None else "none"
+    _require(
+        corr not in ("tis", "mis", "geo_reject") or rc.learner.old_logp == "recompute",
+        "algo.correction",
+        f"{corr} weighs the engine's log-probs against the learner's at the generating version: it needs "
+        f"learner.old_logp=recompute (got {rc.learner.old_logp})",
     )
     _require(
         rc.reward.overlong_buffer < rc.rollout.max_new_tokens,

@@ -40,11 +40,13 @@ from tqdm import tqdm
 from bapo import checkpoint, dist, offpolicy, rundir, scoring
 from bapo.algos import Objective, eps_feedback_objective, surrogate_objective
 from bapo.algos.eps_feedback import EpsFeedbackState
+from bapo.algos.objective import proximal_fn
 from bapo.batches import RolloutMaker
 from bapo.buffer import ReplayBuffer
 from bapo.config import AlgoConfig, RunConfig, build, prompt_limit
 from bapo.data import LoadReport, PromptStream, problem_sources, render_prompts
 from bapo.evaluate import evaluate, evaluate_sets, load_evalset, named_set
+from bapo.groupfilter import GroupFilter
 from bapo.learner import Learner, TrainingDiverged, master_dtype
 from bapo.logging import MetricsLogger, NullLogger, truncate_metrics
 from bapo.modeling import load_model, load_tokenizer, model_path
@@ -191,10 +193,15 @@ def make_objective(a: AlgoConfig) -> Objective:
         loss_kw |= vars(a.surrogate)  # the rivals' loss options (ratio_level, is_weight, token_mask, ...)
     b = a.bounds
     if b.kind == "fixed":
-        return surrogate_objective("fixed", ratio_low=b.ratio_low, ratio_high=b.ratio_high, **loss_kw)
-    search = dict(low_range=tuple(b.low_range), high_range=tuple(b.high_range), low_step=b.low_step)
-    search |= dict(high_step=b.high_step, rho0=b.rho0, contribution=b.contribution, weight=b.weight)
-    return surrogate_objective("bapo", scope=b.scope, variant=b.variant, **search, **loss_kw)
+        obj = surrogate_objective("fixed", ratio_low=b.ratio_low, ratio_high=b.ratio_high, **loss_kw)
+    else:
+        search = dict(low_range=tuple(b.low_range), high_range=tuple(b.high_range), low_step=b.low_step)
+        search |= dict(high_step=b.high_step, rho0=b.rho0, contribution=b.contribution, weight=b.weight)
+        obj = surrogate_objective("bapo", scope=b.scope, variant=b.variant, **search, **loss_kw)
+    c = a.correction
+    if c is not None and c.kind == "decoupled" and c.proximal == "loglinear":
+        obj.proximal = proximal_fn(c.cap)  # decoupled PPO: the proximal policy interpolated at each update
+    return obj
 
 
 def build_stages(rc: RunConfig) -> Stages:
@@ -247,6 +254,8 @@ def build_stages(rc: RunConfig) -> Stages:
         world=dist.world_size(),
         skipped=report,
     )
+    if rc.algo.filter_groups:  # DAPO's dynamic sampling: informative groups only, refilled (bapo/groupfilter.py)
+        maker = GroupFilter(maker, prompts_per_step=rc.train.prompts_per_step)
     producer = offpolicy.Producer(
         maker,
         mode=rc.mode,

@@ -7,7 +7,10 @@ Between the producer and the buffer, on the learner's thread:
    snapshot the producer kept for that version), removing the engine-versus-learner
    numerical mismatch; the mismatch is logged (``rollout/logp_mismatch_*``). A batch
    already too stale for the buffer is not recomputed: the buffer drops it anyway,
-   and its snapshot may be gone.
+   and its snapshot may be gone. The engine's log-probs stay on each sample
+   (``behaviour_logp``), and a rollout correction (``algo.correction``: TIS, MIS,
+   geometric rejection; ``bapo.algos.correction``) turns the two into per-token weights
+   (``token_weight``), logged under ``correction/``.
 2. Reward shaping (``bapo.reward.overlong_penalty``) on top of the verifier's reward;
    ``correct`` (accuracy) stays the verifier's.
 3. The critic's values (with GAE), taken now, before any update on the batch.
@@ -27,7 +30,9 @@ from bapo.types import RolloutBatch, Sample, ScoredSample
 
 
 def recompute_logp(batch: RolloutBatch, learner: Any, weights: dict | None) -> tuple[RolloutBatch, dict]:
-    """The batch with the learner's log-probs (at ``weights``, or the current policy for None) as behaviour."""
+    """The batch with the learner's log-probs (at ``weights``, or the current policy for None) as behaviour.
+
+    The engine's log-probs are in ``stats["engine_logp"]`` (one tensor per sample, in order)."""
     samples = list(batch.samples)
     lp = learner.response_logp(samples, weights)  # [B, T]
     new, diffs = [], []
@@ -39,8 +44,80 @@ def recompute_logp(batch: RolloutBatch, learner: Any, weights: dict | None) -> t
     stats = {
         "rollout/logp_mismatch_mean": float(d.mean()) if d.numel() else 0.0,
         "rollout/logp_mismatch_max": float(d.max()) if d.numel() else 0.0,
+        "engine_logp": [torch.as_tensor(s.logp, dtype=torch.float32) for s in samples],
     }
     return dataclasses.replace(batch, samples=tuple(new)), stats
+
+
+def padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """1-D per-sample tensors -> ([B, T] right-padded with 0, [B, T] bool mask)."""
+    width = max((len(r) for r in rows), default=0)
+    out = torch.zeros((len(rows), width), dtype=torch.float64)
+    mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.as_tensor(r, dtype=torch.float64)
+        mask[i, : len(r)] = True
+    return out, mask
+
+
+def corrected(scored: list[ScoredSample], engine_logp: list[torch.Tensor], correction) -> tuple[list, dict]:
+    """Attach the engine's log-probs and, for a rollout correction (tis, mis, geo_reject), its token weights.
+
+    Decoupled PPO's weights need the proximal policy: :func:`proximal` computes them when the step starts."""
+    kind = "none" if correction is None else correction.kind
+    out = [dataclasses.replace(s, behaviour_logp=e) for s, e in zip(scored, engine_logp, strict=True)]
+    if kind in ("none", "decoupled"):
+        return out, {}
+    old, mask = padded([s.sample.logp for s in scored])
+    behaviour, _ = padded(engine_logp)
+    w, st = algos.correction_weights(
+        old, behaviour, mask, kind=kind, level=getattr(correction, "level", "token"), cap=correction.cap
+    )
+    out = [dataclasses.replace(s, token_weight=w[i, : len(s.sample.logp)].float()) for i, s in enumerate(out)]
+    return out, {f"correction/{k}": v for k, v in st.items()}
+
+
+def overlong_filtered(scored: list[ScoredSample]) -> list[ScoredSample]:
+    """DAPO's overlong filtering: truncated responses (no end-of-turn token) carry no loss (token weight 0).
+
+    They still shape their group's advantage baseline and count in the loss's normalisers."""
+    out = []
+    for s in scored:
+        w = s.token_weight if s.token_weight is not None else torch.ones(len(s.sample.response_ids))
+        out.append(dataclasses.replace(s, token_weight=torch.zeros_like(w) if s.sample.truncated else w))
+    return out
+
+
+def proximal(samples: list[ScoredSample], learner: Any, correction) -> tuple[list[ScoredSample], dict]:
+    """Decoupled PPO (arXiv 2505.24298) at the start of a step: the clip's old log-probs become the proximal
+    policy's, the learner at its current version (before the step's first update), and each token is weighted
+    by the behaviour->proximal ratio (truncated at ``correction.cap``). Behaviour is the engine's log-probs.
+
+    ``proximal=exact`` runs one forward pass over the step's samples (a collective under FSDP: every rank calls
+    it with the same samples); ``loglinear`` only records the proximal version, and the learner interpolates
+    the proximal log-probs at each update (``bapo.algos.correction.loglinear_proximal``)."""
+    behaviour = [s.behaviour_logp if s.behaviour_logp is not None else s.sample.logp for s in samples]
+    if correction.proximal == "loglinear":
+        v = learner.version
+        out = [
+            dataclasses.replace(s, behaviour_logp=b, sample=dataclasses.replace(s.sample, logp=b), proximal_version=v)
+            for s, b in zip(samples, behaviour, strict=True)
+        ]
+        return out, {}
+    lp = learner.response_logp([s.sample for s in samples])  # [B, T] at the current (proximal) version
+    prox = [lp[i, : len(b)].to(torch.float32) for i, b in enumerate(behaviour)]
+    old, mask = padded(prox)
+    behav, _ = padded(behaviour)
+    w, st = algos.correction_weights(old, behav, mask, kind="decoupled", cap=correction.cap)
+    out = []
+    for i, (s, p, b) in enumerate(zip(samples, prox, behaviour, strict=True)):
+        weight = w[i, : len(b)].float()
+        if s.token_weight is not None:  # the overlong filter's zeros
+            weight = weight * s.token_weight
+        out.append(
+            dataclasses.replace(s, sample=dataclasses.replace(s.sample, logp=p), behaviour_logp=b, token_weight=weight)
+        )
+    return out, {f"decoupled/{k}": v for k, v in st.items()}
 
 
 def scored_samples(
@@ -81,8 +158,10 @@ def score(
     ``behaviour``: {"weights": snapshot or None} to recompute the behaviour log-probs (``learner.old_logp=
     recompute``) at the batch's version; None keeps the engine's."""
     lp_stats: dict = {}
+    engine_logp = None
     if behaviour is not None:
         batch, lp_stats = recompute_logp(batch, learner, behaviour["weights"])
+        engine_logp = lp_stats.pop("engine_logp")
     samples = list(batch.samples)
     lengths = [len(s.response_ids) for s in samples]
     rewards = torch.tensor(batch.rewards, dtype=torch.float64)  # [B]
@@ -103,11 +182,16 @@ def score(
         lam=critic.lam if critic is not None else 1.0,
     )
     scored = scored_samples(samples, batch.correct, batch.extracted, rewards, adv, returns, values)
+    if engine_logp is not None:
+        scored, corr_stats = corrected(scored, engine_logp, algo.correction)
+        lp_stats |= corr_stats
+    if algo.overlong_filter:
+        scored = overlong_filtered(scored)
     stats = dict(batch.stats) | lp_stats | {f"adv/{k}": float(v) for k, v in adv_stats.items()}
     stats |= {
         "reward/mean": float(rewards.mean()),
         "rollout/response_len": sum(lengths) / len(samples),
-        "rollout/truncated": sum(s.truncated for s in samples) / len(samples),
+        "rollout/truncated": sum(s.truncated for s in samples) / len(samples),  # what overlong_filter drops
         "rollout/version": float(batch.version),
     }
     return scored, stats

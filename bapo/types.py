@@ -64,6 +64,12 @@ class ScoredSample:
     ``token_adv``, when given, holds one advantage per response token and takes
     precedence. With a critic, ``old_values`` (the critic's values when the sample
     was scored) and ``returns`` (its GAE targets) are per response token too.
+
+    Off-policy corrections (``bapo.algos.correction``): ``behaviour_logp`` keeps the
+    engine's log-probs when ``sample.logp`` holds the learner's (recompute, or decoupled
+    PPO's proximal policy); ``token_weight`` is the correction's detached weight per
+    token; ``proximal_version`` is decoupled PPO's proximal version when its log-probs are
+    interpolated (``proximal=loglinear``) rather than computed.
     """
 
     sample: Sample
@@ -74,6 +80,9 @@ class ScoredSample:
     token_adv: torch.Tensor | None = None  # [T] float32
     old_values: torch.Tensor | None = None  # [T] float32
     returns: torch.Tensor | None = None  # [T] float32
+    behaviour_logp: torch.Tensor | None = None  # [T] float32, the engine's
+    token_weight: torch.Tensor | None = None  # [T] float32
+    proximal_version: int | None = None
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ def learner(model):
     )
 
 
-GRPO = SimpleNamespace(advantage="grpo", norm_std=True, critic=None)
+GRPO = SimpleNamespace(advantage="grpo", norm_std=True, critic=None, correction=None, overlong_filter=False)
 
 
 def test_recompute_takes_the_learners_log_probs_at_the_given_weights(tiny_model, tiny_tok):

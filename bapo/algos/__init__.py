@@ -9,6 +9,8 @@
 - ``bounds``: the ratio bounds fed to that loss: BAPO's adaptive search or fixed
   bounds, behind ``make_bound_fn``.
 - ``eps_feedback``: the eps-feedback heuristic (NOT the paper's method): its own loss and eps state.
+- ``correction``: rollout corrections (TIS, MIS, geometric rejection) and decoupled PPO's
+  behaviour->proximal weights, between the engine's and the learner's log-probs.
 - ``objective``: what the learner runs: a parameter chooser plus a loss, with flags.
 - ``stats``: how loss stats combine over micro-batches, ranks and updates.
 """
@@ -23,6 +25,7 @@ from bapo.algos.bounds import (
     make_bound_fn,
     positive_contribution,
 )
+from bapo.algos.correction import correction_weights, loglinear_proximal
 from bapo.algos.eps_feedback import EpsFeedbackState, eps_feedback_g, eps_feedback_loss, eps_feedback_sums
 from bapo.algos.objective import Objective, eps_feedback_objective, surrogate_objective
 from bapo.algos.surrogate import (
@@ -61,6 +64,8 @@ __all__ = [
     "eps_feedback_objective",
     "eps_feedback_sums",
     "compute_advantages",
+    "correction_weights",
+    "loglinear_proximal",
     "entropy_from_logits",
     "importance_ratio",
     "explained_variance",

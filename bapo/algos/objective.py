@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from bapo.algos.bounds import ADAPTIVE, ReduceSum, _reduce, make_bound_fn, positive_contribution
+from bapo.algos.correction import check_correction, correction_weights, loglinear_proximal
 from bapo.algos.eps_feedback import EpsFeedbackState, eps_feedback_g, eps_feedback_loss, eps_feedback_sums
 from bapo.algos.surrogate import (
     IS_WEIGHTS,
@@ -74,6 +75,9 @@ class Objective:
     adaptive: bool
     scope: str = "mini_batch"
     state: Any = None  # an object with after_update / state_dict / load_state_dict, or None
+    # decoupled PPO's log-linear proximal policy (``proximal_fn``): (logp, behaviour_logp, mask, behaviour_version,
+    # proximal_version, current_version) -> (proximal log-probs, token weights); None otherwise
+    proximal: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __post_init__(self) -> None:
         if self.scope not in SCOPES:
@@ -147,6 +151,19 @@ def surrogate_objective(
     loss_kw |= dict(ratio_level=ratio_level, is_weight=is_weight, positive_weight=positive_weight)
     loss_kw |= dict(token_mask=token_mask, mask_threshold=None if m2 else mask_threshold)
     return Objective(choose, policy_loss, loss_kw, adaptive=ADAPTIVE[bounds] or m2, scope=scope)
+
+
+def proximal_fn(cap: float | None) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """Decoupled PPO with ``proximal=loglinear`` (``correction.py``): the proximal log-probs interpolated by
+    version, and the behaviour->proximal weights truncated at ``cap`` (None: untruncated)."""
+    check_correction("decoupled", cap=cap)
+
+    def proximal(logp, behaviour_logp, mask, behaviour_version, proximal_version, current_version):
+        prox = loglinear_proximal(behaviour_logp, logp, behaviour_version, proximal_version, current_version)
+        weight, _ = correction_weights(prox, behaviour_logp, mask, kind="decoupled", cap=cap)
+        return prox, weight
+
+    return proximal
 
 
 SURROGATE_OPTIONS = {

@@ -196,7 +196,9 @@ def policy_loss(
     ``ref_logp`` is given.
     """
     _check_loss_args(logp, old_logp, adv, mask, ratio_low, ratio_high, dual_clip)
-    check_surrogate_options(logp, ratio_level, is_weight, positive_weight, token_mask, mask_threshold, m2_cutoff, dual_clip)
+    check_surrogate_options(
+        logp, ratio_level, is_weight, positive_weight, token_mask, mask_threshold, m2_cutoff, dual_clip
+    )
     m = mask.bool()  # [B, T]
     zero = torch.zeros_like(logp)
     diff = torch.where(m, logp - old_logp, zero)  # [B, T] token log-ratio, 0 where masked

@@ -14,7 +14,9 @@ import torch
 
 from bapo.types import Sample, ScoredSample, TrainBatch
 
-TOKEN_EXTRAS = ("old_values", "returns")  # optional per-token fields of ScoredSample -> TrainBatch.extras
+# optional per-token fields of ScoredSample -> TrainBatch.extras (``proximal_version``, one int per sample, is
+# broadcast over the sample's response tokens)
+TOKEN_EXTRAS = ("old_values", "returns", "behaviour_logp", "token_weight", "proximal_version")
 
 
 def collate(samples: Sequence[ScoredSample | Sample], *, pad_id: int) -> TrainBatch:
@@ -52,7 +54,7 @@ def collate(samples: Sequence[ScoredSample | Sample], *, pad_id: int) -> TrainBa
             value = None if sc is None else getattr(sc, k)
             if value is None:
                 raise ValueError(f"some samples carry {k} and others do not; cannot collate them together")
-            extras[k][b, sl] = torch.as_tensor(value, dtype=torch.float)
+            extras[k][b, sl] = torch.as_tensor(value, dtype=torch.float)  # a scalar broadcasts
     versions = torch.tensor([s.version for s in plain], dtype=torch.long)
     return TrainBatch(input_ids, attention_mask, mask, old_logp, adv, versions, extras)
 

@@ -303,17 +303,19 @@ class Learner:
                 parts = []
                 for mb in micro:
                     logp, _ = self._forward(self.model, mb, entropy=False)
-                    ratio = importance_ratio(logp.cpu(), mb.old_logp)  # [B, L-1]
-                    parts.append((ratio, mb.adv, mb.mask, mb.old_logp))
+                    old = self._anchor(mb, logp.cpu())[0]
+                    ratio = importance_ratio(logp.cpu(), old)  # [B, L-1]
+                    parts.append((ratio, mb.adv, mb.mask, old))
             chosen = self._choose(parts)
 
         sums: dict[str, float] = {}
         seen, per_micro = [], []
         for mb in micro:
             logp, ent = self._forward(self.model, mb)
-            old, adv, mask = (t.to(logp.device) for t in (mb.old_logp, mb.adv, mb.mask))
+            old, weight_kw = self._anchor(mb, logp)
+            adv, mask = (t.to(logp.device) for t in (mb.adv, mb.mask))
             ratio = importance_ratio(logp.detach(), old)  # [B, L-1]
-            seen.append((ratio.cpu(), mb.adv, mb.mask, mb.old_logp))
+            seen.append((ratio.cpu(), mb.adv, mb.mask, old.cpu()))
             params, cstats = chosen if chosen is not None else self._choose([seen[-1]])
             per_micro.append((cstats, mb.num_tokens))
             loss, st = self.objective.loss(
@@ -326,6 +328,7 @@ class Learner:
                 entropy=ent,
                 ref_logp=self._ref_logp(mb),
                 **totals,
+                **weight_kw,
             )
             loss.backward()
             if self.critic is not None:
@@ -337,6 +340,23 @@ class Learner:
         out = {f"learner/{k}": v for k, v in stats.from_sums(sums).items()}
         out.update({k: float(v) for k, v in logged.items()})
         return out
+
+    def _anchor(self, mb: TrainBatch, logp: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """The old log-probs the loss clips against for ``mb``, and the correction's token weights as
+        ``{"token_weight": ...}`` (empty without a correction), on ``logp``'s device.
+
+        Decoupled PPO with ``proximal=loglinear`` (``objective.proximal``) interpolates the old log-probs
+        from the current ones and the samples' versions, with no forward pass of its own."""
+        dev, ex = logp.device, mb.extras
+        old, weight = mb.old_logp.to(dev), ex.get("token_weight")
+        if self.objective.proximal is not None and "proximal_version" in ex:
+            mask = mb.mask.to(dev)
+            prox_version = ex["proximal_version"].amax(dim=1)  # [B] broadcast over each row's response tokens
+            old, prox_weight = self.objective.proximal(
+                logp.detach(), ex["behaviour_logp"].to(dev), mask, mb.versions, prox_version, self.version
+            )
+            weight = prox_weight if weight is None else prox_weight * weight.to(dev)  # times the overlong filter's
+        return old, {} if weight is None else {"token_weight": weight.to(dev)}
 
     def _choice_stats(self, chosen, per_micro, seen) -> tuple[dict[str, float], dict[str, float]]:
         """(the chooser's stats to log, its stats over all of the update's tokens).
