@@ -20,6 +20,10 @@ settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
+# `make test-fast` runs two pytest-xdist workers on 2 cores: one intra-op thread each, so they do not fight
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "assets" / "tiny-math"
 SHARED_DATA = ROOT.parent / "shared" / "data"
