@@ -36,6 +36,11 @@ class RolloutEngine(Protocol):
     ``version`` is the policy version of the weights it holds (set by :meth:`load_weights`);
     every sample it returns carries it. ``pad_id`` pads token rows (the learner's collate
     uses the same id).
+
+    Optional: ``tensor_parallel_size`` (1 when absent), the number of torchrun ranks one engine
+    spans; those ranks must generate the same prompts with the same seed (``bapo.batches``,
+    ``bapo.evaluate``). ``load_weights`` reads ``weights`` once, in its own order: under FSDP it is
+    a streamed mapping whose reads are collectives, so every rank loads at the same time.
     """
 
     version: int
@@ -73,6 +78,7 @@ class EngineBase:
     of :meth:`load_weights`."""
 
     version: int = 0
+    tensor_parallel_size: int = 1  # ranks per engine (vLLM under torchrun may span several)
 
     def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> float:
         raise NotImplementedError
