@@ -34,22 +34,28 @@ def local_shards(model) -> dict[str, torch.Tensor]:
 
 
 def check_meta_load(src: Path, device) -> str:
-    for folder, dtype in ((src / "fp32", torch.float32), (src / "bf16", torch.bfloat16)):
+    # Every collective (wrap, forward) runs on both ranks before any assertion, so a failure on one rank
+    # cannot leave the other waiting in a collective.
+    runs = []
+    for folder in (src / "fp32", src / "bf16"):
         eager = fsdp.wrap(load_model(str(folder)).float(), device=device)
         lazy = load_model(str(folder), device="meta")
-        assert all(p.is_meta for p in lazy.parameters()) and not any(b.is_meta for b in lazy.buffers())
+        was_meta = all(p.is_meta for p in lazy.parameters()) and not any(b.is_meta for b in lazy.buffers())
         lazy = fsdp.wrap(lazy, device=device)
-        a, b = local_shards(eager), local_shards(lazy)
+        x = torch.tensor([[3, 4, 5]])
+        shards = local_shards(eager), local_shards(lazy)  # before the forward: the root stays unsharded after it
+        runs.append((folder.name, was_meta, eager, lazy, *shards, eager(x).logits, lazy(x).logits))
+    for name, was_meta, eager, lazy, a, b, eager_logits, lazy_logits in runs:
+        assert was_meta, f"{name}: parameters not on meta, or buffers on meta"
         assert a.keys() == b.keys(), (sorted(a), sorted(b))
         for k in a:
             assert b[k].dtype == torch.float32, (k, b[k].dtype)
-            assert torch.equal(a[k], b[k]), f"{folder.name}: shard of {k} differs"
+            assert torch.equal(a[k], b[k]), f"{name}: shard of {k} differs"
         bufs = dict(eager.named_buffers())
         for k, v in lazy.named_buffers():
             assert torch.equal(v, bufs[k]), f"buffer {k} differs"
-        assert torch.equal(eager(torch.tensor([[3, 4, 5]])).logits, lazy(torch.tensor([[3, 4, 5]])).logits)
-        assert a["model.embed_tokens.weight"].dtype == torch.float32 and dtype in (torch.float32, torch.bfloat16)
-    return "fp32 and bf16 checkpoints: lazy shards == eager shards"
+        assert torch.equal(eager_logits, lazy_logits), f"{name}: logits differ"
+    return "fp32 and bf16 checkpoints: lazy shards == eager shards (fp32)"
 
 
 def check_stream(src: Path, device) -> tuple[str, str]:
@@ -69,9 +75,11 @@ def check_stream(src: Path, device) -> tuple[str, str]:
 
     DTensor.full_tensor = counting
     refs: list[weakref.ref] = []
+    wrong: list[str] = []  # asserted after the loop: every gather (a collective) runs on both ranks first
     try:
         for name, t in StreamedWeights(model, device).items():
-            assert torch.equal(t, full[name]) and torch.equal(t, ref.state_dict()[name]), name
+            if not (torch.equal(t, full[name]) and torch.equal(t, ref.state_dict()[name])):
+                wrong.append(name)
             names.append(name)
             refs.append(weakref.ref(t))
             del t
@@ -79,6 +87,7 @@ def check_stream(src: Path, device) -> tuple[str, str]:
             alive_max = max(alive_max, len(alive))
     finally:
         DTensor.full_tensor = original
+    assert not wrong, f"values differ: {wrong}"
     assert names == list(full), "names or order differ from the state dict"
     n_params = len(list(model.parameters()))  # tied: counted once
     assert gathers == n_params, f"{gathers} gathers for {n_params} parameters"
@@ -93,13 +102,13 @@ def check_snapshot(src: Path, device) -> str:
     strat.device = device
     snap = strat.snapshot(model)
     before = {k: v.clone() for k, v in snap.items()}
-    assert all(v.device.type == "cpu" for v in snap.values())
-    assert snap["lm_head.weight"] is snap["model.embed_tokens.weight"]
     with torch.no_grad():
         for p in model.parameters():
             p.to_local().add_(1.0)
+    after = dict(StreamedWeights(model, device).items())  # the last collective: assertions follow
+    assert all(v.device.type == "cpu" for v in snap.values())
+    assert snap["lm_head.weight"] is snap["model.embed_tokens.weight"]
     assert all(torch.equal(before[k], snap[k]) for k in snap), "the snapshot changed with the model"
-    after = dict(StreamedWeights(model, device).items())
     assert all(torch.equal(after[k], before[k] + 1.0) for k in snap if snap[k].is_floating_point())
     return f"{len(snap)} CPU tensors, a copy; tied names share one"
 
@@ -141,6 +150,7 @@ def check_eval_shared() -> str:
 
     ps = prompts(5)
     samples, origin = generate_shared(FakeEngine(), ps, n=3, temperature=1.0, seed=11)
+    everyone = dist.all_gather_object([(s.response_ids.tolist(), o) for s, o in zip(samples, origin, strict=True)])
     got = [(int(s.response_ids[0]), s.prompt.problem.id) for s in samples]
     assert got == [(i // 3, str(i // 3)) for i in range(15)], got
     for i, o in enumerate(origin):
@@ -148,7 +158,6 @@ def check_eval_shared() -> str:
         assert int(samples[i].response_ids[2]) == o["seed"] % 1000
     seeds = {o["share"]: o["seed"] for o in origin}
     assert seeds[0] != seeds[1], "both shares sampled with one seed"
-    everyone = dist.all_gather_object([(s.response_ids.tolist(), o) for s, o in zip(samples, origin, strict=True)])
     assert everyone[0] == everyone[1], "the ranks disagree on the gathered samples"
     tp_engine = FakeEngine(tp=2)
     samples, origin = generate_shared(tp_engine, ps, n=2, temperature=1.0, seed=11)
@@ -165,16 +174,16 @@ def check_maker_tp() -> str:
     with MathVerifier(num_workers=0) as verifier:
         maker = RolloutMaker(iter(prompts(4)), engine, verifier, prompts_per_step=4, seed=3, rank=dist.rank(), world=2)
         batch = maker.gather(maker.make(1, 0, {}))
+    seeds = dist.all_gather_object(engine.calls[0][1])
     ids = [s.prompt.problem.id for s in batch.samples]
     assert sorted(ids) == sorted(["0", "1", "2", "3"] * 2), ids  # 2 samples per prompt, no rank's copy twice
     assert engine.calls[0][0] == 4, engine.calls  # both ranks of the group generate all 4 prompts
-    seeds = dist.all_gather_object(engine.calls[0][1])
     assert seeds[0] == seeds[1], "the ranks of one tensor-parallel group sampled with different seeds"
     return f"{len(ids)} samples, each prompt once per sample index; both ranks used seed {seeds[0]}"
 
 
 def main(out: Path, src: Path) -> None:
-    device = dist.init()
+    device = dist.init(timeout_s=120)  # a collective left waiting by a bug fails instead of hanging
     results: dict[str, list] = {}
     checks = {
         "meta_load": lambda: check_meta_load(src, device),
