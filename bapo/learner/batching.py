@@ -156,6 +156,89 @@ def pack(mb: TrainBatch) -> Packed:
     )
 
 
+@dataclass(frozen=True)
+class SharedPrompts:
+    """A micro-batch laid out for the attention-mask kernels (sdpa, eager): each prompt once.
+
+    The rows of a group (the ``n`` samples of one prompt) repeat their prompt in the padded
+    layout; here a *segment* holds the prompt once and then each response after it, and
+    ``allowed`` lets each response token see the prompt and its own earlier tokens only,
+    at the positions it has in its own sequence, so every response token's logits are
+    those of its padded row (only the float summation differs). Segments are packed
+    first-fit into rows of the longest segment's width; a padding slot sees only itself.
+    ``keep`` indexes the flattened [R * W] positions whose logits predict a response token
+    (the prompt's last position once per response: its logits predict every first token),
+    in the row-major order of the padded batch's ``mask``, and ``targets`` are those tokens.
+    """
+
+    input_ids: torch.Tensor  # [R, W] long
+    position_ids: torch.Tensor  # [R, W] long
+    allowed: torch.Tensor  # [R, W, W] bool, query x key
+    keep: torch.Tensor  # [K] long, K = response tokens
+    targets: torch.Tensor  # [K] long
+
+
+def pack_shared(mb: TrainBatch, *, max_width: int = 256) -> SharedPrompts:
+    """Lay out a right-padded micro-batch with shared prompts (rows without a response token are dropped,
+    unless all are). A segment holds a prompt and as many of its responses as fit in ``max_width`` tokens
+    (or in the longest row, if that is longer); the rest of the group starts another segment."""
+    am = mb.attention_mask.bool()  # [B, L]
+    lengths = am.sum(1)  # [B]
+    if not torch.equal(am, torch.arange(am.shape[1]) < lengths[:, None]):
+        raise ValueError("pack_shared needs right-padded rows (attention_mask = 1...1 0...0)")
+    m = mb.mask.bool()  # [B, L-1]
+    used = m.any(1)  # [B]
+    starts = torch.where(used, m.int().argmax(1) + 1, lengths).tolist()  # [B] prompt length (response start)
+    rows = used.nonzero()[:, 0].tolist() or [0]  # no response token at all: keep one row, so the forward runs
+    lengths, ids = lengths.tolist(), mb.input_ids
+    cap = max(max_width, max(lengths[b] for b in rows))
+    groups: dict[tuple, list[int]] = {}
+    for b in rows:
+        groups.setdefault(tuple(ids[b, : starts[b]].tolist()), []).append(b)
+    segments: list[list[int]] = []  # each: rows sharing one prompt, prompt + responses <= cap tokens
+    for members in groups.values():
+        p, size = starts[members[0]], None
+        for b in members:
+            n = lengths[b] - p
+            if size is None or size + n > cap:
+                segments.append([])
+                size = p
+            segments[-1].append(b)
+            size += n
+    seg_len = [starts[s[0]] + sum(lengths[b] - starts[b] for b in s) for s in segments]
+    width, fill = max(seg_len), []  # first-fit decreasing into rows of `width`
+    place = [0] * len(segments)  # (row, offset) of each segment
+    for i in sorted(range(len(segments)), key=lambda i: -seg_len[i]):
+        r = next((r for r, used_w in enumerate(fill) if used_w + seg_len[i] <= width), len(fill))
+        fill += [0] * (r + 1 - len(fill))
+        place[i], fill[r] = (r, fill[r]), fill[r] + seg_len[i]
+    R = len(fill)
+    input_ids = torch.zeros((R, width), dtype=torch.long)
+    pos = torch.zeros((R, width), dtype=torch.long)
+    seg = -1 - torch.arange(R * width).view(R, width)  # [R, W] padding: a segment of its own
+    branch = torch.zeros((R, width), dtype=torch.long)  # [R, W] 0: a prompt token, i: response i
+    keep: list[torch.Tensor] = [torch.zeros(0, dtype=torch.long)] * len(ids)
+    for i, s in enumerate(segments):
+        r, o = place[i]
+        p = starts[s[0]]
+        input_ids[r, o : o + p] = ids[s[0], :p]
+        pos[r, o : o + p] = torch.arange(p)
+        seg[r, o : o + seg_len[i]] = i
+        at = o + p
+        for j, b in enumerate(s, start=1):
+            n = lengths[b] - p
+            input_ids[r, at : at + n] = ids[b, p : lengths[b]]
+            pos[r, at : at + n] = torch.arange(p, p + n)
+            branch[r, at : at + n] = j
+            if n:  # the prompt's last token predicts the first response token, each response token the next
+                keep[b] = r * width + torch.cat([torch.tensor([o + p - 1]), torch.arange(at, at + n - 1)])
+            at += n
+    allowed = (seg[:, :, None] == seg[:, None, :]) & (pos[:, None, :] <= pos[:, :, None])  # [R, W, W]
+    allowed &= (branch[:, None, :] == 0) | (branch[:, None, :] == branch[:, :, None])
+    b, t = m.nonzero(as_tuple=True)  # [K], [K] row-major, like m-indexing
+    return SharedPrompts(input_ids, pos, allowed, torch.cat(keep), ids[b, t + 1])
+
+
 def unpack(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """[K] per-response-token values (``Packed.keep`` order) -> [B, L-1] aligned with ``mask``; 0 elsewhere."""
     out = values.new_zeros(mask.shape)  # [B, L-1]

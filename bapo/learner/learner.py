@@ -53,8 +53,17 @@ import torch
 import torch.nn.functional as F
 
 from bapo import checkpoint
-from bapo.algos import Objective, entropy_from_logits, importance_ratio, stats, token_logp
-from bapo.learner.batching import collate, pack, response_rows, split, split_by_tokens, unpack, without_tokens
+from bapo.algos import Objective, importance_ratio, stats
+from bapo.learner.batching import (
+    collate,
+    pack,
+    pack_shared,
+    response_rows,
+    split,
+    split_by_tokens,
+    unpack,
+    without_tokens,
+)
 from bapo.learner.critic import Critic
 from bapo.learner.strategy import make_strategy
 from bapo.types import ScoredSample, TrainBatch
@@ -151,13 +160,37 @@ class Learner:
     def _forward(self, model: torch.nn.Module, mb: TrainBatch, entropy: bool = True):
         """(logp [B, L-1], entropy [B, L-1] or None) of a right-padded micro-batch, aligned with ``mb.mask``.
 
-        With packing the model sees one padding-free row and computes logits only where
-        they predict a response token; both outputs are then 0 outside ``mb.mask``.
+        Logits are computed only where they can predict a response token. Padded: from the batch's
+        first such position on (both outputs are 0 before it). Packed: only at response tokens (both
+        are 0 outside ``mb.mask``), in a layout chosen by attention kernel: flash-attention gets one
+        padding-free row with varlen bounds (``pack``); the mask kernels (sdpa, eager) get each prompt
+        once with its responses after it, under a 4-D mask (``pack_shared``), so a group of n samples
+        pays for its prompt once instead of n times.
         """
+        kernel = str(getattr(model.config, "_attn_implementation", ""))
+        if self.cfg.packing and kernel in ("sdpa", "eager"):
+            sp = pack_shared(mb)
+            allowed = sp.allowed[:, None].to(self.device)  # [R, 1, W, W] sdpa reads True as "attend"
+            if kernel == "eager":  # eager adds the mask to the scores
+                dtype = model.get_input_embeddings().weight.dtype
+                allowed = torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill(
+                    ~allowed, torch.finfo(dtype).min
+                )
+            logits = model(
+                input_ids=sp.input_ids.to(self.device),
+                position_ids=sp.position_ids.to(self.device),
+                attention_mask=allowed,
+                use_cache=False,
+            ).logits  # [R, W, V]
+            logits = logits.flatten(0, 1)[sp.keep.to(logits.device)]  # [K, V]
+            # outputs' device, not self.device: with FSDP's CPU offload the parameters live on the CPU
+            logp, ent = self._logp_entropy(logits, sp.targets.to(logits.device), entropy)  # [K], [K]
+            mask = mb.mask.to(logits.device)
+            return unpack(logp, mask), None if ent is None else unpack(ent, mask)
         if self.cfg.packing:
             pk = pack(mb)
             kw = {}
-            if "flash" in str(getattr(model.config, "_attn_implementation", "")):  # varlen bounds, no per-layer sync
+            if "flash" in kernel:  # varlen bounds, no per-layer sync
                 cu = pk.cu_seqlens.to(self.device)
                 kw = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=pk.max_seqlen, max_length_k=pk.max_seqlen)
             logits = model(
@@ -167,23 +200,34 @@ class Learner:
                 use_cache=False,  # with a cache HF ignores the position-id restarts: sequences would see each other
                 **kw,
             ).logits[0]  # [K, V]
-            # outputs' device, not self.device: with FSDP's CPU offload the parameters live on the CPU
             logp, ent = self._logp_entropy(logits, pk.targets.to(logits.device), entropy)  # [K], [K]
             mask = mb.mask.to(logits.device)
             return unpack(logp, mask), None if ent is None else unpack(ent, mask)
         ids = mb.input_ids.to(self.device)
-        logits = model(input_ids=ids, attention_mask=mb.attention_mask.to(self.device), use_cache=False).logits
-        return self._logp_entropy(logits[:, :-1], ids[:, 1:].to(logits.device), entropy)  # [B, L-1] each
+        first = int(mb.mask.any(0).int().argmax())  # the first position whose logits predict a response token
+        logits = model(
+            input_ids=ids,
+            attention_mask=mb.attention_mask.to(self.device),
+            logits_to_keep=ids.shape[1] - first,  # positions first .. L-1
+            use_cache=False,
+        ).logits  # [B, L-first, V]
+        logp, ent = self._logp_entropy(logits[:, :-1], ids[:, first + 1 :].to(logits.device), entropy)  # [B, L-1-first]
+        return F.pad(logp, (first, 0)), None if ent is None else F.pad(ent, (first, 0))  # [B, L-1] each
 
     def _logp_entropy(self, logits: torch.Tensor, targets: torch.Tensor, entropy: bool):
+        """Log-probs of ``targets`` [...] and entropies [...] under softmax(logits [..., V] / T), from one
+        log-softmax; the entropy carries a gradient only when the loss uses it (``entropy_coef``)."""
         if logits.dtype in (torch.bfloat16, torch.float16):
             logits = logits.float()  # log-softmax in fp32 at least
-        logits = logits / self.temperature  # [..., V]
-        logp = token_logp(logits, targets)  # [...]
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        logp_all = torch.log_softmax(logits, dim=-1)  # [..., V]
+        logp = logp_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)  # [...]
         if not entropy:
             return logp, None
         with torch.set_grad_enabled(self.objective.loss_kw["entropy_coef"] != 0 and torch.is_grad_enabled()):
-            ent = entropy_from_logits(logits)  # [...]
+            probs = logp_all.exp()  # [..., V]
+            ent = -torch.where(probs > 0, probs * logp_all, torch.zeros_like(probs)).sum(-1)  # -inf logits add 0
         return logp, ent
 
     def micro_batches(self, batch: TrainBatch, *, sync: bool = True) -> list[TrainBatch]:

@@ -1,11 +1,13 @@
 """Sequence packing and token-budget micro-batches: the loss and its gradients must not change.
 
 The reference is one padded pass over the whole mini-batch. Every other layout (fixed-size
-micro-batches, token budgets, packed or padded, extra empty micro-batches) is compared
-with it in float64 (only summation order may differ) and in float32 (the production case).
+micro-batches, token budgets, packed or padded, extra empty micro-batches, prompts shared by
+their group under a 4-D mask, with the sdpa and the eager kernel) is compared with it in
+float64 (only summation order may differ) and in float32 (the production case).
 """
 
 import copy
+import dataclasses
 import importlib.util
 from pathlib import Path
 
@@ -14,7 +16,7 @@ import torch
 
 from bapo.algos import surrogate_objective
 from bapo.learner import Learner, collate
-from bapo.learner.batching import pack, split_by_tokens, unpack
+from bapo.learner.batching import pack, pack_shared, split_by_tokens, unpack
 from bapo.types import Problem, Prompt, Sample, ScoredSample
 
 HERE = Path(__file__).resolve().parent
@@ -43,6 +45,17 @@ def data():
 
     model = load_model(str(W.TINY)).double()
     return model, W.samples(model)  # 11 sequences of 4 to 50 tokens
+
+
+@pytest.fixture(scope="module")
+def grouped(data):
+    """The same 11 sequences, their prompts replaced so that groups of 4, 4 and 3 share one (as GRPO's do)."""
+    model, samples = data
+    out = []
+    for i, s in enumerate(samples):
+        prompt = samples[i // 4 * 4].sample.prompt
+        out.append(ScoredSample(dataclasses.replace(s.sample, prompt=prompt), s.reward, s.advantage, False))
+    return model, out
 
 
 def make(model, objective=None, ref_model=None, reduce_max=None, **fields) -> Learner:
@@ -100,6 +113,42 @@ def test_pack_refuses_left_padding():
         pack(left)
 
 
+def test_pack_shared_hand_example():
+    # rows: [5 6 | 7 8], [5 6 | 9], [4 | 3 2], [5 6 | -] (no response: dropped)
+    rows = [sample([5, 6], [7, 8]), sample([5, 6], [9]), sample([4], [3, 2]), sample([5, 6], [])]
+    batch = collate(rows, pad_id=0)
+    sp = pack_shared(batch)
+    # segment 0: prompt 5 6 once, then 7 8 (row 0) and 9 (row 1): 5 tokens, the row width;
+    # segment 1 (4 3 2) does not fit beside it and takes a second row, padded
+    assert sp.input_ids.tolist() == [[5, 6, 7, 8, 9], [4, 3, 2, 0, 0]]
+    assert sp.position_ids.tolist() == [[0, 1, 2, 3, 2], [0, 1, 2, 0, 0]]  # 9 sits where it does in its own row
+    # the prompt's last token (flat position 1) predicts both first tokens, 7 and 9; 7 predicts 8; row 2 from 5
+    assert sp.keep.tolist() == [1, 2, 1, 5, 6] and sp.targets.tolist() == [7, 8, 9, 3, 2]
+    a = sp.allowed.int()
+    assert a[0, 4].tolist() == [1, 1, 0, 0, 1]  # 9 sees its prompt and itself, not the other response
+    assert a[0, 3].tolist() == [1, 1, 1, 1, 0]  # 8 sees 5 6 7 8
+    assert a[1, 2].tolist() == [1, 1, 1, 0, 0] and a[1, 3].tolist() == [0, 0, 0, 1, 0]  # padding sees itself
+    back = unpack(torch.arange(1.0, 6.0), batch.mask)  # [4, 3]
+    assert back.tolist() == [[0, 1, 2], [0, 3, 0], [4, 5, 0], [0, 0, 0]]
+
+
+def test_pack_shared_splits_a_group_wider_than_the_cap_and_fills_rows():
+    rows = [sample([5, 6, 7], [1] * 4) for _ in range(3)] + [sample([8], [2])]
+    sp = pack_shared(collate(rows, pad_id=0), max_width=8)
+    # the group of three 7-token rows: prompt + 4 + 4 = 11 > 8, so segments [3 + 4], [3 + 4], [3 + 4];
+    # rows are 7 wide, and the 2-token segment does not fit beside any of them: a fourth row with padding
+    assert sp.input_ids.shape == (4, 7)
+    assert sp.input_ids[3].tolist() == [8, 2, 0, 0, 0, 0, 0]
+    assert torch.equal(sp.allowed[3, 2:, 2:], torch.eye(5, dtype=torch.bool))  # padding sees only itself
+    wide = pack_shared(collate(rows, pad_id=0), max_width=32)  # the group fits: its prompt once, 15 tokens
+    assert wide.input_ids.shape == (2, 3 + 3 * 4) and wide.input_ids[0].tolist() == [5, 6, 7] + [1] * 12
+
+
+def test_pack_shared_keeps_one_row_when_there_is_no_response_token():
+    sp = pack_shared(collate([sample([5, 6], []), sample([7], [])], pad_id=0))
+    assert sp.input_ids.tolist() == [[5, 6]] and sp.keep.numel() == 0
+
+
 def test_split_by_tokens_respects_the_budget():
     lengths = [5, 9, 3, 12, 4, 4]
     batch = collate([sample([1] * (n - 1), [2]) for n in lengths], pad_id=0)
@@ -124,6 +173,49 @@ def test_packed_forward_equals_padded(data):
     torch.testing.assert_close(lp_pack[mask], lp_pad[mask], rtol=0, atol=2e-5)  # fp32, different kernels
     torch.testing.assert_close(ent_pack[mask], ent_pad[mask], rtol=0, atol=2e-5)
     assert torch.all(lp_pack[~mask] == 0) and torch.all(ent_pack[~mask] == 0)
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "eager"])
+def test_shared_prompt_forward_equals_padded(grouped, kernel):
+    model, samples = grouped
+    batch = collate(samples, pad_id=0)
+    assert len(pack_shared(batch).input_ids.flatten()) < int(batch.attention_mask.sum())  # the prompts are shared
+    m = copy.deepcopy(model).float()
+    m.config._attn_implementation = kernel
+    padded, packed = (make(m, packing=p) for p in (False, True))
+    with torch.no_grad():
+        (lp_pad, ent_pad), (lp_pack, ent_pack) = padded._forward(m, batch), packed._forward(m, batch)
+    mask = batch.mask.bool()
+    torch.testing.assert_close(lp_pack[mask], lp_pad[mask], rtol=0, atol=2e-5)
+    torch.testing.assert_close(ent_pack[mask], ent_pad[mask], rtol=0, atol=2e-5)
+    assert torch.all(lp_pack[~mask] == 0) and torch.all(ent_pack[~mask] == 0)
+
+
+def _rms_norm_in_input_dtype(self, x):
+    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+def test_shared_prompts_give_the_same_loss_and_gradients_float64(grouped, monkeypatch):
+    """HF's RMSNorm computes in float32 even in a float64 model: the shared prompt's gradient, summed over its
+    responses before that norm's backward, then differs from the padded rows' by float32 rounding (1e-7
+    relative). With the norm in the input's dtype the layouts agree to float64 rounding."""
+    from transformers.models.llama import modeling_llama
+
+    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", _rms_norm_in_input_dtype)
+    model, samples = grouped
+    batch = collate(samples, pad_id=0)
+    objective = surrogate_objective("bapo", agg="seq-mean-token-sum", entropy_coef=0.01)
+    ref = run(model, batch, dtype=torch.float64, objective=objective)
+    for name, kw in LAYOUTS.items():
+        assert_same(run(model, batch, dtype=torch.float64, objective=objective, **kw), ref, rtol=1e-11, what=name)
+
+
+def test_shared_prompts_give_the_same_loss_and_gradients_float32(grouped):
+    model, samples = grouped
+    batch = collate(samples, pad_id=0)
+    ref = run(model, batch, dtype=torch.float32)
+    for name, kw in LAYOUTS.items():
+        assert_same(run(model, batch, dtype=torch.float32, **kw), ref, rtol=2e-5, what=name)
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
