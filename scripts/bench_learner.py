@@ -43,6 +43,19 @@ MODELS = {  # name: (max prompt length, max response length)
 }
 
 
+def learner_cfg(**fields):
+    """The default ``learner=single`` group, typed, with ``fields`` replaced."""
+    import dataclasses
+
+    from hydra import compose, initialize_config_dir
+
+    from bapo.config import build
+
+    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
+        cfg = compose(config_name="config", overrides=["logger=none"])
+    return dataclasses.replace(build(cfg, "/tmp/bench-learner").learner, **fields)
+
+
 def build_model(name: str):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -77,7 +90,8 @@ def make_batch(model, n: int, max_prompt: int, max_resp: int, seed: int = 0):
         samples.append(ScoredSample(s, 0.0, float(torch.randn(1, generator=g)), False))
     batch = collate(samples, pad_id=0)
     # Behaviour log-probs near the current policy's, so the ratios look like off-policy RL's.
-    probe = Learner(model, objective=surrogate_objective("bapo"), packing=True, max_tokens_per_micro_batch=2048)
+    cfg = learner_cfg(packing=True, max_tokens_per_micro_batch=2048)
+    probe = Learner(model, cfg, objective=surrogate_objective("bapo"), pad_id=0)
     row = 0
     for mb in probe.micro_batches(batch):
         with torch.no_grad():
@@ -105,7 +119,9 @@ class Timed:
 def time_layout(model, batch, updates: int, **kw) -> tuple[float, float, int]:
     """(seconds per update, search share of it, micro-batches) for one learner layout."""
     objective = surrogate_objective("bapo")
-    learner = Learner(copy.deepcopy(model), objective=objective, lr=1e-5, max_response_len=batch.mask.shape[1], **kw)
+    fields = dict(lr=1e-5, packing=False, max_tokens_per_micro_batch=None) | kw
+    learner = Learner(copy.deepcopy(model), learner_cfg(**fields), objective=objective, pad_id=0,
+                      max_response_len=batch.mask.shape[1])  # fmt: skip
     learner.update(batch)  # warm-up
     objective.choose = timed = Timed(objective.choose)
     t0 = time.perf_counter()
