@@ -48,8 +48,9 @@ def test_a_correction_without_recompute_is_refused_naming_both_keys(tmp_path):
         ["algo/correction=decoupled", *ASYNC],
         ["algo/correction=decoupled", "algo.correction.proximal=loglinear", *ASYNC],
         ["algo/correction=decoupled", "learner.old_logp=recompute", *ASYNC],
+        ["algo/correction=decoupled", *ASYNC, "buffer.enforce=drop"],
     ],
-    ids=["exact-sync", "exact-async", "loglinear-async", "exact-async-recompute"],
+    ids=["exact-sync", "exact-async", "loglinear-async", "exact-async-recompute", "exact-drop"],
 )
 def test_decoupled_ppo_runs_with_async_admission(tmp_path, extra):
     run(_cfg(["algo=bapo", *FAST, "train.steps=3", *extra]), tmp_path)
