@@ -546,9 +546,12 @@ def results_table(groups) -> list[str]:
     return lines
 
 
-def _ci(stat: tuple[float, float, float], fmt: str = "{:.3f}") -> str:
+def _ci(stat: tuple[float, float, float], fmt: str = "{:.3f}", n: int = 2) -> str:
+    """'mean [lo, hi]'; the mean alone for a single value (no interval from one seed); a dash for none."""
     mean, lo, hi = stat[:3]
-    return DASH if not math.isfinite(mean) else f"{fmt.format(mean)} [{fmt.format(lo)}, {fmt.format(hi)}]"
+    if not math.isfinite(mean):
+        return DASH
+    return fmt.format(mean) if n < 2 else f"{fmt.format(mean)} [{fmt.format(lo)}, {fmt.format(hi)}]"
 
 
 def interval_table(groups) -> list[str]:
@@ -557,7 +560,7 @@ def interval_table(groups) -> list[str]:
     lines = [_row(cols), _row(["---"] * len(cols))]
     for (label, level), runs in groups.items():
         done = [r.summary() for r in runs if r.complete]
-        cells = [_ci(bootstrap_ci([d[k] for d in done])) for k in ("final", "best", "entropy")]
+        cells = [_ci(bootstrap_ci([d[k] for d in done]), n=len(done)) for k in ("final", "best", "entropy")]
         lines.append(_row([label, _show(level), *cells, len(done)]))
     return lines
 
@@ -575,7 +578,7 @@ def paired_table(groups, reference: str) -> list[str]:
             arm = {r.seed: r.summary()[key] for r in runs if r.complete}
             base = {r.seed: r.summary()[key] for r in ref if r.complete}
             mean, lo, hi, n = paired_difference(arm, base)
-            cells.append(_ci((mean, lo, hi), "{:+.3f}"))
+            cells.append(_ci((mean, lo, hi), "{:+.3f}", n))
         lines.append(_row([_show(level), label, *cells, n]))
     return lines
 

@@ -253,3 +253,9 @@ def test_report_has_interval_paired_and_pathology_tables(sweep, tmp_path):
     assert text.count("| 100% |") >= 1
     for png in ("clip_window.png", "clip_by_sign.png", "acc_vs_samples.png", "acc_vs_wall.png"):
         assert (out / png).is_file(), png
+
+
+def test_interval_cell_shows_no_interval_for_one_seed():
+    assert report._ci((0.5, 0.4, 0.6), n=2) == "0.500 [0.400, 0.600]"
+    assert report._ci((0.5, 0.5, 0.5), n=1) == "0.500"  # a zero-width "interval" from one seed would mislead
+    assert report._ci((math.nan, math.nan, math.nan)) == report.DASH
