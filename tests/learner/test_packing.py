@@ -264,3 +264,20 @@ def test_empty_micro_batches_for_rank_sync_change_nothing(data, packing):
     padded = run(model, batch, dtype=torch.float64, micro_batch_size=4, packing=packing, reduce_max=lambda t: t + 2)
     assert padded[0]["learner/loss"] == base[0]["learner/loss"]
     assert all(torch.equal(padded[1][k], base[1][k]) for k in base[1])
+
+
+def test_engine_logp_matches_the_shared_prompt_learner(tiny_model, tiny_tok):
+    """The rollout engine's behaviour log-probs against the learner's with the default layout (prompts shared)."""
+    from bapo.data import ArithSpec, arith_heldout, render_prompt
+    from bapo.rollout import HFRollout
+
+    prompts = [render_prompt(p, tiny_tok) for p in arith_heldout(6, seed=1, heldout_frac=0.1, spec=ArithSpec())]
+    samples = HFRollout(tiny_model, tiny_tok, n=4, max_new_tokens=32).generate(prompts, seed=1)
+    lrn = Learner(tiny_model, W.learner_config(packing=True, micro_batch_size=256), objective=W.objective(),
+                  pad_id=tiny_tok.pad_token_id)  # fmt: skip
+    assert len(pack_shared(collate(samples, pad_id=0)).input_ids.flatten()) < sum(
+        len(s.prompt.ids) + len(s.response_ids) for s in samples
+    )  # the layout under test: each prompt once
+    got = lrn.response_logp(samples)  # [B, T]
+    diff = max((got[i, : len(s.logp)] - s.logp).abs().max().item() for i, s in enumerate(samples))
+    assert diff < 1e-4, diff
