@@ -44,7 +44,7 @@ test: install ## the whole suite, as CI runs it (CPU, about 12 minutes); the vLL
 	fi
 
 test-fast: install ## the unit tests only (pytest -m "not slow", 2 xdist workers): under 90 s on 2 idle cores
-	$(PY) -m pytest -m "not slow" -n 2
+	$(PY) -m pytest -m "not slow" -n 2 --dist loadfile
 
 lint: install ## ruff check and format check
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .
