@@ -413,7 +413,7 @@ def fit_scale(shape: Shape, scale: float, critic: bool) -> tuple[float, str]:
 
 def row(name: str, before: float, after: float, unit: str, extra: str = "") -> str:
     fmt = (lambda x: f"{x / 1e6:.4g} MB") if unit == "bytes" else (lambda x: f"{x:.4g}")  # 4 digits at any scale
-    return f"{name:<18} | {fmt(before):>10} | {fmt(after):>10} | {f'{before / after:.2f}x':>20}{extra}"
+    return f"{name:<18} | {fmt(before):>10} | {fmt(after):>10} | {f'{before / after:.3g}x':>20}{extra}"
 
 
 def report(base: Shape, shape_eq: Shape, shape_full: Shape, res_eq: dict, res_full: dict | None) -> bool:
