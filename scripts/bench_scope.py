@@ -7,10 +7,11 @@ each micro-batch from the forward that carries the gradient. Fixed bounds (GRPO)
 no pre-pass at all and are timed as the floor.
 
 Runs on the shipped tiny model with synthetic sequences shaped like the default job's
-(mini-batch = prompts_per_step x n / mini_batches_per_rollout = 128 samples, micro-batches
-of 64). The scopes are timed in interleaved rounds and the median is reported, so that a
-busy machine skews both alike; one torch thread by default, because oversubscribed
-threads on a shared CPU make timings swing several-fold. Prints medians and the ratio.
+as it was when this was written (mini-batch = prompts_per_step x n / mini_batches_per_rollout
+= 128 samples, micro-batches of 64; today's default is 256 samples in one micro-batch).
+The scopes are timed in interleaved rounds and the median is reported, so that a busy machine
+skews both alike; one torch thread by default, because oversubscribed threads on a
+shared CPU make timings swing several-fold. Prints medians and the ratio.
 
     python scripts/bench_scope.py [--samples 128] [--micro 64] [--updates 4] [--rounds 3] [--threads 1]
 """

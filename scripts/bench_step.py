@@ -16,7 +16,7 @@ each in turn, so a busy machine slows every variant alike; medians over ``--roun
 printed with each stage's ratio against the first variant given as the baseline.
 
     python scripts/bench_step.py --base /tmp/wt-perf-base [--rounds 7] [--threads 2]
-        [--overrides algo=grpo,learner.mini_batches_per_rollout=1]
+        [--overrides algo=grpo,learner.mini_batches_per_rollout=1] [--base-overrides rollout.decode=generate]
 
 Workers run one at a time; their torch thread count is ``--threads`` (0: torch's default).
 """
@@ -50,7 +50,8 @@ STAGES = (
     "learner",
     "step",
 )
-EQUAL = "algo=grpo,learner.mini_batches_per_rollout=1"  # the issue's equal settings: one update on 32 x 8
+# The issue's equal settings: 32 prompts x 8 responses, one update.
+EQUAL = "algo=grpo,train.prompts_per_step=32,learner.mini_batches_per_rollout=1"
 
 
 class Clock:
@@ -163,6 +164,12 @@ def parse_variant(text: str) -> tuple[str, Path, list[str]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", help="source tree of the baseline (a git worktree of the base commit)")
+    ap.add_argument(
+        "--base-overrides",
+        default="",
+        help="extra Hydra overrides for the baseline only, comma-separated "
+        "(rollout.decode=generate on 1eb02e8: HF generate and the padded learner, issue 16's 'today')",
+    )
     ap.add_argument("--tree", default=str(ROOT), help="source tree of the new code (default: this one)")
     ap.add_argument("--overrides", default=EQUAL, help="Hydra overrides for every variant, comma-separated")
     ap.add_argument("--variant", action="append", default=[], help="NAME=ROOT:OVERRIDES (extra variants)")
@@ -179,7 +186,7 @@ def main() -> None:
 
     variants = []
     if args.base:
-        variants.append(("base", Path(args.base).resolve(), common))
+        variants.append(("base", Path(args.base).resolve(), common + [o for o in args.base_overrides.split(",") if o]))
     variants.append(("this tree", Path(args.tree).resolve(), common))
     variants += [(n, r, common + o) for n, r, o in map(parse_variant, args.variant)]
     procs = {}
