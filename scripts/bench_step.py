@@ -155,10 +155,15 @@ def worker(root: Path, overrides: list[str], threads: int) -> None:
     s.verifier.close()
 
 
+def split_overrides(text: str) -> list[str]:
+    """``a=1,b=2`` -> ``["a=1", "b=2"]`` (empty items dropped)."""
+    return [o for o in text.split(",") if o]
+
+
 def parse_variant(text: str) -> tuple[str, Path, list[str]]:
     name, _, rest = text.partition("=")
     root, _, ov = rest.partition(":")
-    return name, Path(root).resolve(), [o for o in ov.split(",") if o]
+    return name, Path(root).resolve(), split_overrides(ov)
 
 
 def main() -> None:
@@ -179,14 +184,14 @@ def main() -> None:
     ap.add_argument("--json", help="also write the medians here")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    common = [o for o in args.overrides.split(",") if o]
+    common = split_overrides(args.overrides)
     if args.worker:
         root, _, ov = args.worker.partition(":")
-        return worker(Path(root), [o for o in ov.split(",") if o], args.threads)
+        return worker(Path(root), split_overrides(ov), args.threads)
 
     variants = []
     if args.base:
-        variants.append(("base", Path(args.base).resolve(), common + [o for o in args.base_overrides.split(",") if o]))
+        variants.append(("base", Path(args.base).resolve(), common + split_overrides(args.base_overrides)))
     variants.append(("this tree", Path(args.tree).resolve(), common))
     variants += [(n, r, common + o) for n, r, o in map(parse_variant, args.variant)]
     procs = {}

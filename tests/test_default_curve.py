@@ -1,9 +1,10 @@
 """The first steps of `python train.py`: the default job must visibly learn.
 
-The README's curve (seeds 1-3, 150 steps) rises from about 0.43 to 0.58-0.60 held-out accuracy; its first
-20 steps already gain 9-15 points. This runs those 20 steps of the default config (BAPO, tiny model,
-arithmetic) and asks for a gain of 5 points, well outside the evaluation's noise (800 samples). With the
-learner broken (`learner.lr=0`, or the advantage's sign flipped) the same run stays at or below step 0.
+The README's curve (seeds 1-3, 150 steps of 64 prompts) rises from about 0.43 to 0.63-0.67 held-out accuracy;
+its first 20 steps already gain 10.5-12.8 points. This runs those 20 steps of the default config (BAPO, tiny
+model, arithmetic) and asks for a gain of 5 points, well outside the evaluation's noise (800 samples). With the
+learner broken the same run stays at or below step 0: `learner.lr=1e-12` gave -0.5 points, and the advantage's
+sign flipped gave -41.
 """
 
 import json
