@@ -234,6 +234,50 @@ def mixed_problem(rng: random.Random, spec: MixedSpec) -> tuple[str, list[str], 
     return expr, lines, value
 
 
+def mixed_long_lines(expr: str, rng: random.Random | None = None) -> tuple[list[str], int]:
+    """A long, slip-prone worked solution of a ``mixops`` expression: products by repeated addition.
+
+    ``7 * 8`` becomes ``8+8=16``, ``16+8=24``, ... ``48+8=56`` (the larger factor added, one line per
+    addition; with ``rng``, either of two one-digit factors, at random, so ``7 * 8`` may also take 7 lines
+    of ``+7``), then
+    the signed terms are combined left to right. Every line is true, but a solution has
+    several times the steps of :func:`mixed_problem`'s, so a model that slips now and then is wrong
+    more often on it and its failures are long: the long-chain-of-thought regime of the BAPO paper, where
+    failed responses outnumber the right ones in tokens (``model=tiny_longcot``).
+    """
+    parts = expr.split()
+    values, ops = [int(v) for v in parts[::2]], parts[1::2]
+    if len(ops) != len(values) - 1 or any(op not in "+-*" for op in ops):
+        raise ValueError(f"not a mixops expression: {expr!r}")
+    groups, signs = [[values[0]]], [1]
+    for op, v in zip(ops, values[1:], strict=True):
+        if op == "*":
+            groups[-1].append(v)
+        else:
+            groups.append([v])
+            signs.append(1 if op == "+" else -1)
+    lines: list[str] = []
+    terms = []
+    for g in groups:
+        acc = g[0]
+        for f in g[1:]:
+            base, count = max(acc, f), min(acc, f)
+            if rng is not None and acc < 10 and rng.random() < 0.5:  # two one-digit factors
+                base, count = count, base
+            total = base
+            for _ in range(count - 1):
+                lines.append(f"{total}+{base}={total + base}")
+                total += base
+            acc *= f
+        terms.append(acc)
+    value = terms[0]
+    for t, s in zip(terms[1:], signs[1:], strict=True):
+        new = value + s * t
+        lines.append(f"{value}{'+' if s > 0 else '-'}{t}={new}")
+        value = new
+    return lines, value
+
+
 def mixed_solution(lines: Sequence[str], answer: int) -> str:
     """The worked solution the ``mixops`` warm start teaches: one line per step, then the box."""
     return "\n".join([*lines, f"\\boxed{{{answer}}}"])

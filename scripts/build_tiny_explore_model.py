@@ -25,7 +25,16 @@ Steps, all deterministic under ``--seed``:
    per problem: avg@8, pass@8 and the mean entropy per response token; they go into
    ``build_info.json``.
 
+The long-chain-of-thought testbed, ``assets/tiny-longcot`` (study v3), is the same build with half the
+solutions in a long, slip-prone style (products by repeated addition, ``bapo.data.mixed_long_lines``)
+and every ``a+b`` / ``a*b`` step written in either order at random (``commute``). Long solutions fail
+more often, so the model's wrong responses are longer than its right ones (about 1.7x), and the
+commuted steps keep it uncertain per token (0.30 nats) at the same accuracy. Without ``--commute`` the
+entropy at 12% accuracy was 0.26 (docs/study/README.md lists the attempts).
+
 Usage:  python scripts/build_tiny_explore_model.py [--out assets/tiny-explore] [--target 0.12]
+        python scripts/build_tiny_explore_model.py --out assets/tiny-longcot --long-share 0.5 --commute \
+            --max-new-tokens 128 --positions 384
 """
 
 from __future__ import annotations
@@ -51,14 +60,21 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from build_tiny_model import CHAT_TEMPLATE, SPECIALS, encode_batch  # noqa: E402
 
-from bapo.data import DEFAULT_INSTRUCTION, MixedSpec, is_heldout, mixed_problem, mixed_solution, mixed_split  # noqa: E402
+from bapo.data import (  # noqa: E402
+    DEFAULT_INSTRUCTION,
+    MixedSpec,
+    is_heldout,
+    mixed_long_lines,
+    mixed_problem,
+    mixed_solution,
+    mixed_split,
+)
 
 SPEC = MixedSpec(min_terms=3, max_terms=5, max_value=20, max_factor=9, p_mul=0.35)
 HELDOUT_FRAC = 0.1  # as conf/data/mixops.yaml
 SPLIT_SEED = 1234
 N_TRAIN = 20_000
 N_HELDOUT = 500
-MAX_NEW_TOKENS = 64  # as conf/model/tiny_explore.yaml
 BOX = re.compile(r"\\boxed\{(-?\d+)\}")
 
 
@@ -67,12 +83,39 @@ def render(problem: str, solution: str | None) -> str:
     return user if solution is None else user + solution + "<|im_end|>\n"
 
 
-def sft_example(rng: random.Random) -> tuple[str, str]:
-    """A training-split problem (never one whose text hashes into the held-out split) and a worked solution."""
+LINE = re.compile(r"^(\d+)([+*])(\d+)=(-?\d+)$")
+
+
+def commute(lines: list[str], rng: random.Random) -> list[str]:
+    """Write each ``a+b=c`` or ``a*b=c`` line (non-negative operands) as ``b+a=c`` with probability 1/2.
+
+    A free choice the model keeps at every such step, and none of them changes the answer: a warm start
+    on these solutions stays uncertain per token (entropy) without being any less right.
+    """
+    out = []
+    for line in lines:
+        m = LINE.match(line)
+        out.append(f"{m[3]}{m[2]}{m[1]}={m[4]}" if m and rng.random() < 0.5 else line)
+    return out
+
+
+def sft_example(
+    rng: random.Random, long_share: float = 0.0, random_base: bool = False, commuted: bool = False
+) -> tuple[str, str]:
+    """A training-split problem (never one whose text hashes into the held-out split) and a worked solution.
+
+    With ``long_share`` > 0, that share of the solutions is the long, slip-prone style
+    (``bapo.data.mixed_long_lines``); at 0 no extra random draw is made, so the tiny-explore build
+    is unchanged.
+    """
     while True:
         expr, lines, value = mixed_problem(rng, SPEC)
         text = f"What is {expr}?"
         if not is_heldout(text, HELDOUT_FRAC):
+            if long_share > 0 and rng.random() < long_share:
+                lines, value = mixed_long_lines(expr, rng if random_base else None)
+            if commuted:
+                lines = commute(lines, rng)
             return render(text, None), mixed_solution(lines, value)
 
 
@@ -98,11 +141,11 @@ def build_tokenizer(rng: random.Random, vocab_size: int) -> PreTrainedTokenizerF
 
 
 @torch.no_grad()
-def measure(model, tok, problems, *, n: int) -> dict[str, float]:
+def measure(model, tok, problems, *, n: int, max_new_tokens: int) -> dict[str, float]:
     """avg@n and pass@n at T = 1, and the mean entropy (nats) per sampled response token."""
     model.eval()
     tok.padding_side = "left"
-    correct = []
+    correct, lengths = [], []
     ent_sum = ent_tokens = 0.0
     for i in range(0, len(problems), 32):
         chunk = problems[i : i + 32]
@@ -113,7 +156,7 @@ def measure(model, tok, problems, *, n: int) -> dict[str, float]:
             temperature=1.0,
             top_k=0,
             top_p=1.0,
-            max_new_tokens=MAX_NEW_TOKENS,
+            max_new_tokens=max_new_tokens,
             num_return_sequences=n,
             eos_token_id=tok.eos_token_id,
             pad_token_id=tok.pad_token_id,
@@ -128,6 +171,7 @@ def measure(model, tok, problems, *, n: int) -> dict[str, float]:
         live = (ended == 0) | ((ended == 1) & (new == tok.eos_token_id))
         ent_sum += (ent * live).sum().item()
         ent_tokens += live.sum().item()
+        lengths += live.sum(1).tolist()
         texts = tok.batch_decode(new, skip_special_tokens=True)
         for j, t in enumerate(texts):
             m = BOX.findall(t)
@@ -138,6 +182,11 @@ def measure(model, tok, problems, *, n: int) -> dict[str, float]:
         f"avg@{n}": sum(correct) / len(correct),
         f"pass@{n}": sum(any(c) for c in per_problem) / len(per_problem),
         "entropy_per_token": ent_sum / max(ent_tokens, 1),
+        # response tokens of the right and of the wrong responses: the positive share of a token-mean
+        # update is about right_tokens / (right_tokens + wrong_tokens) per group (docs/study/README.md)
+        "mean_tokens_right": sum(k for k, c in zip(lengths, correct, strict=True) if c) / max(sum(correct), 1),
+        "mean_tokens_wrong": sum(k for k, c in zip(lengths, correct, strict=True) if not c)
+        / max(len(correct) - sum(correct), 1),
     }
 
 
@@ -159,6 +208,11 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=4e-3)
     ap.add_argument("--target", type=float, default=0.12, help="stop once the sampled held-out accuracy reaches this")
     ap.add_argument("--eval-every", type=int, default=150)
+    ap.add_argument("--long-share", type=float, default=0.0, help="share of long, slip-prone solutions (tiny-longcot)")
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="as the model's conf/model/*.yaml")
+    ap.add_argument("--random-base", action="store_true", help="long style: add either factor, at random")
+    ap.add_argument("--commute", action="store_true", help="write a+b / a*b steps in either order, at random")
+    ap.add_argument("--positions", type=int, default=256, help="max_position_embeddings")
     args = ap.parse_args()
 
     torch.manual_seed(args.seed)
@@ -176,7 +230,7 @@ def main() -> None:
         num_hidden_layers=args.layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=256,
+        max_position_embeddings=args.positions,
         rope_theta=10000.0,
         tie_word_embeddings=False,
         bos_token_id=None,
@@ -194,7 +248,8 @@ def main() -> None:
     )
     t0, history, step = time.time(), [], 0
     for step in range(1, args.max_steps + 1):
-        x, m = encode_batch(tok, [sft_example(rng) for _ in range(args.batch)], "cpu")
+        batch = [sft_example(rng, args.long_share, args.random_base, args.commute) for _ in range(args.batch)]
+        x, m = encode_batch(tok, batch, "cpu")
         logits = model(input_ids=x).logits[:, :-1]
         nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none")
         loss = (nll * m[:, 1:]).sum() / m[:, 1:].sum()
@@ -205,14 +260,14 @@ def main() -> None:
         sched.step()
         if step % args.eval_every == 0:
             torch.manual_seed(args.seed + step)  # the probe's samples depend on the step only
-            probe_stats = measure(model, tok, probe, n=2)
+            probe_stats = measure(model, tok, probe, n=2, max_new_tokens=args.max_new_tokens)
             history.append({"step": step, "loss": round(loss.item(), 4), **probe_stats})
             print(f"step {step:5d} loss {loss.item():.4f} {probe_stats} [{time.time() - t0:.0f}s]", flush=True)
             if probe_stats["avg@2"] >= args.target:
                 break
 
     torch.manual_seed(args.seed)
-    bands = measure(model, tok, heldout[:200], n=8)
+    bands = measure(model, tok, heldout[:200], n=8, max_new_tokens=args.max_new_tokens)
     print(f"final: step {step} {bands}", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

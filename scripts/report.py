@@ -250,13 +250,18 @@ class Run:
 
     def pathology(self) -> dict[str, float]:
         """What the pathology checks read: entropy at the start and at the end, the accuracy drop from its
-        peak to the end, and the share of training steps whose ``bapo/rho_before`` is below rho0 (NaN for
-        runs without the search)."""
+        peak to the end, and the share of updates whose ``bapo/rho_before`` is below rho0, from
+        ``bapo/search_active`` (runs logged before it: the share of steps whose mean is below; NaN for runs
+        without the search)."""
         _, ent = self.series("learner/entropy")
         _, acc = self.series("eval/accuracy")
         _, rho = self.series("bapo/rho_before")
+        _, active = self.series("bapo/search_active")  # per step: the share of its updates whose search moved
         rho0 = rho_target(self.cfg)
-        below = float(np.mean(rho < rho0)) if len(rho) and isinstance(rho0, int | float) else math.nan
+        if len(active):  # every step has the same number of updates: the mean over steps is the share of updates
+            below = float(np.mean(active))
+        else:  # runs from before the metric: steps whose mean rho_before is below rho0
+            below = float(np.mean(rho < rho0)) if len(rho) and isinstance(rho0, int | float) else math.nan
         return {
             "entropy_start": float(ent[0]) if len(ent) else math.nan,
             "entropy_end": float(ent[-1]) if len(ent) else math.nan,
@@ -586,7 +591,7 @@ def paired_table(groups, reference: str) -> list[str]:
 def pathology_table(groups) -> list[str]:
     """Per algo x staleness, means over completed seeds: entropy end/start, accuracy peak − final, rho < rho0."""
     cols = ["algo", "staleness", "entropy start → end (min)", "end/start", "acc start → peak → final",
-            "peak − final", "steps with rho_before < rho0"]  # fmt: skip
+            "peak − final", "updates with rho_before < rho0"]  # fmt: skip
     lines = [_row(cols), _row(["---"] * len(cols))]
     for (label, level), runs in groups.items():
         p = [r.pathology() for r in runs if r.complete]
@@ -647,8 +652,9 @@ def render(
             "## Pathology checks",
             "",
             "Means over the completed seeds. Entropy is `learner/entropy` (nats per response token, per training "
-            "step); accuracy is `eval/accuracy`; the last column is the share of training steps whose "
-            "`bapo/rho_before` (mean over the step's updates) is below the run's rho0.",
+            "step); accuracy is `eval/accuracy`; the last column is the share of updates whose "
+            "`bapo/rho_before` is below the run's rho0 (`bapo/search_active`; for runs logged before that "
+            "metric, the share of steps whose mean `bapo/rho_before` is below).",
             "",
             *pathology_table(groups),
             "",

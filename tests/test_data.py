@@ -445,3 +445,54 @@ def test_jsonl_relative_path_is_found_from_the_repo_root(tmp_path, monkeypatch):
     train, held, _ = problem_sources(rc.data)
     assert len(held) == 200 and next(train).source == ""
     assert held[0].problem.startswith("What is ")
+
+
+def test_mixed_long_lines_hand_computed():
+    # 13 - 6 * 9 - 12: 9 added 6 times (5 additions), then left to right
+    lines, value = data.mixed_long_lines("13 - 6 * 9 - 12")
+    assert lines == ["9+9=18", "18+9=27", "27+9=36", "36+9=45", "45+9=54", "13-54=-41", "-41-12=-53"]
+    assert value == 13 - 6 * 9 - 12
+    # a chained product: 2 * 3 = 3+3, then 6 * 4 = 6+6+6+6
+    assert data.mixed_long_lines("2 * 3 * 4") == (["3+3=6", "6+6=12", "12+6=18", "18+6=24"], 24)
+    with pytest.raises(ValueError, match="not a mixops expression"):
+        data.mixed_long_lines("2 / 3")
+
+
+def test_mixed_long_lines_agree_with_precedence_and_are_longer():
+    import random
+
+    rng = random.Random(2)
+    spec = data.MixedSpec()
+    longer = 0
+    for _ in range(500):
+        expr, short, value = data.mixed_problem(rng, spec)
+        lines, got = data.mixed_long_lines(expr)
+        assert got == value == _precedence_value(expr), expr
+        assert data.mixed_long_lines(expr, rng)[1] == value  # either factor as the base: the same answer
+        steps = _replay(lines)  # every line is true arithmetic
+        assert all(op in "+-" for _, op, _, _ in steps)  # products are repeated additions
+        if steps:
+            assert steps[-1][3] == value
+        assert len(lines) >= len(short)
+        longer += len(lines) > len(short)
+    assert longer > 200  # most problems have a product, and then the long style is longer
+
+
+def test_commuted_steps_stay_true_and_both_orders_occur():
+    import random
+    import sys
+
+    from tests.conftest import ROOT
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from build_tiny_explore_model import commute
+
+    rng = random.Random(0)
+    lines = ["9+9=18", "7*8=56", "13-54=-41", "-41-12=-53"]
+    seen = set()
+    for _ in range(50):
+        out = commute(lines, rng)
+        assert out[2:] == lines[2:]  # subtraction and negative operands are never swapped
+        _replay(out)  # every line is still true
+        seen.add(out[1])
+    assert seen == {"7*8=56", "8*7=56"}

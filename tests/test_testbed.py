@@ -1,7 +1,9 @@
-"""The exploration testbed (model=tiny_explore data=mixops): what ships, and the step-0 bands it promises.
+"""The exploration testbeds (model=tiny_explore and model=tiny_longcot, data=mixops): what ships, and the
+step-0 bands they promise.
 
 Bands (issue 14): held-out accuracy 10-25% (avg@8 at T = 1), pass@8 at least twice avg@8, and at least
-0.3 nats of entropy per response token at step 0.
+0.3 nats of entropy per response token at step 0. tiny_longcot also promises what study v3 needs: its wrong
+responses are longer than its right ones (docs/study/README.md).
 """
 
 import json
@@ -15,19 +17,32 @@ from bapo.data import is_heldout
 from tests.conftest import ROOT, run_config
 
 ASSET = ROOT / "assets" / "tiny-explore"
+LONGCOT = ROOT / "assets" / "tiny-longcot"
 
 
-def test_asset_ships_model_tokenizer_task_and_build_info():
-    names = {p.name for p in ASSET.iterdir()}
+@pytest.mark.parametrize("asset", [ASSET, LONGCOT], ids=lambda p: p.name)
+def test_asset_ships_model_tokenizer_task_and_build_info(asset):
+    names = {p.name for p in asset.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "build_info.json"} <= names
     assert {"train.jsonl", "heldout.jsonl"} <= names
-    size = sum(p.stat().st_size for p in ASSET.iterdir())
-    assert size <= 20 * 2**20, f"assets/tiny-explore is {size / 2**20:.1f} MB, over the 20 MB limit"
-    info = json.loads((ASSET / "build_info.json").read_text())
+    size = sum(p.stat().st_size for p in asset.iterdir())
+    assert size <= 20 * 2**20, f"{asset} is {size / 2**20:.1f} MB, over the 20 MB limit"
+    info = json.loads((asset / "build_info.json").read_text())
     assert info["built_by"] == "scripts/build_tiny_explore_model.py"
     bands = info["heldout_bands_T1_n8_first200"]
     assert 0.10 <= bands["avg@8"] <= 0.25 and bands["pass@8"] >= 2 * bands["avg@8"]
     assert bands["entropy_per_token"] >= 0.3
+
+
+def test_longcot_shares_the_task_and_fails_long():
+    # the same mixops problem files (data=mixops reads assets/tiny-explore's), and wrong responses that are
+    # at least 1.4x as long as right ones, which is what puts rho below rho0 (docs/study/README.md)
+    for name in ("train.jsonl", "heldout.jsonl"):
+        assert (LONGCOT / name).read_bytes() == (ASSET / name).read_bytes()
+    info = json.loads((LONGCOT / "build_info.json").read_text())
+    assert info["args"]["long_share"] > 0
+    bands = info["heldout_bands_T1_n8_first200"]
+    assert bands["mean_tokens_wrong"] >= 1.4 * bands["mean_tokens_right"], bands
 
 
 def test_shipped_splits_do_not_overlap_and_answers_are_integers():
@@ -45,12 +60,19 @@ def test_testbed_config_composes_with_every_staleness_of_the_study():
     assert rc.model.name_or_path == "assets/tiny-explore"
     rc = run_config("experiment=study_v2_async", "algo=bapo")
     assert rc.train.async_rollout and rc.buffer.max_staleness == 8
+    rc = run_config("experiment=study_v3", "algo=grpo", "learner.mini_batches_per_rollout=5")
+    assert rc.model.name_or_path == "assets/tiny-longcot" and rc.model.max_new_tokens == 128
+    assert not rc.train.async_rollout and rc.buffer.max_staleness == 4
+    rc = run_config("experiment=study_v3_async", "algo=bapo")
+    assert rc.model.name_or_path == "assets/tiny-longcot" and rc.train.steps == 40
+    assert rc.train.async_rollout and rc.buffer.max_staleness == 8 and rc.learner.mini_batches_per_rollout == 1
 
 
 @pytest.mark.slow
-def test_train_py_one_step_logs_step0_bands(tmp_path):
-    """``python train.py model=tiny_explore data=mixops train.steps=1``, with 8 samples per held-out problem."""
-    cmd = [sys.executable, "train.py", "model=tiny_explore", "data=mixops", "train.steps=1", "eval.n=8"]
+@pytest.mark.parametrize("model", ["tiny_explore", "tiny_longcot"])
+def test_train_py_one_step_logs_step0_bands(tmp_path, model):
+    """``python train.py model=<testbed> data=mixops train.steps=1``, with 8 samples per held-out problem."""
+    cmd = [sys.executable, "train.py", f"model={model}", "data=mixops", "train.steps=1", "eval.n=8"]
     cmd += ["eval.greedy=false", "logger.mode=disabled", f"hydra.run.dir={tmp_path}"]
     # 200 problems x 8 samples take about a minute on an idle 2-core machine; the limit is a hang guard
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)

@@ -248,6 +248,7 @@ def bapo_bounds(
         "rho_after": rho_after,
         "steps": float(step),
         "target_met": target_met,
+        "active": float(step > 0),  # rho before the search was below the target: the bounds moved
         "P": p_after,
         "N": n_after,
     }

@@ -62,6 +62,7 @@ BAPO_NAMES = {
     "rho_before": "bapo/rho_before",
     "steps": "bapo/search_steps",
     "target_met": "bapo/target_met",
+    "active": "bapo/search_active",
     "pn_ratio_before": "bapo/pn_ratio_before",
     "pn_ratio_after": "bapo/pn_ratio_after",
 }

@@ -45,6 +45,7 @@ def test_surrogate_objective_is_bounds_plus_policy_loss():
         "bapo/rho_before": bstats["rho_before"],
         "bapo/search_steps": bstats["steps"],
         "bapo/target_met": bstats["target_met"],
+        "bapo/search_active": bstats["active"],
     }
     assert obj.loss is policy_loss and obj.adaptive and obj.prepass and not obj.stateful
     assert obj.after_update(stats) == {} and obj.state_dict() == {}

@@ -1,0 +1,67 @@
+"""Run a sweep's grid a few runs at a time, in the order given, each where Hydra's sweeper would put it.
+
+``python train.py -m`` runs a grid one run after another. On a small machine two runs side by side,
+one thread each, finish a grid sooner, and an order (the most informative cells first) makes a
+stopped study useful. Each run goes to ``<sweep dir>/<override_dirname>``, the folder name the sweeper
+uses, so ``python train.py -m experiment=<name>`` and this script share finished runs both ways
+(``resume: auto`` in the study configs). A run whose ``final_metrics.json`` exists is skipped.
+
+    python scripts/run_grid.py study_v3 "algo=grpo learner.mini_batches_per_rollout=5" --seeds 1 2 3 4 5 --jobs 2
+
+Each cell is a space-separated list of overrides; every cell runs once per seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def sweep_dir(experiment: str) -> str:
+    cfg = OmegaConf.load(ROOT / "conf" / "experiment" / f"{experiment}.yaml")
+    found = OmegaConf.select(cfg, "hydra.sweep.dir")
+    if found is None:
+        raise SystemExit(f"conf/experiment/{experiment}.yaml sets no hydra.sweep.dir")
+    return found
+
+
+def run_one(experiment: str, overrides: list[str], root: Path, log_dir: Path) -> tuple[str, int, float]:
+    name = ",".join(sorted(overrides))  # Hydra's override_dirname: key=value pairs sorted, joined by ','
+    run_dir = root / name
+    if (run_dir / "final_metrics.json").is_file():
+        return name, 0, 0.0
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
+    cmd = [sys.executable, "train.py", f"experiment={experiment}", *overrides, f"hydra.run.dir='{run_dir}'"]
+    t0 = time.time()
+    with (log_dir / f"{name}.log").open("a") as log:
+        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    return name, rc, time.time() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("experiment", help="a conf/experiment name with a hydra.sweep.dir")
+    ap.add_argument("cells", nargs="+", help="overrides of one cell, space-separated, in a single argument")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5])
+    ap.add_argument("--jobs", type=int, default=2)
+    args = ap.parse_args()
+    root = ROOT / sweep_dir(args.experiment)
+    log_dir = root / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    jobs = [cell.split() + [f"seed={s}"] for s in args.seeds for cell in args.cells]  # seed-major: early seeds first
+    with ThreadPoolExecutor(args.jobs) as pool:
+        for name, rc, secs in pool.map(lambda o: run_one(args.experiment, o, root, log_dir), jobs):
+            print(f"{'ok ' if rc == 0 else f'rc={rc}'} {secs:6.0f}s {root.relative_to(ROOT)}/{name}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
