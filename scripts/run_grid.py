@@ -35,7 +35,8 @@ def sweep_dir(experiment: str) -> str:
 
 
 def run_one(experiment: str, overrides: list[str], root: Path, log_dir: Path) -> tuple[str, int, float]:
-    name = ",".join(sorted(overrides))  # Hydra's override_dirname: key=value pairs sorted, joined by ','
+    # Hydra's override_dirname (key=value pairs sorted, joined by ','), with a group's '/' as '.' to stay one folder
+    name = ",".join(sorted(overrides)).replace("/", ".")
     run_dir = root / name
     if (run_dir / "final_metrics.json").is_file():
         return name, 0, 0.0
@@ -53,8 +54,9 @@ def main() -> None:
     ap.add_argument("cells", nargs="+", help="overrides of one cell, space-separated, in a single argument")
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5])
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--sweep-dir", help="instead of the experiment's hydra.sweep.dir (e.g. a control run)")
     args = ap.parse_args()
-    root = ROOT / sweep_dir(args.experiment)
+    root = ROOT / (args.sweep_dir or sweep_dir(args.experiment))
     log_dir = root / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     jobs = [cell.split() + [f"seed={s}"] for s in args.seeds for cell in args.cells]  # seed-major: early seeds first
