@@ -2,7 +2,7 @@
 
 The shipped tiny model (``scripts/build_tiny_model.py``) is near-deterministic per token
 (0.02 nats) and starts near 50% accuracy, so the positive share of its updates is about 0.5
-and there is no entropy to lose (docs/study/README.md). This testbed is built to start where
+and there is no entropy to lose (docs/study/v1/README.md). This testbed is built to start where
 off-policy RL on LLMs starts: mostly wrong, uncertain, with room to learn.
 
 The task (``bapo.data.mixed_problem``): expressions of 3-5 operands with ``+``, ``-`` and ``*``

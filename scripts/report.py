@@ -296,14 +296,16 @@ class Run:
 
 
 def label_of(run_dir: Path, cfg: dict) -> str:
-    """algo.name, plus any algo.* command-line overrides (ablations keep the algo's name)."""
+    """algo.name, plus any algo.* and algo/<group> command-line overrides (ablations keep the algo's name)."""
     name = str(cfg_get(cfg, "algo.name", "?"))
     overrides_file = run_dir / ".hydra" / "overrides.yaml"
     try:
         overrides = OmegaConf.to_container(OmegaConf.load(overrides_file)) if overrides_file.is_file() else []
     except Exception:
         overrides = []
-    extra = [str(o).lstrip("+~").split(".", 1)[1] for o in overrides or [] if str(o).lstrip("+~").startswith("algo.")]
+    given = [str(o).lstrip("+~") for o in overrides or []]
+    extra = [o[len("algo.") :] for o in given if o.startswith("algo.")]
+    extra += [o[len("algo/") :] for o in given if o.startswith("algo/")]  # a sub-group: algo/correction=tis
     return f"{name}[{','.join(extra)}]" if extra else name
 
 

@@ -73,7 +73,13 @@ def test_testbed_config_composes_with_every_staleness_of_the_study():
 def test_train_py_one_step_logs_step0_bands(tmp_path, model):
     """``python train.py model=<testbed> data=mixops train.steps=1``, with 8 samples per held-out problem."""
     cmd = [sys.executable, "train.py", f"model={model}", "data=mixops", "train.steps=1", "eval.n=8"]
-    cmd += ["eval.greedy=false", "logger.mode=disabled", f"hydra.run.dir={tmp_path}"]
+    # one update per step: step 1's entropy is then measured on the step-0 weights' own samples, before any update
+    cmd += [
+        "learner.mini_batches_per_rollout=1",
+        "eval.greedy=false",
+        "logger.mode=disabled",
+        f"hydra.run.dir={tmp_path}",
+    ]
     # 200 problems x 8 samples take about a minute on an idle 2-core machine; the limit is a hang guard
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
     assert proc.returncode == 0, proc.stderr[-2000:]

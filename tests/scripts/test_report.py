@@ -200,6 +200,10 @@ def test_label_keeps_algo_overrides(tmp_path):
     overrides = ["algo=bapo", "algo.contribution=gradient", "seed=2"]
     (tmp_path / ".hydra" / "overrides.yaml").write_text(json.dumps(overrides))
     assert report.label_of(tmp_path, {"algo": {"name": "bapo"}}) == "bapo[contribution=gradient]"
+    # a sub-group override (a rollout correction) is an arm of its own, not the plain algorithm
+    overrides = ["algo=grpo", "algo/correction=tis", "learner.old_logp=recompute"]
+    (tmp_path / ".hydra" / "overrides.yaml").write_text(json.dumps(overrides))
+    assert report.label_of(tmp_path, {"algo": {"name": "grpo"}}) == "grpo[correction=tis]"
 
 
 # ------------------------------------------------------------------------------------ statistics
