@@ -262,6 +262,12 @@ class Run:
             below = float(np.mean(active))
         else:  # runs from before the metric: steps whose mean rho_before is below rho0
             below = float(np.mean(rho < rho0)) if len(rho) and isinstance(rho0, int | float) else math.nan
+        # the same share among the updates with a learning signal (an update whose every group is all right or
+        # all wrong has no advantage, rho = 1 by convention, and nothing to search)
+        _, signal = self.series("bapo/signal")
+        below_signal = (
+            float(np.sum(active) / np.sum(signal)) if len(signal) == len(active) and np.sum(signal) else math.nan
+        )
         return {
             "entropy_start": float(ent[0]) if len(ent) else math.nan,
             "entropy_end": float(ent[-1]) if len(ent) else math.nan,
@@ -270,6 +276,7 @@ class Run:
             "acc_peak": float(np.max(acc)) if len(acc) else math.nan,
             "acc_final": float(acc[-1]) if len(acc) else math.nan,
             "rho_below_share": below,
+            "rho_below_signal_share": below_signal,
         }
 
     def against(self, key: str, axis: str) -> tuple[np.ndarray, np.ndarray]:
@@ -593,7 +600,7 @@ def paired_table(groups, reference: str) -> list[str]:
 def pathology_table(groups) -> list[str]:
     """Per algo x staleness, means over completed seeds: entropy end/start, accuracy peak − final, rho < rho0."""
     cols = ["algo", "staleness", "entropy start → end (min)", "end/start", "acc start → peak → final",
-            "peak − final", "updates with rho_before < rho0"]  # fmt: skip
+            "peak − final", "updates with rho_before < rho0", "... of those with a signal"]  # fmt: skip
     lines = [_row(cols), _row(["---"] * len(cols))]
     for (label, level), runs in groups.items():
         p = [r.pathology() for r in runs if r.complete]
@@ -607,6 +614,7 @@ def pathology_table(groups) -> list[str]:
             f"{m['entropy_start']:.3f} → {m['entropy_end']:.3f} ({m['entropy_min']:.3f})", f"{ratio:.2f}",
             f"{m['acc_start']:.3f} → {m['acc_peak']:.3f} → {m['acc_final']:.3f}",
             f"{m['acc_peak'] - m['acc_final']:.3f}", rho,
+            DASH if not math.isfinite(m["rho_below_signal_share"]) else f"{m['rho_below_signal_share']:.0%}",
         ]))  # fmt: skip
     return lines
 
@@ -654,9 +662,10 @@ def render(
             "## Pathology checks",
             "",
             "Means over the completed seeds. Entropy is `learner/entropy` (nats per response token, per training "
-            "step); accuracy is `eval/accuracy`; the last column is the share of updates whose "
+            "step); accuracy is `eval/accuracy`. 'updates with rho_before < rho0' is the share of updates whose "
             "`bapo/rho_before` is below the run's rho0 (`bapo/search_active`; for runs logged before that "
-            "metric, the share of steps whose mean `bapo/rho_before` is below).",
+            "metric, the share of steps whose mean `bapo/rho_before` is below). The last column counts only "
+            "the updates with a learning signal (`bapo/signal`: some group neither all right nor all wrong).",
             "",
             *pathology_table(groups),
             "",

@@ -239,8 +239,8 @@ def bapo_bounds(
         # The first candidate that meets the target; the path's end if none does.
         chosen = torch.where(met.any(), met.int().argmax(), torch.tensor(len(kh) - 1, device=met.device))
         picked = [chosen.double(), met[chosen].double(), rho[0], rho[chosen], p[chosen], n[chosen]]
-        picked = torch.stack(picked + [score[0], score[chosen]])
-        step, target_met, rho_before, rho_after, p_after, n_after, score_before, score_after = picked.tolist()
+        picked = torch.stack(picked + [score[0], score[chosen], p[0] + n[0]])
+        step, target_met, rho_before, rho_after, p_after, n_after, score_before, score_after, mass = picked.tolist()
 
     step = int(step)
     stats = {
@@ -249,6 +249,7 @@ def bapo_bounds(
         "steps": float(step),
         "target_met": target_met,
         "active": float(step > 0),  # rho before the search was below the target: the bounds moved
+        "signal": float(mass > 0),  # some token carried an advantage (else rho = 1 by convention: nothing to search)
         "P": p_after,
         "N": n_after,
     }

@@ -63,6 +63,7 @@ BAPO_NAMES = {
     "steps": "bapo/search_steps",
     "target_met": "bapo/target_met",
     "active": "bapo/search_active",
+    "signal": "bapo/signal",
     "pn_ratio_before": "bapo/pn_ratio_before",
     "pn_ratio_after": "bapo/pn_ratio_after",
 }

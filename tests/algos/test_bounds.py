@@ -42,7 +42,7 @@ def test_paper_hand_walk_raises_c_high_three_steps():
     ratio, adv, mask, old_logp = _tokens([2.0, 1.0, 1.0], [1.0, -1.0, -1.0])
     c_low, c_high, stats = bapo_bounds(ratio, adv, mask, old_logp, weight="none")
     assert (c_low, c_high) == (0.6, pytest.approx(1.35))
-    assert stats["steps"] == 3 and stats["target_met"] == 1.0 and stats["active"] == 1.0
+    assert stats["steps"] == 3 and stats["target_met"] == 1.0 and stats["active"] == 1.0 and stats["signal"] == 1.0
     assert stats["rho_before"] == pytest.approx(1.2 / 3.2)
     assert stats["rho_after"] == pytest.approx(1.35 / 3.35)
     assert (stats["P"], stats["N"]) == (pytest.approx(1.35), pytest.approx(2.0))
@@ -109,10 +109,10 @@ def test_recipe_n_zero_counts_as_met():
     ratio, adv, mask, old_logp = _tokens([5.0, 0.5], [1.0, 2.0])
     c_low, c_high, stats = bapo_bounds(ratio, adv, mask, old_logp, **RECIPE, rho0=0.5)
     assert (c_low, c_high, stats["steps"]) == (0.8, 1.2, 0)
-    assert stats["pn_ratio_after"] == math.inf and stats["rho_after"] == 1.0
+    assert stats["pn_ratio_after"] == math.inf and stats["rho_after"] == 1.0 and stats["signal"] == 1.0
     _, _, stats = bapo_bounds(ratio, adv, torch.zeros_like(mask), old_logp, **RECIPE, rho0=0.5)
     assert stats["steps"] == 0 and stats["target_met"] == 1.0 and stats["rho_before"] == 1.0
-    assert stats["active"] == 0.0
+    assert stats["active"] == 0.0 and stats["signal"] == 0.0  # no token: nothing to search
 
 
 def test_paper_no_low_step_means_no_search():

@@ -46,6 +46,7 @@ def test_surrogate_objective_is_bounds_plus_policy_loss():
         "bapo/search_steps": bstats["steps"],
         "bapo/target_met": bstats["target_met"],
         "bapo/search_active": bstats["active"],
+        "bapo/signal": bstats["signal"],
     }
     assert obj.loss is policy_loss and obj.adaptive and obj.prepass and not obj.stateful
     assert obj.after_update(stats) == {} and obj.state_dict() == {}

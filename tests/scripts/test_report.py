@@ -263,3 +263,19 @@ def test_interval_cell_shows_no_interval_for_one_seed():
     assert report._ci((0.5, 0.4, 0.6), n=2) == "0.500 [0.400, 0.600]"
     assert report._ci((0.5, 0.5, 0.5), n=1) == "0.500"  # a zero-width "interval" from one seed would mislead
     assert report._ci((math.nan, math.nan, math.nan)) == report.DASH
+
+
+def test_pathology_counts_updates_and_updates_with_a_signal(tmp_path):
+    # 4 steps of 5 updates: search_active is each step's share of updates whose search moved, signal the share
+    # with any advantage. Hand count: active 2+1+0+3 = 6 of 20 updates (30%); signal 4+2+0+5 = 11, so 6/11.
+    d = write_run(tmp_path, "bapo", 5, 1, acc=[0.2, 0.3, 0.1], grad_norm=[1.0] * 8, entropy=[0.5] * 8, step_s=1.0)
+    rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+    active, signal = [0.4, 0.2, 0.0, 0.6], [0.8, 0.4, 0.0, 1.0]
+    training = [r for r in rows if r["step"] >= 1][:4]
+    for r, a, s in zip(training, active, signal, strict=True):
+        r |= {"bapo/search_active": a, "bapo/signal": s}
+    rows = [r for r in rows if r["step"] <= 4]
+    (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    p = report.load_run(d).pathology()
+    assert p["rho_below_share"] == pytest.approx(6 / 20)
+    assert p["rho_below_signal_share"] == pytest.approx(6 / 11)
