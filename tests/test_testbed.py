@@ -64,7 +64,7 @@ def test_testbed_config_composes_with_every_staleness_of_the_study():
     assert rc.model.name_or_path == "assets/tiny-longcot" and rc.model.max_new_tokens == 128
     assert not rc.train.async_rollout and rc.buffer.max_staleness == 4
     rc = run_config("experiment=study_v3_async", "algo=bapo")
-    assert rc.model.name_or_path == "assets/tiny-longcot" and rc.train.steps == 40
+    assert rc.model.name_or_path == "assets/tiny-longcot" and rc.train.steps == 80 and rc.learner.lr == 5e-4
     assert rc.train.async_rollout and rc.buffer.max_staleness == 8 and rc.learner.mini_batches_per_rollout == 1
 
 
