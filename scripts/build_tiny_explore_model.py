@@ -214,6 +214,8 @@ def main() -> None:
     ap.add_argument("--commute", action="store_true", help="write a+b / a*b steps in either order, at random")
     ap.add_argument("--positions", type=int, default=256, help="max_position_embeddings")
     args = ap.parse_args()
+    if not 0.0 <= args.long_share <= 1.0:
+        ap.error(f"--long-share is a share of the solutions, in [0, 1]; got {args.long_share}")
 
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)

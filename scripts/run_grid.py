@@ -27,7 +27,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def sweep_dir(experiment: str) -> str:
-    cfg = OmegaConf.load(ROOT / "conf" / "experiment" / f"{experiment}.yaml")
+    path = ROOT / "conf" / "experiment" / f"{experiment}.yaml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in path.parent.glob("*.yaml")))
+        raise SystemExit(f"experiment: no {path.relative_to(ROOT)} (known: {known})")
+    cfg = OmegaConf.load(path)
     found = OmegaConf.select(cfg, "hydra.sweep.dir")
     if found is None:
         raise SystemExit(f"conf/experiment/{experiment}.yaml sets no hydra.sweep.dir")
@@ -62,7 +66,8 @@ def main() -> None:
     jobs = [cell.split() + [f"seed={s}"] for s in args.seeds for cell in args.cells]  # seed-major: early seeds first
     with ThreadPoolExecutor(args.jobs) as pool:
         for name, rc, secs in pool.map(lambda o: run_one(args.experiment, o, root, log_dir), jobs):
-            print(f"{'ok ' if rc == 0 else f'rc={rc}'} {secs:6.0f}s {root.relative_to(ROOT)}/{name}", flush=True)
+            where = root.relative_to(ROOT) if root.is_relative_to(ROOT) else root
+            print(f"{'ok ' if rc == 0 else f'rc={rc}'} {secs:6.0f}s {where}/{name}", flush=True)
 
 
 if __name__ == "__main__":
