@@ -25,7 +25,8 @@ With `--intervals` (or whenever some group has two or more completed seeds) repo
   peak, and the share of steps on which `bapo/rho_before` < rho0.
 
 Definitions (repeated in report.md):
-- staleness: `staleness_of(cfg)`; the configured `buffer.max_staleness` is its own column.
+- staleness: `staleness_of(cfg)`, followed by how it comes about (`staleness_via`) unless on-policy:
+  `4 (5 epochs)` and `4 (5 mini-batches)` are separate groups. `buffer.max_staleness` is its own column.
 - a run is complete when `final_metrics.json` exists. Incomplete runs (crashed, interrupted or still
   running) are left out of the statistics, counted in the `incomplete` column and listed by name.
 - grad-norm spike: a step whose `learner/grad_norm` exceeds 3x the median of all earlier steps'
@@ -44,6 +45,7 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import matplotlib
 
@@ -111,6 +113,31 @@ def staleness_of(cfg: dict) -> int | None:
     if epochs is None or mini_batches is None:
         return None
     return epochs * mini_batches - 1
+
+
+def staleness_via(cfg: dict) -> str:
+    """How samples get stale: "on-policy", or what makes them stale ("5 epochs", "5 mini-batches",
+    "2 epochs × 3 mini-batches", "async", "async, 2 mini-batches"); "?" when the keys are missing.
+
+    The same staleness reached two ways is two regimes (re-fitting one batch 5 times is not splitting it in 5),
+    so the report groups runs by staleness and this together (`Level`).
+    """
+    epochs = _as_int(cfg_get(cfg, "learner.ppo_epochs", 1))
+    mini_batches = _as_int(cfg_get(cfg, "learner.mini_batches_per_rollout"))
+    if epochs is None or mini_batches is None:
+        return "?"
+    parts = ["async"] if cfg_get(cfg, "train.async_rollout") is True else []
+    reuse = [f"{n} {unit}" for n, unit in ((epochs, "epochs"), (mini_batches, "mini-batches")) if n > 1]
+    if parts:
+        return ", ".join(parts + (([" × ".join(reuse)]) if reuse else []))
+    return " × ".join(reuse) if reuse else "on-policy"
+
+
+class Level(NamedTuple):
+    """A group of the report besides the algo: the staleness and how it comes about (`staleness_via`)."""
+
+    staleness: int | None
+    via: str
 
 
 # ------------------------------------------------------------------------------------ statistics
@@ -222,6 +249,10 @@ class Run:
     @property
     def staleness(self) -> int | None:
         return staleness_of(self.cfg)
+
+    @property
+    def level(self) -> Level:
+        return Level(self.staleness, staleness_via(self.cfg))
 
     @property
     def seed(self):
@@ -353,14 +384,14 @@ def find_runs(sweep: Path) -> list[Path]:
     return sorted(found)
 
 
-def _level_key(level: int | None) -> tuple:
-    return (level is None, level or 0)
+def _level_key(level: Level) -> tuple:
+    return (level.staleness is None, level.staleness or 0, level.via)
 
 
-def group_runs(runs: list[Run]) -> dict[tuple[str, int | None], list[Run]]:
-    groups: dict[tuple[str, int | None], list[Run]] = {}
+def group_runs(runs: list[Run]) -> dict[tuple[str, Level], list[Run]]:
+    groups: dict[tuple[str, Level], list[Run]] = {}
     for run in runs:
-        groups.setdefault((run.label, run.staleness), []).append(run)
+        groups.setdefault((run.label, run.level), []).append(run)
     return dict(sorted(groups.items(), key=lambda kv: (_level_key(kv[0][1]), kv[0][0])))
 
 
@@ -374,8 +405,10 @@ def mean_std(xs, fmt: str = "{:.3f}") -> str:
     return f"{fmt.format(float(np.mean(xs)))} ± {fmt.format(float(np.std(xs, ddof=1)))}"
 
 
-def _show(level) -> str:
-    return "?" if level is None else str(level)
+def _show(level: Level) -> str:
+    """'0' on-policy, '4 (5 epochs)', '8 (async)'; '?' for an unknown staleness."""
+    head = "?" if level.staleness is None else str(level.staleness)
+    return head if level.via == "on-policy" else f"{head} ({level.via})"
 
 
 # ------------------------------------------------------------------------------------------- plots
@@ -630,7 +663,9 @@ def render(
         f"Sweep `{sweep}`: {len(runs)} runs, {len(runs) - len(bad)} complete, {len(bad)} incomplete.",
         "",
         "Mean ± std (sample std) over the completed seeds of each algo × staleness. Staleness is "
-        "`ppo_epochs × mini_batches_per_rollout − 1` (with `train.async_rollout`, `buffer.max_staleness`). "
+        "`ppo_epochs × mini_batches_per_rollout − 1` (with `train.async_rollout`, `buffer.max_staleness`), "
+        "and the parentheses say how it comes about: `4 (5 epochs)` fits each rollout batch 5 times, "
+        "`4 (5 mini-batches)` splits it into 5 updates, `8 (async)` generates up to 8 versions ahead. "
         "Accuracy is `eval/accuracy` at the last eval step (final) and its maximum (best); entropy is the "
         f"last logged `learner/entropy`; a grad-norm spike is a step whose grad norm exceeds {SPIKE_FACTOR:g}× "
         f"the median of all earlier steps (from the {SPIKE_MIN_HISTORY + 1}th step on); wall time sums "
@@ -678,7 +713,7 @@ def render(
         lines += [_row(["run", "algo", "staleness", "seed", "status"]), _row(["---"] * 5)]
         for r in bad:
             name = str(r.path.relative_to(sweep)) if r.path != sweep else "."
-            lines.append(_row([f"`{name}`", r.label, _show(r.staleness), r.seed, r.status()]))
+            lines.append(_row([f"`{name}`", r.label, _show(r.level), r.seed, r.status()]))
     else:
         lines.append("None.")
     problems = [p for r in runs for p in r.problems]

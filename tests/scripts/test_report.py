@@ -110,7 +110,8 @@ def test_report_table_plots_and_crashes(sweep, tmp_path, capsys):
     assert report.main([str(sweep), "--out", str(out)]) == 0
     md = (out / "report.md").read_text()
     rows = {(r["algo"], r["staleness"]): r for r in table(md, "Results")}
-    assert list(rows) == [("grpo", "0"), ("bapo", "2"), ("clip_higher", "4")]  # sorted by staleness
+    # sorted by staleness; the parentheses say how the samples get stale
+    assert list(rows) == [("grpo", "0"), ("bapo", "2 (3 mini-batches)"), ("clip_higher", "4 (5 mini-batches)")]
 
     grpo = rows[("grpo", "0")]
     # final acc 0.4, 0.6: mean 0.5, sample std sqrt((0.1^2 + 0.1^2) / 1) = 0.1414
@@ -127,13 +128,13 @@ def test_report_table_plots_and_crashes(sweep, tmp_path, capsys):
     assert grpo["wall time (min)"] == "1.5 ± 0.7"
     assert (grpo["seeds"], grpo["incomplete"], grpo["max_staleness"]) == ("2", "1", "4")
 
-    bapo = rows[("bapo", "2")]
+    bapo = rows[("bapo", "2 (3 mini-batches)")]
     assert bapo["final acc"] == "0.700 ± 0.141"  # 0.8 and 0.6; the interrupted seed (0.2) is left out
     assert bapo["best acc"] == "0.850 ± 0.071"  # 0.8 and 0.9
     assert bapo["grad-norm spikes"] == "0.0 ± 0.0"
     assert (bapo["seeds"], bapo["incomplete"]) == ("2", "1")
 
-    clip = rows[("clip_higher", "4")]
+    clip = rows[("clip_higher", "4 (5 mini-batches)")]
     assert (clip["final acc"], clip["seeds"], clip["incomplete"], clip["max_staleness"]) == ("—", "0", "1", "?")
 
     incomplete = {r["algo"]: r for r in table(md, "Incomplete runs")}
@@ -178,6 +179,37 @@ def test_staleness_of():
     assert report.staleness_of({"train": {"async_rollout": False}, "learner": learner}) == 5
     assert report.staleness_of({}) is None
     assert report.staleness_of({"learner": {"mini_batches_per_rollout": "${x}"}}) is None
+
+
+def test_staleness_via():
+    via = report.staleness_via
+    assert via({"learner": {"ppo_epochs": 1, "mini_batches_per_rollout": 1}}) == "on-policy"
+    assert via({"learner": {"ppo_epochs": 5, "mini_batches_per_rollout": 1}}) == "5 epochs"
+    assert via({"learner": {"mini_batches_per_rollout": 5}}) == "5 mini-batches"  # ppo_epochs defaults to 1
+    assert via({"learner": {"ppo_epochs": 2, "mini_batches_per_rollout": 3}}) == "2 epochs × 3 mini-batches"
+    async_cfg = {"train": {"async_rollout": True}, "buffer": {"max_staleness": 8}}
+    assert via(async_cfg | {"learner": {"ppo_epochs": 1, "mini_batches_per_rollout": 1}}) == "async"
+    assert via(async_cfg | {"learner": {"ppo_epochs": 1, "mini_batches_per_rollout": 2}}) == "async, 2 mini-batches"
+    assert via({}) == "?"
+    assert via({"learner": {"ppo_epochs": "${x}", "mini_batches_per_rollout": 1}}) == "?"
+
+
+def test_same_staleness_two_ways_are_two_groups(tmp_path):
+    """5 epochs and 5 mini-batches both reach staleness 4; pooling them would average two regimes."""
+    root = tmp_path / "sweep"
+    acc, kw = [0.2, 0.3, 0.4], {"grad_norm": [1] * STEPS, "entropy": [0.5] * STEPS, "step_s": 6.0}
+    write_run(root, "grpo", 5, 1, acc=acc, **kw)
+    epochs = write_run(root / "epochs", "grpo", 1, 1, acc=[0.2, 0.0, 0.0], **kw)
+    cfg = json.loads((epochs / "config.yaml").read_text())
+    cfg["learner"]["ppo_epochs"] = 5
+    (epochs / "config.yaml").write_text(json.dumps(cfg))
+    runs = [report.load_run(d) for d in report.find_runs(root)]
+    groups = report.group_runs(runs)
+    assert list(groups) == [("grpo", report.Level(4, "5 epochs")), ("grpo", report.Level(4, "5 mini-batches"))]
+    out = tmp_path / "out"
+    assert report.main([str(root), "--out", str(out)]) == 0
+    rows = {r["staleness"]: r for r in table((out / "report.md").read_text(), "Results")}
+    assert (rows["4 (5 epochs)"]["final acc"], rows["4 (5 mini-batches)"]["final acc"]) == ("0.000", "0.400")
 
 
 def test_count_spikes():
