@@ -52,7 +52,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -60,6 +60,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from build_tiny_model import CHAT_TEMPLATE, SPECIALS, encode_batch  # noqa: E402
 
+from bapo.algos import grpo_advantages, positive_contribution  # noqa: E402
 from bapo.data import (  # noqa: E402
     DEFAULT_INSTRUCTION,
     MixedSpec,
@@ -182,12 +183,55 @@ def measure(model, tok, problems, *, n: int, max_new_tokens: int) -> dict[str, f
         f"avg@{n}": sum(correct) / len(correct),
         f"pass@{n}": sum(any(c) for c in per_problem) / len(per_problem),
         "entropy_per_token": ent_sum / max(ent_tokens, 1),
-        # response tokens of the right and of the wrong responses: the positive share of a token-mean
-        # update is about right_tokens / (right_tokens + wrong_tokens) per group (docs/study/README.md)
+        # response tokens of the right and of the wrong responses, over all problems
         "mean_tokens_right": sum(k for k, c in zip(lengths, correct, strict=True) if c) / max(sum(correct), 1),
         "mean_tokens_wrong": sum(k for k, c in zip(lengths, correct, strict=True) if not c)
         / max(len(correct) - sum(correct), 1),
+        **token_balance(correct, lengths, n),
     }
+
+
+def token_balance(correct: list[bool], lengths: list[int], n: int) -> dict[str, float]:
+    """What a GRPO update sees of the length gap between right and wrong responses.
+
+    Samples come in groups of ``n`` per problem. Only groups with both right and wrong responses
+    ("mixed") carry a GRPO advantage, so a length gap between problems (hard ones long and all wrong)
+    never reaches the update. Over the mixed groups: the mean tokens of a right and of a wrong response,
+    and ``grpo_rho``, the positive share BAPO's search compares with rho0 (``bapo.algos.positive_contribution``
+    at ratio 1, unweighted): every response token carries its response's group-normalised advantage.
+    """
+    if not correct or len(correct) % n or len(lengths) != len(correct):
+        raise ValueError(f"token_balance: {len(correct)} results and {len(lengths)} lengths in groups of {n}")
+    adv = grpo_advantages([float(c) for c in correct], n)  # [B]
+    width = max(max(lengths), 1)
+    mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).float()  # [B, T]
+    tokens_adv = adv[:, None].double().expand(-1, width) * mask  # [B, T]
+    p, q = positive_contribution(
+        torch.ones_like(mask), tokens_adv, mask, torch.zeros_like(mask), ratio_low=0.0, ratio_high=1.0, weight="none"
+    )
+    groups = [range(k, k + n) for k in range(0, len(correct), n)]
+    mixed = [i for g in groups if 0 < sum(correct[i] for i in g) < n for i in g]
+    right = [lengths[i] for i in mixed if correct[i]]
+    wrong = [lengths[i] for i in mixed if not correct[i]]
+    nan = float("nan")
+    return {
+        "mixed_groups": len(mixed) // n,
+        "mean_tokens_right_mixed": sum(right) / len(right) if right else nan,
+        "mean_tokens_wrong_mixed": sum(wrong) / len(wrong) if wrong else nan,
+        "grpo_rho": (p / (p + q)).item() if p + q > 0 else nan,
+    }
+
+
+def measure_built(path: Path, *, seed: int = 0) -> dict[str, float]:
+    """The final bands of a built model, measured again: 200 held-out problems x 8, with its own max_new_tokens."""
+    info_file = path / "build_info.json"
+    if not info_file.is_file():
+        raise SystemExit(f"--measure: {info_file} not found (a folder written by this script)")
+    info = json.loads(info_file.read_text())
+    model, tok = LlamaForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    heldout = mixed_split(N_HELDOUT, seed=SPLIT_SEED, split="heldout", heldout_frac=HELDOUT_FRAC, spec=SPEC)
+    torch.manual_seed(seed)
+    return measure(model, tok, heldout[:200], n=8, max_new_tokens=info["args"]["max_new_tokens"])
 
 
 def write_jsonl(path: Path, problems) -> None:
@@ -213,9 +257,13 @@ def main() -> None:
     ap.add_argument("--random-base", action="store_true", help="long style: add either factor, at random")
     ap.add_argument("--commute", action="store_true", help="write a+b / a*b steps in either order, at random")
     ap.add_argument("--positions", type=int, default=256, help="max_position_embeddings")
+    ap.add_argument("--measure", metavar="DIR", help="build nothing: measure a built model's bands and print them")
     args = ap.parse_args()
     if not 0.0 <= args.long_share <= 1.0:
         ap.error(f"--long-share is a share of the solutions, in [0, 1]; got {args.long_share}")
+    if args.measure:
+        print(json.dumps(measure_built(Path(args.measure), seed=args.seed), indent=1))
+        return
 
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)

@@ -6,7 +6,9 @@ Bands (issue 14): held-out accuracy 10-25% (avg@8 at T = 1), pass@8 at least twi
 responses are longer than its right ones (docs/study/README.md).
 """
 
+import importlib.util
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -36,7 +38,8 @@ def test_asset_ships_model_tokenizer_task_and_build_info(asset):
 
 def test_longcot_shares_the_task_and_fails_long():
     # the same mixops problem files (data=mixops reads assets/tiny-explore's), and wrong responses that are
-    # at least 1.4x as long as right ones, which is what puts rho below rho0 (docs/study/README.md)
+    # at least 1.4x as long as right ones over all problems. Within the groups a GRPO update sees, the gap is
+    # smaller (test_longcot_measure_reproduces_the_bands_and_the_grpo_balance)
     for name in ("train.jsonl", "heldout.jsonl"):
         assert (LONGCOT / name).read_bytes() == (ASSET / name).read_bytes()
     info = json.loads((LONGCOT / "build_info.json").read_text())
@@ -66,6 +69,10 @@ def test_testbed_config_composes_with_every_staleness_of_the_study():
     rc = run_config("experiment=study_v3_async", "algo=bapo")
     assert rc.model.name_or_path == "assets/tiny-longcot" and rc.train.steps == 80 and rc.learner.lr == 5e-4
     assert rc.train.async_rollout and rc.buffer.max_staleness == 8 and rc.learner.mini_batches_per_rollout == 1
+    rc = run_config("experiment=study_v3_epochs", "algo=grpo")
+    assert rc.model.name_or_path == "assets/tiny-longcot" and rc.train.steps == 80 and rc.learner.lr == 5e-4
+    assert not rc.train.async_rollout and (rc.learner.ppo_epochs, rc.learner.mini_batches_per_rollout) == (5, 1)
+    assert rc.buffer.max_staleness == 4 and rc.train.prompts_per_step == 20  # the other cells' sample budget
 
 
 @pytest.mark.slow
@@ -90,3 +97,45 @@ def test_train_py_one_step_logs_step0_bands(tmp_path, model):
     assert step0["eval/pass@8"] >= 2 * step0["eval/accuracy"], step0
     assert step1["learner/entropy"] >= 0.3, step1  # the first update's batch: sampled by the step-0 weights
     assert Path(tmp_path / "final_metrics.json").is_file()
+
+
+def _build_script():
+    spec = importlib.util.spec_from_file_location("build_explore", ROOT / "scripts" / "build_tiny_explore_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_token_balance_hand_values():
+    balance = _build_script().token_balance
+    # group 1 (mixed): 1 right of 10 tokens, 3 wrong of 20. Rewards 1,0,0,0: mean 1/4, unbiased std 1/2, so
+    # A = +3/2 and -1/2. P = 3/2 * 10 = 15, N = 1/2 * 60 = 30, rho = 15 / 45 = 1/3.
+    # group 2: all wrong (A = 0), 5 tokens each: no part in the update, and not in the mixed lengths.
+    out = balance([True, False, False, False] + [False] * 4, [10, 20, 20, 20, 5, 5, 5, 5], 4)
+    assert out["mixed_groups"] == 1
+    assert (out["mean_tokens_right_mixed"], out["mean_tokens_wrong_mixed"]) == (10, 20)
+    assert out["grpo_rho"] == pytest.approx(1 / 3, abs=1e-6)  # float32 advantages
+    # equal lengths: advantages cancel per group, rho = 1/2 exactly, whatever the accuracy
+    out = balance([True, True, False, False, True, False, False, False], [7] * 8, 4)
+    assert out["mixed_groups"] == 2 and out["grpo_rho"] == pytest.approx(0.5, abs=1e-6)
+    out = balance([False] * 4, [3, 4, 5, 6], 4)  # no mixed group: nothing to balance
+    assert out["mixed_groups"] == 0 and math.isnan(out["grpo_rho"]) and math.isnan(out["mean_tokens_right_mixed"])
+    with pytest.raises(ValueError, match="groups of 4"):
+        balance([True] * 6, [1] * 6, 4)
+
+
+@pytest.mark.slow
+def test_longcot_measure_reproduces_the_bands_and_the_grpo_balance():
+    """``--measure`` on the shipped model gives build_info.json's bands again (same seed, same samples), and
+    what a GRPO update sees at step 0: within mixed groups, wrong responses are longer than right ones, but not
+    enough for rho to fall below BAPO's rho0 = 0.4 (docs/study/README.md: why the search seldom engages)."""
+    cmd = [sys.executable, "scripts/build_tiny_explore_model.py", "--measure", str(LONGCOT)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout[proc.stdout.index("{") :])
+    built = json.loads((LONGCOT / "build_info.json").read_text())["heldout_bands_T1_n8_first200"]
+    assert (got["avg@8"], got["pass@8"]) == (built["avg@8"], built["pass@8"])
+    assert got["entropy_per_token"] == pytest.approx(built["entropy_per_token"], rel=1e-4)
+    assert got["mixed_groups"] >= 50
+    assert got["mean_tokens_right_mixed"] < got["mean_tokens_wrong_mixed"] < got["mean_tokens_wrong"]
+    assert 0.4 < got["grpo_rho"] < 0.5, got
