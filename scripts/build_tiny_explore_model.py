@@ -231,7 +231,8 @@ def measure_built(path: Path, *, seed: int = 0) -> dict[str, float]:
     model, tok = LlamaForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
     heldout = mixed_split(N_HELDOUT, seed=SPLIT_SEED, split="heldout", heldout_frac=HELDOUT_FRAC, spec=SPEC)
     torch.manual_seed(seed)
-    return measure(model, tok, heldout[:200], n=8, max_new_tokens=info["args"]["max_new_tokens"])
+    max_new_tokens = info["args"].get("max_new_tokens", 64)  # builds before the flag generated 64 tokens
+    return measure(model, tok, heldout[:200], n=8, max_new_tokens=max_new_tokens)
 
 
 def write_jsonl(path: Path, problems) -> None:
