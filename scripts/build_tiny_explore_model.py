@@ -228,6 +228,9 @@ def measure_built(path: Path, *, seed: int = 0) -> dict[str, float]:
     if not info_file.is_file():
         raise SystemExit(f"--measure: {info_file} not found (a folder written by this script)")
     info = json.loads(info_file.read_text())
+    if info.get("built_by") != "scripts/build_tiny_explore_model.py":
+        # another task's model (tiny-math): its bands are not measured on mixops problems
+        raise SystemExit(f"--measure: {info_file} says built_by {info.get('built_by')!r}, not this script")
     model, tok = LlamaForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
     heldout = mixed_split(N_HELDOUT, seed=SPLIT_SEED, split="heldout", heldout_frac=HELDOUT_FRAC, spec=SPEC)
     torch.manual_seed(seed)

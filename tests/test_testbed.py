@@ -124,6 +124,15 @@ def test_token_balance_hand_values():
         balance([True] * 6, [1] * 6, 4)
 
 
+def test_measure_refuses_a_folder_this_script_did_not_build(tmp_path):
+    build = _build_script()
+    with pytest.raises(SystemExit, match="build_info.json not found"):
+        build.measure_built(tmp_path)
+    # tiny-math is another task's model: measuring it on mixops problems would print meaningless bands
+    with pytest.raises(SystemExit, match="build_tiny_model.py"):
+        build.measure_built(ROOT / "assets" / "tiny-math")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("asset", "rho_range"), [(ASSET, (0.45, 0.55)), (LONGCOT, (0.4, 0.5))], ids=["explore", "longcot"]
