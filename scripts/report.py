@@ -126,11 +126,10 @@ def staleness_via(cfg: dict) -> str:
     mini_batches = _as_int(cfg_get(cfg, "learner.mini_batches_per_rollout"))
     if epochs is None or mini_batches is None:
         return "?"
-    parts = ["async"] if cfg_get(cfg, "train.async_rollout") is True else []
-    reuse = [f"{n} {unit}" for n, unit in ((epochs, "epochs"), (mini_batches, "mini-batches")) if n > 1]
-    if parts:
-        return ", ".join(parts + (([" × ".join(reuse)]) if reuse else []))
-    return " × ".join(reuse) if reuse else "on-policy"
+    reuse = " × ".join(f"{n} {unit}" for n, unit in ((epochs, "epochs"), (mini_batches, "mini-batches")) if n > 1)
+    if cfg_get(cfg, "train.async_rollout") is True:
+        return f"async, {reuse}" if reuse else "async"
+    return reuse or "on-policy"
 
 
 class Level(NamedTuple):
