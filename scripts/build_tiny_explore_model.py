@@ -100,10 +100,10 @@ def commute(lines: list[str], rng: random.Random) -> list[str]:
     return out
 
 
-def sft_example(
+def sft_problem(
     rng: random.Random, long_share: float = 0.0, random_base: bool = False, commuted: bool = False
 ) -> tuple[str, str]:
-    """A training-split problem (never one whose text hashes into the held-out split) and a worked solution.
+    """A training-split problem's text (never one that hashes into the held-out split) and a worked solution.
 
     With ``long_share`` > 0, that share of the solutions is the long, slip-prone style
     (``bapo.data.mixed_long_lines``); at 0 no extra random draw is made, so the tiny-explore build
@@ -117,7 +117,15 @@ def sft_example(
                 lines, value = mixed_long_lines(expr, rng if random_base else None)
             if commuted:
                 lines = commute(lines, rng)
-            return render(text, None), mixed_solution(lines, value)
+            return text, mixed_solution(lines, value)
+
+
+def sft_example(
+    rng: random.Random, long_share: float = 0.0, random_base: bool = False, commuted: bool = False
+) -> tuple[str, str]:
+    """:func:`sft_problem` with the problem rendered as this tokenizer's prompt."""
+    text, solution = sft_problem(rng, long_share, random_base, commuted)
+    return render(text, None), solution
 
 
 def build_tokenizer(rng: random.Random, vocab_size: int) -> PreTrainedTokenizerFast:
@@ -142,15 +150,21 @@ def build_tokenizer(rng: random.Random, vocab_size: int) -> PreTrainedTokenizerF
 
 
 @torch.no_grad()
-def measure(model, tok, problems, *, n: int, max_new_tokens: int) -> dict[str, float]:
-    """avg@n and pass@n at T = 1, and the mean entropy (nats) per sampled response token."""
+def measure(
+    model, tok, problems, *, n: int, max_new_tokens: int, prompt=None, chunk_size: int = 32
+) -> dict[str, float]:
+    """avg@n and pass@n at T = 1, and the mean entropy (nats) per sampled response token.
+
+    ``prompt(problem) -> str`` renders a problem (default: this script's ChatML without a system turn).
+    """
+    prompt = prompt or (lambda p: render(p.problem, None))
     model.eval()
     tok.padding_side = "left"
     correct, lengths = [], []
     ent_sum = ent_tokens = 0.0
-    for i in range(0, len(problems), 32):
-        chunk = problems[i : i + 32]
-        enc = tok([render(p.problem, None) for p in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
+    for i in range(0, len(problems), chunk_size):
+        chunk = problems[i : i + chunk_size]
+        enc = tok([prompt(p) for p in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
         out = model.generate(
             **enc,
             do_sample=True,

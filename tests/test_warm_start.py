@@ -1,0 +1,106 @@
+"""scripts/warm_start_smollm2.py: the supervised warm start that brings a pretrained LM into the study's band
+on mixops (issue 14, item 4). SmolLM2 itself is not in CI, so the script is run end to end on the shipped
+tiny-explore model as its base: the same code path (the product's prompt renderer, the loss mask, the early
+stop, the atomic write, build_info.json and --measure)."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+SCRIPT = ROOT / "scripts" / "warm_start_smollm2.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("warm_start_smollm2", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run(*args, timeout=900):
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_measure_refuses_a_folder_this_script_did_not_build(tmp_path):
+    ws = _script()
+    with pytest.raises(SystemExit, match="build_info.json not found"):
+        ws.measure_built(tmp_path)
+    # the tiny testbeds were built by another script: their bands are that script's to re-measure
+    with pytest.raises(SystemExit, match="build_tiny_explore_model.py"):
+        ws.measure_built(ROOT / "assets" / "tiny-explore")
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--target", "0"], "--target"),
+        (["--target", "1.5"], "--target"),
+        (["--batch", "0"], "--batch"),
+        (["--eval-every", "0"], "--eval-every"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name(args, named, tmp_path):
+    proc = _run(*args, "--out", str(tmp_path / "m"), timeout=120)
+    assert proc.returncode == 2 and named in proc.stderr, proc.stderr[-500:]
+    assert not (tmp_path / "m").exists()
+
+
+def test_a_missing_base_is_named(tmp_path):
+    proc = _run("--base", str(tmp_path / "nothing"), "--out", str(tmp_path / "m"), timeout=120)
+    assert proc.returncode != 0 and "nothing" in proc.stderr and "convert it first" in proc.stderr
+    assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.slow
+def test_warm_start_writes_a_measured_model_and_measure_reproduces_it(tmp_path):
+    out = tmp_path / "warm"
+    args = [
+        "--base",
+        str(ROOT / "assets" / "tiny-explore"),
+        "--out",
+        str(out),
+        "--max-steps",
+        "3",
+        "--eval-every",
+        "1",
+        "--probe",
+        "4",
+        "--target",
+        "1.0",
+        "--lr",
+        "1e-3",
+        "--batch",
+        "4",
+    ]
+    proc = _run(*args)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "--target 1.0 not reached in 3 steps" in proc.stdout
+    info = json.loads((out / "build_info.json").read_text())
+    assert info["built_by"] == "scripts/warm_start_smollm2.py" and info["sft_steps"] == 3
+    assert [h["step"] for h in info["history"]] == [0, 1, 2, 3]
+    losses = [h["loss"] for h in info["history"][1:]]
+    assert all(loss > 0 for loss in losses)
+    bands = info["heldout_bands_T1_n8_first200"]
+    assert 0.0 <= bands["avg@8"] <= bands["pass@8"] <= 1.0 and bands["entropy_per_token"] > 0
+    assert (out / "model.safetensors").is_file() and not list(tmp_path.glob(".tmp-*"))
+    # the weights moved: the warm start trained the model it saved
+    from safetensors.torch import load_file
+
+    before, after = (
+        load_file(ROOT / "assets" / "tiny-explore" / "model.safetensors"),
+        load_file(out / "model.safetensors"),
+    )
+    assert any(not before[k].equal(after[k]) for k in before)
+    # --measure on the saved folder gives the same bands (same seed, same samples)
+    again = _run("--measure", str(out))
+    assert again.returncode == 0, again.stderr[-2000:]
+    got = json.loads(again.stdout[again.stdout.index("{") :])
+    assert (got["avg@8"], got["pass@8"]) == (bands["avg@8"], bands["pass@8"])
+    assert got["entropy_per_token"] == pytest.approx(bands["entropy_per_token"], rel=1e-4)
