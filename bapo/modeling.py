@@ -13,8 +13,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
-import shutil
-import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -37,8 +35,9 @@ def pick_device(device: str) -> torch.device:
 def convert_gguf(package: str, gguf_file: str, out_dir: str | Path) -> Path:
     """Dequantise a GGUF file shipped inside a Python package into a plain HF folder.
 
-    Done once: an existing folder is reused. The folder is written under a
-    temporary name and renamed, so an interrupted conversion leaves nothing behind.
+    Done once: an existing folder is reused. The folder is written under a temporary name and renamed
+    (``staged_folder``), so an interrupted conversion leaves nothing behind, and it gets the umask's
+    permissions, so one conversion in a shared ``$BAPO_CACHE`` serves every user of a cluster.
     """
     out = Path(out_dir).expanduser()
     if (out / "config.json").exists():
@@ -61,15 +60,11 @@ def convert_gguf(package: str, gguf_file: str, out_dir: str | Path) -> Path:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
-    try:
+    from bapo.checkpoint import staged_folder
+
+    with staged_folder(out) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

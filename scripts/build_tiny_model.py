@@ -30,9 +30,7 @@ import json
 import math
 import random
 import re
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -43,6 +41,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bapo.checkpoint import staged_folder  # noqa: E402
 from bapo.data import (  # noqa: E402
     DEFAULT_INSTRUCTION,
     ArithSource,
@@ -245,31 +244,27 @@ def main() -> None:
     greedy = sampled_accuracy(model, tok, heldout_problems, temperature=0.0, n=1)
     print(f"final: step {step} sampled acc {acc:.3f} greedy acc {greedy:.3f}")
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
-    model.generation_config.do_sample = True
-    model.generation_config.temperature = 1.0
-    model.generation_config.top_k = 0
-    model.generation_config.top_p = 1.0
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.generation_config.pad_token_id = tok.pad_token_id
-    model.save_pretrained(tmp, safe_serialization=True)
-    tok.padding_side = "left"
-    tok.save_pretrained(tmp)
-    meta = {
-        "built_by": "scripts/build_tiny_model.py",
-        "args": vars(args),
-        "params": nparams,
-        "sft_steps": step,
-        "heldout_sampled_accuracy": acc,
-        "heldout_greedy_accuracy": greedy,
-        "history": history,
-        "seconds": round(time.time() - t0, 1),
-    }
-    (tmp / "build_info.json").write_text(json.dumps(meta, indent=2) + "\n")
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    with staged_folder(out) as tmp:
+        model.generation_config.do_sample = True
+        model.generation_config.temperature = 1.0
+        model.generation_config.top_k = 0
+        model.generation_config.top_p = 1.0
+        model.generation_config.eos_token_id = tok.eos_token_id
+        model.generation_config.pad_token_id = tok.pad_token_id
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.padding_side = "left"
+        tok.save_pretrained(tmp)
+        meta = {
+            "built_by": "scripts/build_tiny_model.py",
+            "args": vars(args),
+            "params": nparams,
+            "sft_steps": step,
+            "heldout_sampled_accuracy": acc,
+            "heldout_greedy_accuracy": greedy,
+            "history": history,
+            "seconds": round(time.time() - t0, 1),
+        }
+        (tmp / "build_info.json").write_text(json.dumps(meta, indent=2) + "\n")
     print(f"saved to {out}")
 
 

@@ -5,6 +5,7 @@ Needs the optional extra (`make smollm2`); skipped without it.
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -35,7 +36,12 @@ def test_converted_folder_is_plain_hf(smol_dir):
     cfg = json.loads((smol_dir / "config.json").read_text())
     assert "quantization_config" not in cfg
     assert (smol_dir / "model.safetensors").exists()
-    assert not list(smol_dir.parent.glob(".smollm2-135m-instruct-*"))  # no temp folder left behind
+    assert not list(smol_dir.parent.glob(".tmp-*"))  # no temp folder left behind
+    umask = os.umask(0)
+    os.umask(umask)
+    # a shared $BAPO_CACHE: the folder gets the umask's mode, not mkdtemp's private 0700
+    assert smol_dir.stat().st_mode & 0o777 == 0o777 & ~umask
+    assert (smol_dir / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
 
 
 def test_one_loop_step_on_smollm2(smol_dir, tmp_path):

@@ -5,6 +5,7 @@ stop, the atomic write, build_info.json and --measure)."""
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 
@@ -90,6 +91,9 @@ def test_warm_start_writes_a_measured_model_and_measure_reproduces_it(tmp_path):
     bands = info["heldout_bands_T1_n8_first200"]
     assert 0.0 <= bands["avg@8"] <= bands["pass@8"] <= 1.0 and bands["entropy_per_token"] > 0
     assert (out / "model.safetensors").is_file() and not list(tmp_path.glob(".tmp-*"))
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~umask  # readable by others as the umask allows, not 0700
     # the weights moved: the warm start trained the model it saved
     from safetensors.torch import load_file
 
