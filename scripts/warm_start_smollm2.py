@@ -18,7 +18,8 @@ pretrained model, so the study's comparison can be repeated on weights that were
 
 The held-out problems are the testbed's (``assets/tiny-explore/heldout.jsonl`` holds the same 500), so
 ``data=mixops`` evaluates this model on problems it never saw. The model stays out of the repository
-(540 MB in fp32); it is rebuilt from the package's GGUF file in about 10 minutes on 2 cores.
+(540 MB in fp32); it is rebuilt from the package's GGUF file in about 22 minutes on 2 cores (1,327 s measured:
+11 minutes of supervised steps and probes, then 11 of measuring the bands).
 
 Usage:  python scripts/warm_start_smollm2.py [--base ~/.cache/bapo/smollm2-135m-instruct]
             [--out ~/.cache/bapo/smollm2-135m-mixops] [--target 0.15]
