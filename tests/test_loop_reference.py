@@ -1,13 +1,18 @@
 """`python train.py train.steps=6 eval.every=3` against a recorded reference, metric for metric.
 
 A refactor of the loop, the learner or the stages must not move a number of the default run. The reference
-(tests/data/reference_steps6.jsonl) holds every metric but timings; a change that is meant to move it
-records it again and says why in its commit:
+(tests/data/reference_steps6.jsonl) holds every metric but timings. A value that is a whole number in the
+reference (a count, a token total, a version, a flag) must match exactly, and every other value to a relative
+1e-4. torch's CPU kernels round differently from one CPU model to another: on an AMD EPYC with AVX-512 the
+learner's float statistics differed from the recording by up to 1.1e-5 relative over these 6 steps, with the
+same samples, rewards and evaluations. A sample generated or graded differently moves an accuracy or a mean reward by 1e-3 or
+more. A change that is meant to move the reference records it again and says why in its commit:
 
     python tests/test_loop_reference.py --record
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -21,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = Path(__file__).resolve().parent / "data" / "reference_steps6.jsonl"
 ARGS = ["train.py", "train.steps=6", "eval.every=3", "logger.mode=disabled", "logger.progress=false"]
 # Wall-clock and throughput differ between any two runs; everything else must not.
+REL_TOL = 1e-4  # the learner's float statistics across CPU kinds (see the docstring)
 VOLATILE = ("time/", "reward/verify_s", "rollout/tokens_per_s", "buffer/consumer_wait_s", "buffer/producer_wait_s")
 
 
@@ -44,8 +50,14 @@ def test_the_default_run_matches_the_recorded_reference(tmp_path):
     assert [r["step"] for r in got] == [r["step"] for r in ref] == list(range(7))
     for a, b in zip(got, ref, strict=True):
         assert a.keys() == b.keys(), (a["step"], sorted(a.keys() ^ b.keys()))
-        diff = {k: (a[k], b[k]) for k in a if a[k] != b[k]}
+        diff = {k: (a[k], b[k]) for k in a if not same(a[k], b[k])}
         assert not diff, (a["step"], diff)
+
+
+def same(got, ref) -> bool:
+    if isinstance(ref, bool) or not isinstance(ref, (int, float)) or float(ref).is_integer():
+        return got == ref  # counts, rewards, accuracies, flags, strings: exact
+    return isinstance(got, (int, float)) and math.isclose(got, ref, rel_tol=REL_TOL, abs_tol=1e-9)
 
 
 if __name__ == "__main__":
