@@ -5,8 +5,8 @@ A refactor of the loop, the learner or the stages must not move a number of the 
 reference (a count, a token total, a version, a flag) must match exactly, and every other value to a relative
 1e-4. torch's CPU kernels round differently from one CPU model to another: on an AMD EPYC with AVX-512 the
 learner's float statistics differed from the recording by up to 1.1e-5 relative over these 6 steps, with the
-same samples, rewards and evaluations. A sample generated or graded differently moves an accuracy or a mean reward by 1e-3 or
-more. A change that is meant to move the reference records it again and says why in its commit:
+same samples, rewards and evaluations. A sample generated or graded differently moves an accuracy or a mean
+reward by 1e-3 or more. A change that is meant to move the reference records it again and says why in its commit:
 
     python tests/test_loop_reference.py --record
 """
