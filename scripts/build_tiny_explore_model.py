@@ -56,7 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from build_tiny_model import CHAT_TEMPLATE, SPECIALS, encode_batch  # noqa: E402
+from build_tiny_model import CHAT_TEMPLATE, SPECIALS, encode_batch, write_model_folder  # noqa: E402
 
 from bapo.algos import grpo_advantages, positive_contribution  # noqa: E402
 from bapo.checkpoint import staged_folder  # noqa: E402
@@ -337,26 +337,25 @@ def main() -> None:
     bands = measure(model, tok, heldout[:200], n=8, max_new_tokens=args.max_new_tokens)
     print(f"final: step {step} {bands}", flush=True)
     out = Path(args.out)
+    tok.padding_side = "left"
     with staged_folder(out) as tmp:
-        gc = model.generation_config
-        gc.do_sample, gc.temperature, gc.top_k, gc.top_p = True, 1.0, 0, 1.0
-        gc.eos_token_id, gc.pad_token_id = tok.eos_token_id, tok.pad_token_id
-        model.save_pretrained(tmp, safe_serialization=True)
-        tok.padding_side = "left"
-        tok.save_pretrained(tmp)
         write_jsonl(tmp / "train.jsonl", train)
         write_jsonl(tmp / "heldout.jsonl", heldout)
-        meta = {
-            "built_by": "scripts/build_tiny_explore_model.py",
-            "args": vars(args) | {"out": str(out.relative_to(ROOT)) if out.is_relative_to(ROOT) else args.out},
-            "task": {"spec": vars(SPEC), "train": N_TRAIN, "heldout": N_HELDOUT, "split_seed": SPLIT_SEED},
-            "params": nparams,
-            "sft_steps": step,
-            "heldout_bands_T1_n8_first200": bands,
-            "history": history,
-            "seconds": round(time.time() - t0, 1),
-        }
-        (tmp / "build_info.json").write_text(json.dumps(meta, indent=2) + "\n")
+        write_model_folder(
+            tmp,
+            model,
+            tok,
+            {
+                "built_by": "scripts/build_tiny_explore_model.py",
+                "args": vars(args) | {"out": str(out.relative_to(ROOT)) if out.is_relative_to(ROOT) else args.out},
+                "task": {"spec": vars(SPEC), "train": N_TRAIN, "heldout": N_HELDOUT, "split_seed": SPLIT_SEED},
+                "params": nparams,
+                "sft_steps": step,
+                "heldout_bands_T1_n8_first200": bands,
+                "history": history,
+                "seconds": round(time.time() - t0, 1),
+            },
+        )
     print(f"saved to {out}")
 
 

@@ -164,6 +164,17 @@ def sampled_accuracy(model, tok, problems, *, temperature: float, n: int) -> flo
     return correct / total
 
 
+def write_model_folder(folder: Path, model, tok, build_info: dict) -> None:
+    """Save a built model into ``folder``: weights, tokenizer, build_info.json, and a generation config that
+    samples at T = 1 (no top-k, no top-p) and stops at the tokenizer's end token, as the rollout engines do."""
+    gc = model.generation_config
+    gc.do_sample, gc.temperature, gc.top_k, gc.top_p = True, 1.0, 0, 1.0
+    gc.eos_token_id, gc.pad_token_id = tok.eos_token_id, tok.pad_token_id
+    model.save_pretrained(folder, safe_serialization=True)
+    tok.save_pretrained(folder)
+    (folder / "build_info.json").write_text(json.dumps(build_info, indent=2) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / "assets" / "tiny-math"))
@@ -244,27 +255,23 @@ def main() -> None:
     greedy = sampled_accuracy(model, tok, heldout_problems, temperature=0.0, n=1)
     print(f"final: step {step} sampled acc {acc:.3f} greedy acc {greedy:.3f}")
     out = Path(args.out)
+    tok.padding_side = "left"
     with staged_folder(out) as tmp:
-        model.generation_config.do_sample = True
-        model.generation_config.temperature = 1.0
-        model.generation_config.top_k = 0
-        model.generation_config.top_p = 1.0
-        model.generation_config.eos_token_id = tok.eos_token_id
-        model.generation_config.pad_token_id = tok.pad_token_id
-        model.save_pretrained(tmp, safe_serialization=True)
-        tok.padding_side = "left"
-        tok.save_pretrained(tmp)
-        meta = {
-            "built_by": "scripts/build_tiny_model.py",
-            "args": vars(args),
-            "params": nparams,
-            "sft_steps": step,
-            "heldout_sampled_accuracy": acc,
-            "heldout_greedy_accuracy": greedy,
-            "history": history,
-            "seconds": round(time.time() - t0, 1),
-        }
-        (tmp / "build_info.json").write_text(json.dumps(meta, indent=2) + "\n")
+        write_model_folder(
+            tmp,
+            model,
+            tok,
+            {
+                "built_by": "scripts/build_tiny_model.py",
+                "args": vars(args),
+                "params": nparams,
+                "sft_steps": step,
+                "heldout_sampled_accuracy": acc,
+                "heldout_greedy_accuracy": greedy,
+                "history": history,
+                "seconds": round(time.time() - t0, 1),
+            },
+        )
     print(f"saved to {out}")
 
 

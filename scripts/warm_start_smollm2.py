@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from build_tiny_explore_model import HELDOUT_FRAC, N_HELDOUT, SPEC, SPLIT_SEED, measure, sft_problem  # noqa: E402
-from build_tiny_model import encode_batch  # noqa: E402
+from build_tiny_model import encode_batch, write_model_folder  # noqa: E402
 
 from bapo.checkpoint import staged_folder  # noqa: E402
 from bapo.data import Problem, mixed_split, render_prompt  # noqa: E402
@@ -158,23 +158,22 @@ def main() -> None:
     print(f"final: step {step} {json.dumps(final)}", flush=True)
     out = Path(args.out).expanduser()
     with staged_folder(out) as tmp:
-        gc = model.generation_config
-        gc.do_sample, gc.temperature, gc.top_k, gc.top_p = True, 1.0, 0, 1.0
-        gc.eos_token_id, gc.pad_token_id = tok.eos_token_id, tok.pad_token_id
-        model.save_pretrained(tmp, safe_serialization=True)
-        tok.save_pretrained(tmp)
-        meta = {
-            "built_by": BUILT_BY,
-            "base": str(base),
-            "args": vars(args),
-            "task": {"spec": vars(SPEC), "heldout": N_HELDOUT, "split_seed": SPLIT_SEED},
-            "sft_steps": step,
-            "sft_samples": step * args.batch,
-            "heldout_bands_T1_n8_first200": final,
-            "history": history,
-            "seconds": round(time.time() - t0, 1),
-        }
-        (tmp / "build_info.json").write_text(json.dumps(meta, indent=2) + "\n")
+        write_model_folder(
+            tmp,
+            model,
+            tok,
+            {
+                "built_by": BUILT_BY,
+                "base": str(base),
+                "args": vars(args),
+                "task": {"spec": vars(SPEC), "heldout": N_HELDOUT, "split_seed": SPLIT_SEED},
+                "sft_steps": step,
+                "sft_samples": step * args.batch,
+                "heldout_bands_T1_n8_first200": final,
+                "history": history,
+                "seconds": round(time.time() - t0, 1),
+            },
+        )
     print(f"saved to {out}")
 
 
