@@ -743,12 +743,63 @@ def derive_sizes(train: TrainConfig, rollout: RolloutCommon, learner: LearnerCom
     return Sizes(samples, samples // mb, updates, reuse)
 
 
-def check_combinations(rc: RunConfig, world: int | None = None) -> None:
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def check_one_gpu(rc: RunConfig) -> None:
+    """``learner=fsdp`` without torchrun on a GPU machine: one rank, one GPU. Refused unless the memory plan says the
+    run fits there, naming the launch command that spreads it over the node instead."""
+    verdict = _one_gpu_verdict(rc)
+    _require(
+        verdict is None,
+        "learner.kind",
+        f"fsdp without torchrun trains on one GPU, and {verdict}: launch it on every GPU of the node with "
+        f"`torchrun --standalone --nproc_per_node=<GPUs> train.py ...` (the same overrides), or pick a smaller "
+        f"model or placement (python train.py ... --plan prints the memory plan)",
+    )
+
+
+def _one_gpu_verdict(rc: RunConfig) -> str | None:
+    """Why the learner's state cannot fit on this machine's first GPU (None when it can, or cannot be told)."""
+    import torch
+
+    arch = rc.model.arch if isinstance(rc.model.arch, dict) else None
+    if not arch or "hidden_size" not in arch:
+        return None
+    d, layers, vocab = arch["hidden_size"], arch["num_hidden_layers"], arch["vocab_size"]
+    heads = arch.get("num_attention_heads", 1)
+    kv = d // heads * arch.get("num_key_value_heads", heads)
+    per_layer = 2 * d * d + 2 * d * kv + 3 * d * arch.get("intermediate_size", 4 * d)
+    params = layers * per_layer + vocab * d * (1 if arch.get("tie_word_embeddings") else 2)
+    need = 16 * params / 2**30  # fp32 weights, gradients and AdamW's two moments
+    have = torch.cuda.get_device_properties(0).total_memory / 2**30
+    if need <= 0.9 * have:
+        return None
+    return f"its {params / 1e9:.1f}B parameters need {need:.0f} GiB of learner state alone (cuda:0 has {have:.0f} GiB)"
+
+
+def check_combinations(rc: RunConfig, world: int | None = None, launched: bool | None = None) -> None:
     """Combinations of keys that no stage supports, refused at startup with every key involved named.
 
-    ``world``: the number of torchrun ranks (default: ``$WORLD_SIZE``, 1 without torchrun)."""
+    ``world``: the number of torchrun ranks (default: ``$WORLD_SIZE``, 1 without torchrun); ``launched``: whether
+    a launcher started this process (default: ``$WORLD_SIZE`` is set)."""
     world = int(os.environ.get("WORLD_SIZE", "1")) if world is None else world
+    launched = "WORLD_SIZE" in os.environ if launched is None else launched
     fsdp = rc.learner.kind == "fsdp"
+    if fsdp and not launched and cuda_available():
+        # One GPU of our own (bapo.dist.init_one_rank) holds the whole learner: refuse what cannot fit there.
+        check_one_gpu(rc)
+    _require(
+        not (rc.train.async_rollout and rc.rollout.engine == "vllm" and rc.rollout.enable_sleep_mode),
+        "rollout.enable_sleep_mode",
+        "train.async_rollout=true generates on the producer's thread while the learner updates, and a colocated "
+        "vLLM engine can only sleep (free its memory for the update) with no request in flight: set "
+        "rollout.enable_sleep_mode=false (the engine then keeps its memory through updates: lower "
+        "rollout.gpu_memory_utilization so the learner fits beside it) or train.async_rollout=false",
+    )
     _require(
         world == 1 or fsdp,
         "learner.kind",

@@ -14,6 +14,7 @@ data goes through this rank's GPU and comes back to where it was.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,6 +28,7 @@ T = TypeVar("T")
 
 _JOINED = False  # did init() create the process group (and so teardown() own it)?
 _BEFORE_TEARDOWN: list = []  # callbacks teardown() runs first (colocated vLLM engines shut down)
+_SET_ENV: list[str] = []  # launcher variables init_one_rank() set
 
 
 def launched() -> bool:
@@ -81,23 +83,59 @@ def init(backend: str = "auto", timeout_s: float = 1800.0) -> torch.device:
     return device
 
 
+def init_one_rank(backend: str = "auto") -> torch.device:
+    """A process group of one rank when no launcher started one: what ``torchrun --nproc_per_node=1`` gives.
+
+    ``learner=fsdp`` run as ``python train.py ...`` trains on one device through the same FSDP2 code path
+    (sharding over one rank is a no-op, the collectives are real). The environment a launcher would set is set
+    here too (rank 0 of 1, a free port on this host), so that vLLM's external launcher and anything else that
+    reads it sees one consistent world. Under a launcher this is :func:`init`."""
+    if not launched():
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", GROUP_RANK="0")
+        env |= dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        for k, v in env.items():
+            if k not in os.environ:
+                os.environ[k] = v
+                _SET_ENV.append(k)  # teardown() takes them back: a later run in this process starts clean
+    return init(backend)
+
+
 def before_teardown(fn) -> None:
     """Run ``fn()`` at the start of :func:`teardown`, before the process group goes (a colocated vLLM engine
     shuts down inside torchrun's group, and its shutdown destroys groups it built on it)."""
     _BEFORE_TEARDOWN.append(fn)
 
 
-def teardown() -> None:
-    """Leave the process group that :func:`init` joined (a no-op otherwise: vLLM, for one, sets up its own)."""
+def teardown(barrier: bool = True) -> None:
+    """Shut the colocated engines down and leave the process group that :func:`init` joined (a no-op for a
+    group this module did not create: vLLM, for one, sets up its own).
+
+    ``barrier=False`` on an error path: the other ranks may be stuck elsewhere and never reach a barrier;
+    the launcher stops them."""
     global _JOINED
-    if _JOINED and dist.is_available() and dist.is_initialized():
+    ours = _JOINED and dist.is_available() and dist.is_initialized()
+    if ours and barrier:
         dist.barrier()  # every rank is done with the group before an engine takes its part of it down
     while _BEFORE_TEARDOWN:
-        _BEFORE_TEARDOWN.pop()()
-    if _JOINED and dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        fn = _BEFORE_TEARDOWN.pop()
+        try:
+            fn()
+        except Exception as e:  # an engine that fails to shut down must not hide the run's own error
+            if barrier:
+                raise
+            logging.getLogger(__name__).warning("teardown: %s failed: %s: %s", fn, type(e).__name__, e)
+    if ours:
+        if barrier:
+            dist.barrier()
         dist.destroy_process_group()
     _JOINED = False
+    while _SET_ENV:
+        os.environ.pop(_SET_ENV.pop(), None)
 
 
 def barrier() -> None:

@@ -77,9 +77,21 @@ class Stages:
 
 
 def run(cfg: DictConfig, run_dir: str | Path) -> dict:
-    """Train as configured; returns the last logged metrics."""
+    """Train as configured; returns the last logged metrics. Every exit (done, already complete, stopped by a
+    signal, an error) shuts the engines and the process group down (``dist.teardown``)."""
     rc = build(cfg, run_dir)  # every config error is raised here, before any file is touched
-    rc = dataclasses.replace(rc, run_dir=dist.shared_path(rc.run_dir))  # torchrun: rank 0's folder
+    finished = False
+    try:
+        rc = dataclasses.replace(rc, run_dir=dist.shared_path(rc.run_dir))  # torchrun: rank 0's folder
+        metrics = train(rc, cfg)
+        finished = True
+        return metrics
+    finally:
+        dist.teardown(barrier=finished)  # after an error the other ranks may never reach a barrier
+
+
+def train(rc: RunConfig, cfg: DictConfig) -> dict:
+    """:func:`run`'s body: the run folder, the stages, the steps."""
     with rundir.RunFolder.open(rc.run_dir) if dist.is_main() else contextlib.nullcontext() as folder:
         plan, changes = plan_start(rc, cfg)  # refuses a wrong start, or incompatible changes, before any write
         if plan.kind == "complete":
@@ -153,7 +165,6 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
             s.verifier.close()
     if dist.is_main():
         (rc.run_dir / "final_metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
-    dist.teardown()
     return metrics
 
 

@@ -185,7 +185,7 @@ class FSDPStrategy:
 
     def __init__(self, cfg):
         self.cfg = cfg
-        self.device = dist.init()
+        self.device = dist.init_one_rank()  # torchrun's group, or one rank of our own
         self.reduce_sum = dist.reduce_sum
         self.reduce_max = dist.reduce_max
 

@@ -1,0 +1,100 @@
+"""`python train.py learner=fsdp ...` without torchrun: one rank of its own, and every exit path tears it down.
+
+The GPU model configs pick ``learner=fsdp``; started without torchrun the run joins a one-rank process group
+(``bapo.dist.init_one_rank``) and trains through the same FSDP2 code. On a GPU machine a model whose learner
+state cannot fit on one GPU is refused at start-up, naming the torchrun command instead."""
+
+import os
+
+import pytest
+import torch.distributed as tdist
+
+from bapo import dist
+from bapo.config import ConfigError, check_combinations
+from bapo.learner import Learner
+from bapo.loop import run
+from tests.conftest import compose, run_config
+from tests.test_loop import _cfg
+from tests.test_loop_resume import rows, untimed
+
+FSDP = ["learner=fsdp", "train.steps=2", "checkpoint.every=1"]
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _clean() -> None:
+    assert not tdist.is_initialized(), "the process group outlived the run"
+    left = [k for k in LAUNCHER_ENV if k in os.environ]
+    assert not left, f"launcher variables left in the environment: {left}"
+
+
+def test_fsdp_without_torchrun_trains_on_one_rank_resumes_and_tears_down(tmp_path):
+    assert "WORLD_SIZE" not in os.environ
+    run(_cfg(FSDP), tmp_path / "run")
+    _clean()
+    full = rows(tmp_path / "run")
+    assert [r["step"] for r in full] == [0, 1, 2] and full[-1]["policy/version"] == 4
+    assert (tmp_path / "run" / "checkpoints" / "step_000002" / "learner").is_dir()  # DCP: the sharded learner
+    run(_cfg([*FSDP, "resume=auto"]), tmp_path / "run")  # already complete: returns at once, leaves nothing up
+    _clean()
+    run(_cfg([*FSDP, "train.steps=3", "resume=auto"]), tmp_path / "run")
+    _clean()
+    assert [r["step"] for r in rows(tmp_path / "run")] == [0, 1, 2, 3]
+
+
+def test_an_error_inside_a_step_still_tears_down_and_shuts_engines(tmp_path, monkeypatch):
+    closed = []
+
+    def boom(self, samples):
+        dist.before_teardown(lambda: closed.append(True))  # as a colocated vLLM engine registers itself
+        raise RuntimeError("injected failure in the update")
+
+    monkeypatch.setattr(Learner, "learn", boom)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        run(_cfg(FSDP), tmp_path / "run")
+    _clean()
+    assert closed == [True]
+
+
+def test_a_failing_engine_shutdown_does_not_hide_the_runs_error(tmp_path, monkeypatch):
+    def boom(self, samples):
+        dist.before_teardown(lambda: 1 / 0)
+        raise RuntimeError("the real error")
+
+    monkeypatch.setattr(Learner, "learn", boom)
+    with pytest.raises(RuntimeError, match="the real error"):
+        run(_cfg(FSDP), tmp_path / "run")
+    _clean()
+
+
+def test_one_rank_fsdp_matches_the_single_process_learner(tmp_path):
+    """Sharding over one rank changes nothing: learner=fsdp on one rank is learner=single metric for metric."""
+    same = ["train.steps=2", "learner.micro_batch_size=8", "learner.lr=3e-4"]  # the two groups' defaults differ
+    run(_cfg(same), tmp_path / "single")
+    run(_cfg([*same, "learner=fsdp"]), tmp_path / "fsdp")
+    drop = ("reward/verify_s",)  # a wall-clock time outside the time/ prefix
+    a = [{k: v for k, v in r.items() if k not in drop} for r in untimed(rows(tmp_path / "single"))]
+    b = [{k: v for k, v in r.items() if k not in drop} for r in untimed(rows(tmp_path / "fsdp"))]
+    assert a == b
+
+
+def test_a_model_too_big_for_one_gpu_is_refused_without_torchrun(monkeypatch):
+    import torch
+
+    import bapo.config as config
+
+    rc = run_config("model=qwen7b")
+    monkeypatch.setattr(config, "cuda_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"total_memory": 80 * 2**30}))
+    with pytest.raises(ConfigError, match=r"learner.kind: .*torchrun --standalone --nproc_per_node") as e:
+        check_combinations(rc, world=1, launched=False)
+    assert "7.6B parameters" in str(e.value)
+    check_combinations(rc, world=8, launched=True)  # under torchrun it is the user's node to fill
+    small = run_config("model=qwen2.5_0.5b")
+    check_combinations(small, world=1, launched=False)  # 0.5B: 8 GiB of learner state fits on one GPU
+
+
+def test_async_colocated_vllm_that_sleeps_is_refused():
+    with pytest.raises(ConfigError, match=r"rollout.enable_sleep_mode: train.async_rollout=true"):
+        run_config("rollout=vllm", "train.async_rollout=true", "buffer.max_staleness=2")
+    run_config("rollout=vllm", "train.async_rollout=true", "buffer.max_staleness=2", "rollout.enable_sleep_mode=false")
+    assert compose("rollout=vllm").rollout.enable_sleep_mode  # the shipped default sleeps: sync mode
