@@ -588,8 +588,9 @@ def save_run(
 
     - ``state.pt`` (rank 0): the step, every object of ``shared`` by name (their ``state_dict()``: the buffer,
       the monitor) and the RNG states (:func:`capture_rng`);
-    - ``producer_rank<r>.pt`` (each rank): the producer's queue, data cursor and weight snapshots, without the
-      snapshot of the learner's current version (restored from the model);
+    - ``producer_rank<r>.pt`` (each rank): the producer's queue and data cursor; rank 0's also holds the weight
+      snapshots (full copies, the same on every rank: written once, read by every rank), without the snapshot of
+      the learner's current version (restored from the model);
     - ``learner/`` (the learner's ``save``): weights, AdamW, schedule, version; DCP shards under FSDP;
     - ``meta.json`` and ``manifest.json``, written last by :func:`save`.
 
@@ -605,7 +606,8 @@ def save_run(
         err = e
     raise_together(err, doing, cleanup=tmp)
     try:
-        write(tmp / f"producer_rank{dist.rank()}.pt", producer.state_dict(live=learner.version))
+        state = producer.state_dict(live=learner.version, snapshots=dist.is_main())
+        write(tmp / f"producer_rank{dist.rank()}.pt", state)
     except Exception as e:
         err = e
     raise_together(err, doing, cleanup=tmp)
@@ -648,7 +650,11 @@ def _producer_state(ckpt: Path, rank: int) -> dict:
     whose producers held no batches ahead resumes from rank 0's (all ranks draw the same prompts)."""
     pfile = ckpt / f"producer_rank{rank}.pt"
     if pfile.is_file():
-        return load(pfile)
+        state = load(pfile)
+        if rank != 0 and state.get("snapshot_versions"):  # the snapshots are in rank 0's file only
+            snaps = load(ckpt / "producer_rank0.pt")["snapshots"]
+            state["snapshots"] = {v: snaps[v] for v in state["snapshot_versions"]}
+        return state
     state = load(ckpt / "producer_rank0.pt")
     if state["pending"]:
         raise CheckpointError(

@@ -404,11 +404,13 @@ class VLLMRolloutConfig(RolloutCommon):
     gpu_memory_utilization: float = MISSING
     tensor_parallel_size: int = MISSING
     enable_sleep_mode: bool = MISSING  # free weights + KV cache during learner updates (GPU, sync mode)
+    sleep_level: int = MISSING  # 1: weights offloaded to host memory while asleep | 2: discarded, reloaded at sync
     enforce_eager: bool = MISSING  # no torch.compile / CUDA graphs
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _require(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "must be in (0, 1]")
+        _choice(self.sleep_level, "rollout.sleep_level", (1, 2))
         _require(self.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", "must be >= 1")
 
 

@@ -47,7 +47,7 @@ from bapo.config import AlgoConfig, RunConfig, build, prompt_limit
 from bapo.data import LoadReport, PromptStream, problem_sources, render_prompts
 from bapo.evaluate import evaluate, evaluate_sets, load_evalset, named_set
 from bapo.groupfilter import GroupFilter
-from bapo.learner import Learner, TrainingDiverged, master_dtype
+from bapo.learner import Learner, TrainingDiverged, frozen_dtype, master_dtype
 from bapo.logging import MetricsLogger, NullLogger, truncate_metrics
 from bapo.modeling import load_model, load_tokenizer, model_path
 from bapo.monitor import Monitor
@@ -151,7 +151,8 @@ def train(rc: RunConfig, cfg: DictConfig) -> dict:
                         save(rc, s, step, lineage)
                     if stop:
                         return stopped(rc, metrics, stop.signum)
-                s.learner.export_hf(rc.run_dir / "export", s.tokenizer)
+                config = {"bapo_config.yaml": OmegaConf.to_yaml(cfg, resolve=True)}  # eval.py reads the run's settings
+                s.learner.export_hf(rc.run_dir / "export", s.tokenizer, extra=config)
         except offpolicy.Interrupted:  # a stop request woke a wait inside a step: the last finished step is saved
             done = step - 1
             if done > start and not (rc.checkpoint.every and done % rc.checkpoint.every == 0):
@@ -222,13 +223,22 @@ def build_stages(rc: RunConfig) -> Stages:
     tok = load_tokenizer(path, trust_remote_code=m.trust_remote_code)
     load = dict(trust_remote_code=m.trust_remote_code, init=m.init, arch=m.arch)
     # The learner's master weights; the HF engine gets its own copy in model.dtype. A sharded learner with
-    # nothing to copy them into starts from the meta device and reads each rank's shard of the checkpoint.
-    lazy = rc.learner.kind != "single" and rc.rollout.engine != "hf" and rc.algo.kl_coef == 0 and m.init != "random"
-    policy = load_model(path, dtype=master_dtype(rc.learner, m.dtype), **load, device="meta" if lazy else "cpu")
+    # nothing to copy them into starts from the meta device and reads each rank's shard of the checkpoint,
+    # and so does a KL reference (sharded too, in the dtype the policy computes in).
+    lazy = rc.learner.kind != "single" and rc.rollout.engine != "hf" and m.init != "random"
+    device = "meta" if lazy else "cpu"
+    policy = load_model(path, dtype=master_dtype(rc.learner, m.dtype), **load, device=device)
     engine_model = None
     if rc.rollout.engine == "hf":
         engine_model = copy.deepcopy(policy).to(DTYPE_OF[m.dtype])
-    ref_model = copy.deepcopy(policy) if rc.algo.kl_coef > 0 else None
+    ref_model = None
+    if rc.algo.kl_coef > 0:
+        ref_dtype = frozen_dtype(rc.learner, m.dtype)
+        if lazy:
+            ref_model = load_model(path, dtype=ref_dtype, **load, device=device)
+        else:
+            ref_model = copy.deepcopy(policy).to(DTYPE_OF[ref_dtype])
+    engine_dtype = DTYPE_OF[m.dtype]
     learner = Learner(
         policy,
         rc.learner,
@@ -239,10 +249,22 @@ def build_stages(rc: RunConfig) -> Stages:
         critic_cfg=rc.algo.critic,
         agg=rc.algo.agg,
         ref_model=ref_model,
+        weights_dtype=engine_dtype,  # engines and the export get the model's dtype, not fp32 masters
+        snapshot_dtype=None if rc.learner.old_logp == "recompute" else engine_dtype,  # recompute: the learner's
     )
     if engine_model is not None:
         engine_model.to(learner.device)
-    engine = build_rollout(rc.rollout, path=path, tokenizer=tok, model=engine_model, dtype=m.dtype, seed=rc.seed)
+    d, context = rc.data, getattr(policy.config, "max_position_embeddings", None)
+    limit = prompt_limit(d.max_prompt_tokens, rc.rollout.max_new_tokens, context)
+    engine = build_rollout(
+        rc.rollout,
+        path=path,
+        tokenizer=tok,
+        model=engine_model,
+        dtype=m.dtype,
+        seed=rc.seed,
+        max_model_len=limit + rc.rollout.max_new_tokens,  # vLLM sizes its engine for this, not the full context
+    )
     verifier = MathVerifier(
         num_workers=rc.reward.num_workers,
         timeout_s=rc.reward.timeout_s,
@@ -250,8 +272,6 @@ def build_stages(rc: RunConfig) -> Stages:
         format_reward=rc.reward.format_reward,
     )
     train_src, heldout, report = problem_sources(rc.data)
-    d, context = rc.data, getattr(policy.config, "max_position_embeddings", None)
-    limit = prompt_limit(d.max_prompt_tokens, rc.rollout.max_new_tokens, context)
     heldout = render_prompts(heldout, tok, instruction=d.instruction, max_prompt_tokens=limit, report=report)
     stream = PromptStream(train_src, tok, instruction=d.instruction, max_prompt_tokens=limit, report=report)
     interrupt = threading.Event()

@@ -402,16 +402,20 @@ class Producer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def state_dict(self, live: int | None = None) -> dict:
+    def state_dict(self, live: int | None = None, snapshots: bool = True) -> dict:
         """Batches made ahead, the maker's state (data cursor) and the snapshots still needed. Pause first.
 
-        ``live``: a version whose snapshot is the learner's current weights (restored from the model, not stored)."""
+        ``live``: a version whose snapshot is the learner's current weights (restored from the model, not stored).
+        ``snapshots=False``: the versions held, without their weights (under torchrun every rank holds the same
+        full copies, so one rank's file carries them: :func:`bapo.checkpoint.save_run`)."""
         with self._cond:
             pending = list(self._queue)
+        held = self.mailbox.snapshots(exclude=live)
         return {
             "consumed": self._consumed,
             "pending": pending,
-            "snapshots": self.mailbox.snapshots(exclude=live),
+            "snapshots": held if snapshots else {},
+            "snapshot_versions": sorted(held),
             "maker": self.maker.state_dict(),
         }
 

@@ -56,6 +56,14 @@ def test_two_rank_fsdp_run_trains_checkpoints_and_resumes_exactly(tmp_path, mode
         "producer_rank1.pt",
     }
     assert json.loads((ckpt / "meta.json").read_text())["world_size"] == 2
+    from bapo.checkpoint import load
+
+    states = [load(ckpt / f"producer_rank{r}.pt") for r in (0, 1)]
+    assert states[0]["snapshot_versions"] == states[1]["snapshot_versions"]
+    assert states[1]["snapshots"] == {}  # the ranks' copies are the same: rank 0's file holds them, once
+    assert sorted(states[0]["snapshots"]) == states[0]["snapshot_versions"]
+    if "learner.old_logp=recompute" in mode:  # recompute keeps the versions its buffered samples came from
+        assert states[0]["snapshot_versions"], states[0]["snapshot_versions"]
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(tmp_path / "full" / "export")  # the gathered HF export loads

@@ -3,7 +3,7 @@
 from bapo.learner.batching import collate, response_rows, split
 from bapo.learner.critic import Critic, ValueModel
 from bapo.learner.learner import Learner, TrainingDiverged, disable_dropout
-from bapo.learner.strategy import master_dtype
+from bapo.learner.strategy import frozen_dtype, master_dtype
 
 __all__ = [
     "Critic",
@@ -12,6 +12,7 @@ __all__ = [
     "ValueModel",
     "collate",
     "disable_dropout",
+    "frozen_dtype",
     "master_dtype",
     "response_rows",
     "split",

@@ -92,7 +92,7 @@ def wrap(
         raise ValueError(f"mixed_precision must be one of {MIXED_PRECISION}, got {mixed_precision!r}")
     if not dist.is_initialized():
         raise RuntimeError("fsdp.wrap needs a process group: call bapo.dist.init() under torchrun first")
-    bf16 = mixed_precision == "bf16" or (mixed_precision == "auto" and device.type == "cuda")
+    bf16 = uses_bf16(mixed_precision, device)
     mp = MixedPrecisionPolicy(**(dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else {}))
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cpu_offload else OffloadPolicy()
     mesh = dist.device_mesh.init_device_mesh(device.type, (dist.get_world_size(),))
@@ -194,26 +194,51 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
     return sd if not rank0_only or not dist.is_initialized() or dist.get_rank() == 0 else {}
 
 
-def save_hf(model: nn.Module, out: str | Path, *, tokenizer=None, dtype: torch.dtype | None = None) -> None:
-    """Write an HF folder (config + safetensors, and the tokenizer if given) that ``from_pretrained`` loads.
+def save_hf(
+    model: nn.Module,
+    out: str | Path,
+    *,
+    tokenizer=None,
+    dtype: torch.dtype | None = None,
+    extra: dict | None = None,
+    device: torch.device | None = None,
+) -> None:
+    """Write an HF folder (config + safetensors, the tokenizer if given, and ``extra``'s small text files) that
+    ``from_pretrained`` loads, with the weights in ``dtype`` (the model's own, not the fp32 masters).
 
-    A collective (the weights are gathered); rank 0 writes, under a temporary name renamed
-    into place (:func:`bapo.checkpoint.staged_folder`: an interrupted export leaves no half-written
-    folder, and the folder is readable as the umask allows). A failure (a full disk) raises on every rank.
+    A collective: the weights are gathered one tensor at a time, cast on the shard before the gather
+    (:class:`bapo.learner.strategy.StreamedWeights`), and only rank 0 keeps them (on the CPU). Rank 0 writes,
+    under a temporary name renamed into place (:func:`bapo.checkpoint.staged_folder`: an interrupted export
+    leaves no half-written folder, and the folder is readable as the umask allows). A failure (a full disk)
+    raises on every rank.
     """
-    sd = full_state_dict(model, rank0_only=True)
+    from bapo.learner.strategy import StreamedWeights, write_dtype, write_extra
+
+    main = not dist.is_initialized() or dist.get_rank() == 0
+    if device is None:
+        device = next(model.parameters()).device
+    sd: dict[str, torch.Tensor] = {}
+    for name, full in StreamedWeights(model, device, dtype).items():
+        if main:
+            sd[name] = full.to("cpu")
+        del full
     err = None
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        if dtype is not None:
-            sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
+    if main:
         try:
             with checkpoint.staged_folder(Path(out)) as tmp:
                 model.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
+                write_dtype(tmp, dtype)
                 if tokenizer is not None:
                     tokenizer.save_pretrained(tmp)
+                write_extra(tmp, extra)
         except Exception as e:
             err = e
     _raise_together(err, f"writing {out}")
+
+
+def uses_bf16(mixed_precision: str, device: torch.device) -> bool:
+    """Whether :func:`wrap` computes in bf16 for this ``mixed_precision`` on ``device``."""
+    return mixed_precision == "bf16" or (mixed_precision == "auto" and device.type == "cuda")
 
 
 PLAIN = "plain.pt"  # the non-tensor part of the learner's state, beside DCP's files

@@ -103,11 +103,16 @@ class Learner:
         agg: str = "token-mean",
         ref_model: torch.nn.Module | None = None,
         device: torch.device | None = None,
+        weights_dtype: torch.dtype | None = None,
+        snapshot_dtype: torch.dtype | None = None,
     ):
         """``cfg``: the typed ``learner`` group (``bapo.config.SingleLearnerConfig`` / ``FSDPLearnerConfig``).
 
         ``critic_cfg`` (``algo.critic``) adds a GAE critic on a copy of the policy's trunk;
-        ``ref_model`` a frozen reference for the loss's KL term.
+        ``ref_model`` a frozen reference for the loss's KL term (sharded like the policy under FSDP).
+        ``weights_dtype``: the dtype of the weights handed to an engine and of the HF export (the model's, e.g.
+        bf16, while FSDP's masters are fp32); ``snapshot_dtype``: of the kept copies (fp32 when recompute
+        evaluates the learner at an older version; the engine's dtype otherwise). None: the learner's own.
         """
         self.cfg = cfg
         self.objective = objective
@@ -123,9 +128,10 @@ class Learner:
                 raise NotImplementedError("learner.kind=fsdp: algo.advantage=gae (the PPO critic) is single-process")
             opt_kw = dict(betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, eps=cfg.eps, grad_clip=cfg.grad_clip)
             self.critic = Critic(self.model, lr=critic_cfg.lr, vf_clip=critic_cfg.vf_clip, agg=agg, **opt_kw)
+        self.weights_dtype, self.snapshot_dtype = weights_dtype, snapshot_dtype
         self.ref_model = None
         if ref_model is not None:
-            self.ref_model = disable_dropout(ref_model).to(self.device).eval().requires_grad_(False)
+            self.ref_model = self.strategy.wrap_frozen(disable_dropout(ref_model).requires_grad_(False)).eval()
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, eps=cfg.eps
         )
@@ -144,12 +150,14 @@ class Learner:
     def weights(self) -> dict[str, torch.Tensor]:
         """The full weights under their HF names, for an engine that loads them before the next update.
 
-        May alias the live parameters (one process); a collective under FSDP (every rank gets them)."""
-        return self.strategy.full_weights(self.model)
+        May alias the live parameters (one process); a collective under FSDP (every rank gets them, in
+        ``weights_dtype``, cast before the gather)."""
+        return self.strategy.full_weights(self.model, self.weights_dtype)
 
     def snapshot(self) -> dict[str, torch.Tensor]:
-        """The full weights as a copy that later updates do not touch (a collective under FSDP)."""
-        return self.strategy.snapshot(self.model)
+        """The full weights as a copy that later updates do not touch, in ``snapshot_dtype`` (a collective
+        under FSDP)."""
+        return self.strategy.snapshot(self.model, self.snapshot_dtype)
 
     def shard(self, items: Sequence) -> list:
         """This rank's share of a mini-batch (all of it in one process)."""
@@ -241,10 +249,14 @@ class Learner:
             micro = split_by_tokens(batch, self.cfg.max_tokens_per_micro_batch, packed=self.cfg.packing)
         else:
             micro = split(batch, self.cfg.micro_batch_size)
-        if sync and self.strategy.reduce_max is not None:
-            count = int(self.strategy.reduce_max(torch.tensor([len(micro)], dtype=torch.float64)).item())
-            micro += [without_tokens(batch) for _ in range(count - len(micro))]
-        return micro
+        return micro + self._padding(batch, len(micro)) if sync else micro
+
+    def _padding(self, batch: TrainBatch, count: int) -> list[TrainBatch]:
+        """Micro-batches without response tokens that bring this rank's ``count`` up to the ranks' largest."""
+        if self.strategy.reduce_max is None:
+            return []
+        most = int(self.strategy.reduce_max(torch.tensor([count], dtype=torch.float64)).item())
+        return [without_tokens(batch) for _ in range(most - count)]
 
     @torch.no_grad()
     def _ref_logp(self, mb: TrainBatch) -> torch.Tensor | None:
@@ -270,13 +282,33 @@ class Learner:
     ) -> torch.Tensor:
         """Log-probs [B, T] of each sample's response tokens (right-padded) under the policy, or under
         ``weights`` (an older version's snapshot): ``learner.old_logp=recompute``'s behaviour
-        log-probs, in the learner's own numerics. Under FSDP every rank must call it (a collective)."""
-        batch = samples if isinstance(samples, TrainBatch) else collate(samples, pad_id=self.pad_id)
+        log-probs, in the learner's own numerics, in micro-batches by the token budget.
+
+        Under FSDP every rank must call it with the same samples (a collective): each rank runs the forward
+        of its share only (every world-th sample from its rank), and the shares are gathered, so every rank
+        returns every row. A collated ``TrainBatch`` is computed whole, on this rank."""
+        if isinstance(samples, TrainBatch) or self.strategy.gather is None:
+            batch = samples if isinstance(samples, TrainBatch) else collate(samples, pad_id=self.pad_id)
+            return self._response_logp(batch, weights)
+        samples, lengths = list(samples), [len(s.response_ids) for s in samples]
+        mine = self.strategy.shard_indices(len(samples))
+        lp = self._response_logp(collate([samples[i] for i in mine], pad_id=self.pad_id), weights)  # [len(mine), T]
+        flat = torch.cat([lp[k, : lengths[i]] for k, i in enumerate(mine)])  # this rank's rows, end to end
+        rows: list[torch.Tensor] = [torch.zeros(0)] * len(samples)
+        for rank, (part,) in enumerate(self.strategy.gather([flat])):
+            at = 0
+            for i in self.strategy.shard_indices(len(samples), rank):
+                rows[i], at = part[at : at + lengths[i]], at + lengths[i]
+        return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)  # [B, T]
+
+    def _response_logp(self, batch: TrainBatch, weights: dict[str, torch.Tensor] | None) -> torch.Tensor:
         with self.strategy.policy_at(self.model, weights, self._scratch_model) as model:
+            micro = self.micro_batches(batch, sync=False)
+            real = len(micro)
             rows = [
                 response_rows(self._forward(model, mb, entropy=False)[0].cpu(), mb.mask)
-                for mb in split(batch, self.cfg.micro_batch_size)
-            ]
+                for mb in micro + self._padding(batch, real)  # FSDP: every rank runs as many forwards
+            ][:real]
         width = max(r.shape[1] for r in rows)
         return torch.cat([F.pad(r, (0, width - r.shape[1])) for r in rows])  # [B, T]
 
@@ -455,6 +487,7 @@ class Learner:
         if not self.strategy.params_finite(self.model):
             raise checkpoint.CheckpointError(f"{path}: the policy's weights in this checkpoint are not finite")
 
-    def export_hf(self, out: Path, tokenizer) -> None:
-        """An HF folder (config + safetensors + tokenizer) of the current policy, renamed into place."""
-        self.strategy.export_hf(self.model, Path(out), tokenizer)
+    def export_hf(self, out: Path, tokenizer, extra: dict[str, str] | None = None) -> None:
+        """An HF folder (config + safetensors in ``weights_dtype`` + tokenizer + ``extra``'s text files, e.g. the
+        run's ``bapo_config.yaml``) of the current policy, renamed into place."""
+        self.strategy.export_hf(self.model, Path(out), tokenizer, dtype=self.weights_dtype, extra=extra)

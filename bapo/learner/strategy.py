@@ -13,10 +13,16 @@ collectives          none                                all-reduce sum / max ov
 mini-batch           all of it                           this rank's share (``dist.shard``)
 full weights         the live ``state_dict``             streamed: one parameter gathered at a time
 snapshot             a copy of the ``state_dict``        streamed into CPU tensors (a full copy)
+frozen copy (KL ref) moved to the device                 sharded like the policy, no optimizer
+gather (recompute)   none                                every rank's rows, all-gathered
 policy at a version  a scratch copy loaded with it       the shards swapped in, then back
 checkpoint           ``learner.pt`` (weights_only)       DCP shards + plain state (no pickle)
-HF export            ``save_pretrained``                 gathered, rank 0 writes
+HF export            ``save_pretrained``                 gathered one tensor at a time, rank 0 writes
 ===================  ==================================  =======================================
+
+Dtypes. Weights handed to an engine, snapshots and the HF export can be asked for in another dtype than the
+learner's (FSDP keeps fp32 master weights; the engine and the export want the model's bf16). Under FSDP the cast
+happens on the local shard, *before* the all-gather, so a sync moves and holds half the bytes.
 
 Streaming. Under FSDP, :meth:`FSDPStrategy.full_weights` returns :class:`StreamedWeights`: a
 mapping whose values are gathered (``full_tensor``) only when read, one parameter at a time, so a
@@ -29,6 +35,7 @@ producer's thread gets :meth:`snapshot` copies, made on the learner's thread (``
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -50,6 +57,16 @@ def master_dtype(cfg, model_dtype: str) -> str:
     """The dtype to load the policy in: FSDP keeps fp32 master weights (bf16 compute on GPU comes from its
     mixed-precision policy); one process trains in ``model.dtype``."""
     return "float32" if cfg.kind == "fsdp" else model_dtype
+
+
+def frozen_dtype(cfg, model_dtype: str) -> str:
+    """The dtype to load a frozen copy of the policy in (the KL reference): the dtype the policy computes in, so
+    that at step 0 the two forwards agree. FSDP computes in bf16 under bf16 mixed precision (``auto`` on CUDA),
+    else in its fp32 masters; one process in ``model.dtype``."""
+    if cfg.kind != "fsdp":
+        return model_dtype
+    cuda = torch.cuda.is_available()
+    return "bfloat16" if cfg.mixed_precision == "bf16" or (cfg.mixed_precision == "auto" and cuda) else "float32"
 
 
 def pick_device(device: str) -> torch.device:
@@ -76,12 +93,13 @@ class StreamedWeights(Mapping):
     an optimizer step between two reads changes what the second returns.
     """
 
-    def __init__(self, model: torch.nn.Module, device: torch.device):
+    def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype | None = None):
         self._sd = model.state_dict(keep_vars=True)  # the DTensor parameters themselves: tied names share one
         self._device = device
+        self._dtype = dtype
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return _gather(self._sd[name], self._device)
+        return _gather(self._sd[name], self._device, self._dtype)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._sd)
@@ -95,7 +113,7 @@ class StreamedWeights(Mapping):
         for name, t in self._sd.items():
             full = gathered.get(id(t))
             if full is None:
-                full = _gather(t, self._device)
+                full = _gather(t, self._device, self._dtype)
                 if id(t) in aliased:
                     gathered[id(t)] = full
             yield name, full
@@ -110,15 +128,18 @@ def _aliased(sd: Mapping[str, torch.Tensor]) -> set[int]:
     return twice
 
 
-def _gather(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """The full tensor of a DTensor shard (a collective), on ``device``; a plain tensor detached as is."""
+def _gather(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The full tensor of a DTensor shard (a collective), on ``device``, cast to ``dtype`` (floating tensors only)
+    before the gather; a plain tensor detached (and cast) as is."""
     from torch.distributed.tensor import DTensor
 
+    cast = dtype is not None and t.is_floating_point() and t.dtype != dtype
     if not isinstance(t, DTensor):
-        return t.detach()
-    local = t.to_local()
-    if local.device != device:  # CPU offload: the collective runs on the rank's device
-        t = DTensor.from_local(local.to(device), t.device_mesh, t.placements, shape=t.shape, stride=t.stride())
+        return t.detach().to(dtype) if cast else t.detach()
+    local = t.to_local().detach()
+    if local.device != device or cast:  # CPU offload: the collective runs on the rank's device
+        local = local.to(device=device, dtype=dtype if cast else local.dtype)
+        t = DTensor.from_local(local, t.device_mesh, t.placements, shape=t.shape, stride=t.stride())
     return t.full_tensor().detach()
 
 
@@ -126,6 +147,7 @@ class SingleStrategy:
     supports_critic = True
     reduce_sum = None
     reduce_max = None
+    gather = None  # nothing to gather in one process
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -133,14 +155,22 @@ class SingleStrategy:
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return model.to(self.device)
 
+    def wrap_frozen(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model.to(self.device)
+
     def shard(self, items: Sequence) -> list:
         return list(items)
 
-    def full_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    def shard_indices(self, n: int, rank: int | None = None) -> list[int]:
+        return list(range(n))
+
+    def full_weights(self, model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """The live ``state_dict`` (aliases the parameters; an engine copies and casts them itself)."""
         return model.state_dict()
 
-    def snapshot(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    def snapshot(self, model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        return {k: v.detach().to(dtype if dtype and v.is_floating_point() else v.dtype, copy=True)
+                for k, v in model.state_dict().items()}  # fmt: skip
 
     @contextlib.contextmanager
     def policy_at(self, model, weights, scratch: Callable[[], torch.nn.Module]) -> Iterator[torch.nn.Module]:
@@ -172,10 +202,32 @@ class SingleStrategy:
             critic.load_state_dict(state["critic"])
         return state["extra"]
 
-    def export_hf(self, model, out: Path, tokenizer) -> None:
+    def export_hf(self, model, out: Path, tokenizer, *, dtype: torch.dtype | None = None, extra: dict | None = None):
+        sd = None
+        if dtype is not None and model.dtype != dtype:
+            sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in model.state_dict().items()}
         with checkpoint.staged_folder(out) as tmp:
-            model.save_pretrained(tmp, safe_serialization=True)
+            model.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
+            write_dtype(tmp, dtype)
             tokenizer.save_pretrained(tmp)
+            write_extra(tmp, extra)
+
+
+def write_dtype(folder: Path, dtype: torch.dtype | None) -> None:
+    """Make the export's config.json name the dtype its safetensors hold (``save_pretrained`` writes the model's
+    own, the fp32 masters', even when it is given a bf16 state dict)."""
+    if dtype is None:
+        return
+    f = Path(folder) / "config.json"
+    config = json.loads(f.read_text())
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    f.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def write_extra(folder: Path, extra: dict | None) -> None:
+    """Small text files beside the weights (the run's resolved config as ``bapo_config.yaml``)."""
+    for name, text in (extra or {}).items():
+        (Path(folder) / name).write_text(text)
 
 
 class FSDPStrategy:
@@ -188,6 +240,7 @@ class FSDPStrategy:
         self.device = dist.init_one_rank()  # torchrun's group, or one rank of our own
         self.reduce_sum = dist.reduce_sum
         self.reduce_max = dist.reduce_max
+        self.gather = dist.all_gather_tensors
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         from bapo.learner import fsdp
@@ -200,22 +253,35 @@ class FSDPStrategy:
             cpu_offload=self.cfg.cpu_offload,
         )
 
+    def wrap_frozen(self, model: torch.nn.Module) -> torch.nn.Module:
+        """A frozen copy (the KL reference): sharded like the policy, in the dtype it computes in, so a rank holds
+        1/W of it (2 bytes a parameter in bf16) and gathers one layer at a time in its no-grad forward."""
+        from bapo.learner import fsdp
+
+        model.requires_grad_(False)
+        return fsdp.wrap(model, device=self.device, mixed_precision="fp32", cpu_offload=self.cfg.cpu_offload)
+
     def shard(self, items: Sequence) -> list:
         return dist.shard(items)
 
-    def full_weights(self, model: torch.nn.Module) -> Mapping[str, torch.Tensor]:
-        """The live weights, gathered one tensor at a time as they are read (:class:`StreamedWeights`)."""
-        return StreamedWeights(model, self.device)
+    def shard_indices(self, n: int, rank: int | None = None) -> list[int]:
+        """The positions :meth:`shard` gives ``rank`` (this rank's by default) of ``n`` items."""
+        return dist.shard(range(n), rank_=rank)
 
-    def snapshot(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    def full_weights(self, model: torch.nn.Module, dtype: torch.dtype | None = None) -> Mapping[str, torch.Tensor]:
+        """The live weights, gathered one tensor at a time as they are read (:class:`StreamedWeights`), in
+        ``dtype`` (cast on the shard, before the gather)."""
+        return StreamedWeights(model, self.device, dtype)
+
+    def snapshot(self, model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """A full copy on the CPU (an async batch may load it after more updates; it holds no GPU memory),
-        gathered one tensor at a time; tied names share one tensor, as in the model."""
+        gathered one tensor at a time in ``dtype``; tied names share one tensor, as in the model."""
         sd = model.state_dict(keep_vars=True)
         copies: dict[int, torch.Tensor] = {}  # id(shard) -> its CPU copy: tied names get one tensor
         out: dict[str, torch.Tensor] = {}
         for name, t in sd.items():
             if id(t) not in copies:
-                copies[id(t)] = _gather(t, self.device).to("cpu", copy=True)
+                copies[id(t)] = _gather(t, self.device, dtype).to("cpu", copy=True)
             out[name] = copies[id(t)]
         return out
 
@@ -248,7 +314,7 @@ class FSDPStrategy:
 
         return fsdp.load_sharded(path, model=model, optimizer=optimizer)
 
-    def export_hf(self, model, out: Path, tokenizer) -> None:
+    def export_hf(self, model, out: Path, tokenizer, *, dtype: torch.dtype | None = None, extra: dict | None = None):
         from bapo.learner import fsdp
 
-        fsdp.save_hf(model, out, tokenizer=tokenizer)
+        fsdp.save_hf(model, out, tokenizer=tokenizer, dtype=dtype, extra=extra, device=self.device)

@@ -34,6 +34,7 @@ def build_rollout(
     seed: int = 0,
     logprobs: bool = True,
     top_p: float = 1.0,
+    max_model_len: int | None = None,
 ) -> RolloutEngine:
     """The engine ``cfg.engine`` names, configured from the typed rollout config ``cfg``.
 
@@ -44,6 +45,8 @@ def build_rollout(
     loaded from ``path`` in ``dtype`` when None); vLLM loads ``path`` itself and seeds its
     engine with ``seed``. ``logprobs=False`` (evaluation) allows ``top_p < 1``; training
     engines record the log-probs the learner needs and sample the full distribution.
+    ``max_model_len`` (vLLM): the longest prompt + response the engine must hold, which sizes its KV cache
+    (None: the model's whole context).
     """
     if cfg.engine == "vllm":
         from bapo.rollout.vllm import VLLMRollout  # lazy: vllm is an optional extra
@@ -58,6 +61,8 @@ def build_rollout(
             tensor_parallel_size=cfg.tensor_parallel_size,
             enable_sleep_mode=cfg.enable_sleep_mode,
             enforce_eager=cfg.enforce_eager,
+            sleep_level=getattr(cfg, "sleep_level", 1),  # eval.py's rollout group may predate the key
+            max_model_len=max_model_len,
             dtype=dtype,
             seed=seed,
             top_p=top_p,

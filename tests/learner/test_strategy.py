@@ -55,7 +55,19 @@ def results(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "check", ["meta_load", "stream_values", "stream_one_at_a_time", "snapshot", "eval_shared", "maker_tp"]
+    "check",
+    [
+        "meta_load",
+        "stream_values",
+        "stream_one_at_a_time",
+        "snapshot",
+        "eval_shared",
+        "maker_tp",
+        "stream_bf16",
+        "export_bf16",
+        "recompute_sharded",
+        "kl_reference",
+    ],
 )
 def test_on_two_ranks(results, check):
     for rank, res in enumerate(results):

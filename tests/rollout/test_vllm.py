@@ -7,6 +7,7 @@ engine tests skip where vLLM is not installed. One engine per module: start-up t
 import builtins
 import copy
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -126,6 +127,30 @@ def test_logp_after_weight_sync(engine, ref_model, tiny_tok):
     finally:
         engine.load_weights(ref_model.state_dict(), version=0)
     assert _learner_logp_diff(ref_model, engine.generate(prompts, n=2), 0.7, engine.pad_id) < 1e-5
+
+
+def _zeros_of_the_checkpoint(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint on disk, as zeros: a reload of it leaves the engine with no weights left."""
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        return {name: torch.zeros_like(f.get_tensor(name)) for name in f.keys()}
+
+
+def test_a_weight_sync_refills_every_parameter(engine, ref_model, tiny_tok):
+    """What ``rollout.sleep_level=2`` relies on: one load_weights of the learner's weights writes every parameter
+    of the engine (level 2 discards them; vLLM's reload keeps the old value of a parameter it was not given, so
+    after the engine is zeroed through the checkpoint's own list of tensors, anything the sync missed stays 0)."""
+    prompts = _prompts(tiny_tok, 6)
+    try:
+        zeros = iter(_zeros_of_the_checkpoint(TINY).items())  # straight to vLLM, not through the code under test
+        engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": zeros, "is_checkpoint_format": True})
+        zeroed = torch.cat([s.logp for s in engine.generate(prompts, n=2)])
+        assert torch.allclose(zeroed, torch.full_like(zeroed, -math.log(len(tiny_tok))), atol=1e-4)  # uniform
+        engine.load_weights(ref_model.state_dict(), version=2)  # what the learner hands over
+        assert _learner_logp_diff(ref_model, engine.generate(prompts, n=2), 0.7, engine.pad_id) < 1e-5
+    finally:
+        engine.load_weights(ref_model.state_dict(), version=0)
 
 
 def test_same_seed_same_samples(engine, tiny_tok):
@@ -259,3 +284,39 @@ def test_build_rollout_makes_a_vllm_engine_for_evaluation(tiny_tok):
     assert isinstance(eng, VLLMRollout) and eng.top_p == 0.9
     samples = eng.generate(_prompts(tiny_tok, 2))
     assert len(samples) == 4 and all(torch.isnan(s.logp).all() for s in samples)
+
+
+class _Sleepy:
+    """vLLM's LLM as far as sleep and wake go (the CPU build has no sleep mode)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags):
+        self.calls.append(("wake", tuple(tags)))
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_level_2_leaves_no_version_until_the_next_sync(level):
+    from bapo.rollout.vllm import DISCARDED, VLLMRollout
+
+    eng = object.__new__(VLLMRollout)  # the sleep bookkeeping only: no engine is started
+    eng.llm, eng.sleep_mode, eng.sleep_level, eng.asleep, eng.version = _Sleepy(), True, level, set(), 7
+    eng.n, eng.temperature = 1, 1.0
+    eng.sleep()
+    assert eng.llm.calls == [("sleep", level)]
+    assert eng.version == (DISCARDED if level == 2 else 7)  # the producer then loads whatever version it needs
+    if level == 2:
+        with pytest.raises(RuntimeError, match="load_weights before generating"):
+            eng.generate([])
+
+
+def test_sleep_level_is_checked_by_name():
+    from tests.conftest import run_config
+
+    with pytest.raises(ConfigError, match=r"rollout.sleep_level: must be one of \[1, 2\], got 3"):
+        run_config("rollout=vllm", "rollout.sleep_level=3")
+    assert run_config("rollout=vllm").rollout.sleep_level == 1
