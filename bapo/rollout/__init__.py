@@ -34,6 +34,7 @@ def build_rollout(
     seed: int = 0,
     logprobs: bool = True,
     top_p: float = 1.0,
+    max_model_len: int | None = None,
 ) -> RolloutEngine:
     """The engine ``cfg.engine`` names, configured from the typed rollout config ``cfg``.
 
@@ -44,6 +45,7 @@ def build_rollout(
     loaded from ``path`` in ``dtype`` when None); vLLM loads ``path`` itself and seeds its
     engine with ``seed``. ``logprobs=False`` (evaluation) allows ``top_p < 1``; training
     engines record the log-probs the learner needs and sample the full distribution.
+    ``max_model_len`` (vLLM): the longest prompt + response the engine is sized for (None: the model's context).
     """
     if cfg.engine == "vllm":
         from bapo.rollout.vllm import VLLMRollout  # lazy: vllm is an optional extra
@@ -62,6 +64,7 @@ def build_rollout(
             seed=seed,
             top_p=top_p,
             logprobs=logprobs,
+            max_model_len=max_model_len,
         )
     if cfg.engine == "hf":
         if model is None:
