@@ -154,7 +154,7 @@ def evaluate(
     local, _ = generate_local(rollout, prompts, n=n, temperature=temperature, seed=seed)
     records = None
     if grades_here(rollout):
-        grades, _ = verifier.grade([s.text for s in local], [s.prompt.problem.answer for s in local])
+        grades = verifier.grade([s.text for s in local], [s.prompt.problem.answer for s in local])[0] if local else []
         rows = [(g.correct, len(s.response_ids), s.truncated) for s, g in zip(local, grades, strict=True)]
         records = _by_prompt(rows, n)
     per_prompt = gather_prompts(records, rollout, len(prompts))
@@ -246,7 +246,7 @@ def _majorities(verifier, answers: Sequence[Sequence[str | None]], extracted: Se
 
 def _grade_share(verifier, local: Sequence[Sample], *, k: int, share: int, seed: int | None, max_distinct: int):
     """This share's graded records, one per prompt: its samples' verdicts and its majority sample."""
-    grades, _ = verifier.grade([s.text for s in local], [s.prompt.problem.answer for s in local]) if local else ([], 0)
+    grades = verifier.grade([s.text for s in local], [s.prompt.problem.answer for s in local])[0] if local else []
     extracted = _by_prompt([g.extracted for g in grades], k)
     answers = [[None if e is None else normalize_answer(e) for e in ext] for ext in extracted]
     majority = _majorities(verifier, answers, extracted, max_distinct)

@@ -1,7 +1,8 @@
 """Run under torchrun (2 gloo ranks) by tests/test_eval_entry.py; writes ``$OUT/rank{r}.json``.
 
 Data-parallel evaluation with a canned engine and a verifier that counts what it grades: for
-one share per rank (a plain engine) and one share for both (a 2-rank tensor-parallel engine),
+one share per rank (a plain engine), one share for both (a 2-rank tensor-parallel engine), and a
+set of one problem (rank 1's share is empty),
 the grades each rank performed, and the set's metrics, problem rows and sample rows it ended with.
 :func:`evaluate_all` also runs in one process, as the reference.
 """
@@ -60,13 +61,13 @@ class CountingVerifier(MathVerifier):
         return super().grade(responses, answers)
 
 
-def evaluate_all(tp: int = 1) -> dict:
+def evaluate_all(tp: int = 1, prompts=PROMPTS) -> dict:
     """The set evaluation and the held-out check, each with the grades this process performed."""
     engine = CannedEngine(tp)
     with CountingVerifier() as verifier:
-        res = evaluate_set(engine, verifier, EvalSet(PROMPTS, skipped=1), k=2, temperature=1.0, seed=5)
+        res = evaluate_set(engine, verifier, EvalSet(prompts, skipped=1), k=2, temperature=1.0, seed=5)
         set_grades, verifier.graded = verifier.graded, 0
-        heldout = evaluate(engine, verifier, PROMPTS, n=2, temperature=1.0, prefix="eval/", seed=5)
+        heldout = evaluate(engine, verifier, prompts, n=2, temperature=1.0, prefix="eval/", seed=5)
         samples = [{k: v for k, v in row.items() if k not in ORIGIN} for row in res.samples]
         origin = [[row[k] for k in ORIGIN] for row in res.samples]
         return {
@@ -85,7 +86,7 @@ def main(out: Path) -> None:
     from bapo import dist
 
     dist.init(timeout_s=120)  # a collective left waiting by a bug fails instead of hanging
-    result = {"dp": evaluate_all(), "tp": evaluate_all(tp=2)}
+    result = {"dp": evaluate_all(), "tp": evaluate_all(tp=2), "one_prompt": evaluate_all(prompts=PROMPTS[:1])}
     (out / f"rank{dist.rank()}.json").write_text(json.dumps(result))
     dist.teardown()
 

@@ -93,10 +93,16 @@ def test_each_rank_grades_its_own_share_only(two_ranks):
     # one 2-rank tensor-parallel engine is one share: its first rank grades it, the other nothing
     assert [r["tp"]["set_grades"] for r in two_ranks] == [11, 0]
     assert [r["tp"]["heldout_grades"] for r in two_ranks] == [10, 0]
+    # more shares than problems: an empty share grades nothing and still takes part in the gather
+    assert [(r["one_prompt"]["set_grades"], r["one_prompt"]["heldout_grades"]) for r in two_ranks] == [(2, 2), (0, 0)]
 
 
-@pytest.mark.parametrize("layout", ["dp", "tp"])
+@pytest.mark.parametrize("layout", ["dp", "tp", "one_prompt"])
 def test_every_rank_ends_with_the_one_process_result(two_ranks, layout):
+    if layout == "one_prompt":
+        one = evaluate_all(prompts=PROMPTS[:1])
+        assert all(r[layout][key] == one[key] for r in two_ranks for key in ("metrics", "samples", "heldout"))
+        return
     one = evaluate_all()
     for rank, r in enumerate(two_ranks):
         got = r[layout]
