@@ -58,16 +58,6 @@ def test_bad_input_is_one_line_and_exit_2_with_no_folder_left(tmp_path, truncate
     assert not (tmp_path / "run").exists()  # a start-up error leaves no run folder behind
 
 
-def test_heldout_names_the_sets():
-    from bapo.config import ConfigError
-    from bapo.evaluate import build_job
-    from tests.test_evaluate import SETS, _cfg
-
-    with pytest.raises(ConfigError) as e:
-        build_job(_cfg(["eval=[aime24,heldout]"]))
-    assert "not an eval set" in str(e.value) and str(SETS) in str(e.value)
-
-
 # ----------------------------------------------------------------------------- data-parallel
 
 

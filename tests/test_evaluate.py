@@ -163,6 +163,7 @@ def test_arith_set_is_the_training_heldout_set():
         (["eval.arith.arith.size=0"], "eval.arith.arith.size"),
         (["eval=aime24", "eval.aime24.path=null"], "eval.aime24.path"),
         (["max_prompt_tokens=0"], "max_prompt_tokens"),
+        (["eval=heldout"], "eval"),  # training's held-out config, not a set
         (["model.dtype=int8"], "model.dtype"),
         (["reward.fallback=guess"], "reward.fallback"),
     ],
@@ -170,6 +171,15 @@ def test_arith_set_is_the_training_heldout_set():
 def test_bad_values_name_the_key(overrides, key):
     with pytest.raises(ConfigError, match="^" + re.escape(key) + ":"):
         build_job(_cfg(overrides))
+
+
+def test_training_heldout_config_is_named_with_the_sets():
+    for choice in ("eval=heldout", "eval=[aime24,heldout]"):
+        with pytest.raises(ConfigError) as e:
+            build_job(_cfg([choice]))
+        msg = str(e.value)
+        assert msg.startswith("eval: heldout is training's held-out config (conf/eval/heldout.yaml"), msg
+        assert "not an eval set" in msg and str(SETS) in msg
 
 
 def test_vllm_engine_composes():
