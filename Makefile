@@ -60,8 +60,8 @@ bench: install ## benchmarks, each printing a ratio against its baseline
 	$(PY) scripts/bench_decode.py
 	@if [ -x $(VLLM_VENV)/bin/python ]; then $(VLLM_VENV)/bin/python scripts/bench_rollout.py; fi
 
-eval: install ## evaluate a run on AIME24/25 and MATH-500: make eval RUN=outputs/<date>/<run>
-	$(PY) eval.py checkpoint=$(RUN) eval=[aime24,aime25,math500]
+eval: install ## evaluate a run as it was trained (its config.yaml) on AIME24/25 and MATH-500: make eval RUN=outputs/<date>/<run> [ARGS="k=16"]
+	$(PY) eval.py checkpoint=$(RUN) eval=[aime24,aime25,math500] $(ARGS)
 
 sweep: install ## a small grid with Hydra's basic launcher
 	$(PY) train.py -m algo=bapo,grpo seed=1,2

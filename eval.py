@@ -1,20 +1,36 @@
 """Evaluate a model or a training run on math sets:
 
     python eval.py checkpoint=outputs/<date>/<run> eval=[aime24,aime25,math500] k=16 temperature=0.6 top_p=0.95
+    torchrun --nproc_per_node=8 eval.py checkpoint=outputs/<date>/<run> eval=aime24 k=16   (data-parallel)
     python eval.py model=smollm2_135m eval=gsm8k k=4 eval.limit=50
     .venv-vllm/bin/python eval.py rollout=vllm eval=arith k=2 eval.limit=8
-    torchrun --nproc_per_node=8 eval.py rollout=vllm checkpoint=... eval=aime24 k=16   (data-parallel)
 
-Under torchrun every rank builds its own engine (vLLM: one per rank in torchrun's process group)
-and samples its share of the problems; the shares are gathered and rank 0 writes the reports.
-Every sample row records its generate call's seed and request index (bapo/evaluate.py).
+A training run is evaluated the way it was trained. When ``checkpoint=`` is a run folder (its
+``config.yaml``, its weights in ``export/``), or an export folder that carries the run's config
+(``bapo_config.yaml``), the run's settings replace eval.py's own: the model group (dtype, arch,
+trust_remote_code, answer_fallback; the weights are the export's), ``max_new_tokens`` (the run's
+``rollout.max_new_tokens``), the prompt's ``instruction`` and ``max_prompt_tokens`` (its ``data.*``),
+and the rollout engine with its knobs (vLLM's memory share, tensor parallelism, eager mode). A key
+given on the command line wins (``checkpoint=<run> max_new_tokens=1024``); every value taken, and
+every override, is logged in one block and recorded in results.json's config. A bare HF folder,
+or no checkpoint, is evaluated with the settings composed here (conf/eval_config.yaml, ``model=``).
+
+Prompts longer than the model leaves room for (its context minus ``max_new_tokens``, and at most
+``max_prompt_tokens``) are skipped and counted as in training; the reports say how many per set.
+vLLM is sized for exactly that (``max_model_len`` = the prompt limit + ``max_new_tokens``).
+
+Under torchrun every rank builds its own engine (vLLM: one per rank in torchrun's process group),
+samples and grades its share of the problems; the graded shares are gathered and rank 0 writes
+the reports. Every sample row records its generate call's seed and request index (bapo/evaluate.py).
 
 Writes results.json, results.md and samples_<set>.jsonl to the run folder
-(outputs/eval/<date>/<time>). This is evaluation's composition root, as
-bapo/loop.py is training's: it alone builds the engines (the rollout engine
-and the training verifier) and hands them to bapo/evaluate.py.
+(outputs/eval/<date>/<time>). Bad input is one line, ``error: ConfigError: <key>: ...``, exit
+status 2, and leaves no run folder behind (bapo/cli.py). This is evaluation's composition root,
+as bapo/loop.py is training's: it alone builds the engines (the rollout engine and the training
+verifier) and hands them to bapo/evaluate.py.
 """
 
+from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -28,31 +44,47 @@ from omegaconf import DictConfig, OmegaConf
 OmegaConf.register_new_resolver("bapo.conf_dir", lambda: str(Path(__file__).resolve().parent / "conf"), replace=True)
 
 
-def run(cfg: DictConfig, run_dir) -> dict:
-    """Evaluate as configured; returns {set: metrics}."""
+def run(cfg: DictConfig, run_dir, overrides: Sequence[str] = ()) -> dict:
+    """Evaluate as configured; returns {set: metrics}. ``overrides``: the command line's (Hydra's task
+    overrides), which win over a training run's settings."""
     import logging
 
     from bapo import dist
     from bapo import evaluate as ev
+    from bapo.config import ConfigError
     from bapo.modeling import load_model, load_tokenizer, model_path, pick_device
     from bapo.reward import MathVerifier
     from bapo.rollout import build_rollout
 
     log = logging.getLogger("eval")
+    source = ev.adopt_run(cfg, overrides)  # a training run's settings, before anything is validated or loaded
     job = ev.build_job(cfg)
+    m, r = job.model, job.run
+    problems = {name: ev.load_evalset(s, limit=r.limit) for name, s in job.sets.items()}  # fail before loading
+    key = "checkpoint" if source else "model.name_or_path"
+    path = (
+        str(source.weights)
+        if source
+        else model_path(m.name_or_path, m.gguf.package if m.gguf else None, m.gguf.file if m.gguf else None)
+    )
+    ev.check_model_folder(path, key)
+    try:
+        tok = load_tokenizer(path, trust_remote_code=m.trust_remote_code)
+        context = ev.model_context(path, trust_remote_code=m.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{key}: {path}: {str(e).splitlines()[0]}") from None
+    limit = ev.eval_prompt_limit(r.max_prompt_tokens, r.max_new_tokens, context)
+    why = f"the model's context of {context} tokens - max_new_tokens={r.max_new_tokens}, and max_prompt_tokens"
+    why += f"={r.max_prompt_tokens}"
+    sets = {
+        name: ev.prepare_set(name, p, tok, instruction=r.instruction, max_prompt_tokens=limit, limit_keys=why)
+        for name, p in problems.items()
+    }
+    log.info("model %s; sets %s", path, {name: len(s.prompts) for name, s in sets.items()})
     run_dir = dist.shared_path(run_dir)  # torchrun: joins the process group; rank 0's folder
     main = dist.is_main()
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
-    sets = {name: ev.load_evalset(s, limit=job.run.limit) for name, s in job.sets.items()}  # fail before loading
-    m, r = job.model, job.run
-    path = (
-        ev.resolve_checkpoint(r.checkpoint)
-        if r.checkpoint
-        else model_path(m.name_or_path, m.gguf.package if m.gguf else None, m.gguf.file if m.gguf else None)
-    )
-    log.info("model %s; sets %s", path, {name: len(p) for name, p in sets.items()})
-    tok = load_tokenizer(path, trust_remote_code=m.trust_remote_code)
     model = None  # vLLM loads the checkpoint itself
     if job.engine == "hf":
         device = dist.init() if dist.launched() else pick_device(r.device)  # torchrun: this rank's device
@@ -60,23 +92,25 @@ def run(cfg: DictConfig, run_dir) -> dict:
     # evaluation records no log-probs, so nucleus sampling (top_p < 1) is allowed here
     engine_cfg = SimpleNamespace(**OmegaConf.to_container(cfg.rollout, resolve=True))
     rollout = build_rollout(
-        engine_cfg, path=path, tokenizer=tok, model=model, dtype=m.dtype, seed=r.seed, top_p=r.top_p, logprobs=False
-    )
-    config = OmegaConf.to_container(cfg, resolve=True) | {"model_path": path}
+        engine_cfg, path=path, tokenizer=tok, model=model, dtype=m.dtype, seed=r.seed, top_p=r.top_p, logprobs=False,
+        max_model_len=None if limit is None else limit + r.max_new_tokens,
+    )  # fmt: skip
+    config = OmegaConf.to_container(cfg, resolve=True) | (source.record() if source else {"model_path": path})
     results = {}
     with MathVerifier(
         num_workers=job.reward.num_workers, timeout_s=job.reward.timeout_s, fallback=job.reward.fallback
     ) as verifier:
-        for name, problems in sets.items():
-            res = ev.evaluate_problems(
-                rollout, verifier, tok, problems, k=r.k, temperature=r.temperature,
-                instruction=r.instruction, max_distinct=r.maj_max_distinct, seed=r.seed,
-            )  # fmt: skip
+        for name, s in sets.items():
+            res = ev.evaluate_set(
+                rollout, verifier, s, k=r.k, temperature=r.temperature, max_distinct=r.maj_max_distinct, seed=r.seed
+            )
             results[name] = res
             if main:  # every rank has the same results (gathered); one writes them
                 ev.write_samples(run_dir / f"samples_{name}.jsonl", res.samples)
                 ev.write_results(run_dir, results, k=r.k, config=config)  # after each set: a crash keeps what is done
-                log.info("%s: %s", name, " ".join(f"{k}={v:.3f}" for k, v in res.metrics.items()))
+                log.info(
+                    "%s: %s skipped=%d", name, " ".join(f"{k}={v:.3f}" for k, v in res.metrics.items()), res.skipped
+                )
     if main:
         log.info("results in %s\n%s", run_dir, (run_dir / "results.md").read_text())
     dist.teardown()
@@ -85,7 +119,11 @@ def run(cfg: DictConfig, run_dir) -> dict:
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="eval_config")
 def main(cfg: DictConfig) -> None:
-    run(cfg, HydraConfig.get().runtime.output_dir)
+    from bapo.cli import guarded
+
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
+    guarded(lambda: run(cfg, run_dir, hc.overrides.task), run_dir)  # bad input: one line, exit 2, no folder left
 
 
 if __name__ == "__main__":  # vLLM's engine may spawn processes that re-import this file

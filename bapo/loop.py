@@ -45,7 +45,7 @@ from bapo.batches import RolloutMaker
 from bapo.buffer import ReplayBuffer
 from bapo.config import AlgoConfig, RunConfig, build, prompt_limit
 from bapo.data import LoadReport, PromptStream, problem_sources, render_prompts
-from bapo.evaluate import evaluate, evaluate_sets, load_evalset, named_set
+from bapo.evaluate import evaluate, evaluate_sets, load_evalset, named_set, prepare_set
 from bapo.groupfilter import GroupFilter
 from bapo.learner import Learner, TrainingDiverged, frozen_dtype, master_dtype
 from bapo.logging import MetricsLogger, NullLogger, truncate_metrics
@@ -299,8 +299,11 @@ def build_stages(rc: RunConfig) -> Stages:
         last_batch=None if rc.mode == "drop" else rc.train.steps,  # drop: replacements for dropped batches
         interrupt=interrupt,
     )
-    e = rc.eval
-    sets = {n: load_evalset(named_set(n, data_dir=rc.data_dir), limit=e.sets_limit) for n in e.sets}
+    e, sets = rc.eval, {}
+    why = "data.max_prompt_tokens, and the model's context - rollout.max_new_tokens"
+    for n in e.sets:  # over-long prompts skipped and counted as in the held-out set (eval/<set>/skipped)
+        problems = load_evalset(named_set(n, data_dir=rc.data_dir), limit=e.sets_limit)
+        sets[n] = prepare_set(n, problems, tok, instruction=d.instruction, max_prompt_tokens=limit, limit_keys=why)
     buffer = ReplayBuffer(
         max_staleness=rc.buffer.max_staleness, capacity=rc.buffer.capacity, sampling=rc.buffer.sampling, seed=rc.seed
     )
@@ -418,9 +421,8 @@ def evaluate_now(rc: RunConfig, s: Stages, step: int) -> dict:
             g = evaluate(s.engine, s.verifier, s.heldout, n=1, temperature=0.0, prefix="eval/greedy_")
             out["eval/accuracy_greedy"] = g["eval/greedy_accuracy"]
         if s.sets:
-            kw = dict(k=e.sets_k, temperature=e.temperature, instruction=rc.data.instruction)
             seed = derive_seed(rc.seed, "eval_sets", step)
-            out |= evaluate_sets(s.engine, s.verifier, s.tokenizer, s.sets, **kw, seed=seed)
+            out |= evaluate_sets(s.engine, s.verifier, s.sets, k=e.sets_k, temperature=e.temperature, seed=seed)
         out["eval/version"] = float(s.engine.version)
         out["time/eval_s"] = time.perf_counter() - t0
         return out

@@ -112,11 +112,12 @@ def maj_at_k(
     max_distinct: int = 8,
 ) -> float:
     """Fraction of problems whose majority answer is correct (judged by the verdict of its first sample)."""
-    hits = []
-    for ans, ok in zip(answers, correct, strict=True):
-        i = majority(ans, equivalent, max_distinct=max_distinct)
-        hits.append(i is not None and bool(ok[i]))
-    return _mean(hits)
+    return majority_accuracy([majority(ans, equivalent, max_distinct=max_distinct) for ans in answers], correct)
+
+
+def majority_accuracy(majorities: Sequence[int | None], correct: Sequence[Sequence[bool]]) -> float:
+    """maj@k from each problem's majority sample (:func:`majority`; None: no answer at all) and the verdicts."""
+    return _mean([i is not None and bool(ok[i]) for i, ok in zip(majorities, correct, strict=True)])
 
 
 def _mean(xs: Sequence[float]) -> float:

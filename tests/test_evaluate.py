@@ -2,6 +2,7 @@
 eval.py end to end on the tiny model (subprocess and compose API)."""
 
 import json
+import logging
 import math
 import os
 import re
@@ -13,7 +14,19 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from bapo.config import ConfigError
-from bapo.evaluate import build_job, evaluate, evaluate_problems, evaluate_sets, load_evalset, named_set
+from bapo.evaluate import (
+    EvalSet,
+    adopt_run,
+    build_job,
+    check_model_folder,
+    evaluate,
+    evaluate_set,
+    evaluate_sets,
+    find_checkpoint,
+    load_evalset,
+    named_set,
+    prepare_set,
+)
 from bapo.reward import MathVerifier
 from bapo.types import Problem, Sample
 from eval import run as eval_run
@@ -56,10 +69,14 @@ RESPONSES = {
 }
 
 
+def _set(problems, tok, instruction="", limit=None):
+    return prepare_set("test", problems, tok, instruction=instruction, max_prompt_tokens=limit)
+
+
 def test_metrics_on_canned_responses(tiny_tok):
     with MathVerifier(num_workers=0) as verifier:
-        res = evaluate_problems(
-            CannedRollout(RESPONSES), verifier, tiny_tok, PROBLEMS, k=4, temperature=1.0, instruction="Box it."
+        res = evaluate_set(
+            CannedRollout(RESPONSES), verifier, _set(PROBLEMS, tiny_tok, "Box it."), k=4, temperature=1.0
         )
     m = res.metrics
     assert m["avg@4"] == pytest.approx((2 / 4 + 1 / 4) / 2)
@@ -81,8 +98,7 @@ def test_maj_groups_equivalent_answers_through_the_pool(tiny_tok):
     otherwise); the pairs run in the verifier's worker pool."""
     responses = {"half": ["\\boxed{0.5}", "\\boxed{3}", "\\boxed{\\frac{1}{2}}", "\\boxed{3}"]}
     with MathVerifier(num_workers=1) as verifier:
-        res = evaluate_problems(CannedRollout(responses), verifier, tiny_tok, PROBLEMS[:1], k=4, temperature=1.0,
-                                instruction="")  # fmt: skip
+        res = evaluate_set(CannedRollout(responses), verifier, _set(PROBLEMS[:1], tiny_tok), k=4, temperature=1.0)
     assert res.metrics["maj@4"] == 1.0 and res.problems[0]["majority"] == "0.5"
 
 
@@ -91,14 +107,15 @@ def test_evaluate_sets_is_flat_and_evaluate_still_works(tiny_tok):
 
     rollout = CannedRollout(RESPONSES)
     with MathVerifier(num_workers=0) as verifier:
-        flat = evaluate_sets(rollout, verifier, tiny_tok, {"a": PROBLEMS, "b": PROBLEMS[1:]}, k=4, temperature=1.0,
-                             instruction="")  # fmt: skip
+        sets = {"a": _set(PROBLEMS, tiny_tok), "b": EvalSet(_set(PROBLEMS[1:], tiny_tok).prompts, skipped=3)}
+        flat = evaluate_sets(rollout, verifier, sets, k=4, temperature=1.0)
         old = evaluate(rollout, verifier, [render_prompt(p, tiny_tok) for p in PROBLEMS], n=4, temperature=1.0,
                        prefix="eval/")  # fmt: skip
     for s in ("a", "b"):
         for key in ("avg@4", "pass@1", "pass@2", "pass@4", "maj@4", "response_len", "truncated"):
             assert f"eval/{s}/{key}" in flat
     assert flat["eval/b/avg@4"] == 0.25 and flat["eval/a/avg@4"] == old["eval/accuracy"]
+    assert flat["eval/a/skipped"] == 0.0 and flat["eval/b/skipped"] == 3.0
     assert old["eval/pass@4"] == 1.0
 
 
@@ -145,7 +162,8 @@ def test_arith_set_is_the_training_heldout_set():
         (["eval.arith.kind=csv"], "eval.arith.kind"),
         (["eval.arith.arith.size=0"], "eval.arith.arith.size"),
         (["eval=aime24", "eval.aime24.path=null"], "eval.aime24.path"),
-        (["eval=heldout"], "eval.every"),  # training's held-out config, not a set
+        (["max_prompt_tokens=0"], "max_prompt_tokens"),
+        (["eval=heldout"], "eval"),  # training's held-out config, not a set
         (["model.dtype=int8"], "model.dtype"),
         (["reward.fallback=guess"], "reward.fallback"),
     ],
@@ -153,6 +171,15 @@ def test_arith_set_is_the_training_heldout_set():
 def test_bad_values_name_the_key(overrides, key):
     with pytest.raises(ConfigError, match="^" + re.escape(key) + ":"):
         build_job(_cfg(overrides))
+
+
+def test_training_heldout_config_is_named_with_the_sets():
+    for choice in ("eval=heldout", "eval=[aime24,heldout]"):
+        with pytest.raises(ConfigError) as e:
+            build_job(_cfg([choice]))
+        msg = str(e.value)
+        assert msg.startswith("eval: heldout is training's held-out config (conf/eval/heldout.yaml"), msg
+        assert "not an eval set" in msg and str(SETS) in msg
 
 
 def test_vllm_engine_composes():
@@ -199,12 +226,17 @@ def test_shared_sets_load(shared_data):
 # ----------------------------------------------------------------------------- end to end
 
 
-def _check_run_folder(out: Path, sets: dict[str, int], k: int) -> dict:
+def _check_run_folder(out: Path, sets: dict[str, int | tuple[int, int]], k: int) -> dict:
+    """``sets``: name -> problems evaluated, or (evaluated, skipped as too long)."""
     results = json.loads((out / "results.json").read_text())
     assert set(results["sets"]) == set(sets) and results["config"]["k"] == k
+    table = (out / "results.md").read_text()
+    assert table.startswith("| set | n | skipped | k | avg@2 | pass@1 | pass@2 | maj@2 |")
     for name, n in sets.items():
+        n, skipped = n if isinstance(n, tuple) else (n, 0)
         r = results["sets"][name]
         assert r["n_problems"] == n and r["k"] == k and len(r["problems"]) == n
+        assert r["n_skipped"] == skipped and f"| {name} | {n} | {skipped} | {k} |" in table
         keys = {f"avg@{k}", *(f"pass@{j}" for j in (1, 2)), f"maj@{k}", "response_len", "truncated"}
         assert keys <= set(r["metrics"])
         for key, v in r["metrics"].items():
@@ -213,9 +245,6 @@ def _check_run_folder(out: Path, sets: dict[str, int], k: int) -> dict:
         lines = (out / f"samples_{name}.jsonl").read_text().splitlines()
         assert len(lines) == n * k
         assert all(set(json.loads(line)) == SAMPLE_FIELDS for line in lines)
-    table = (out / "results.md").read_text()
-    assert table.startswith("| set | n | k | avg@2 | pass@1 | pass@2 | maj@2 |")
-    assert all(f"| {name} | {n} | {k} |" in table for name, n in sets.items())
     return results
 
 
@@ -231,11 +260,13 @@ def test_eval_py_subprocess(tmp_path):
 
 
 def test_eval_compose_api_on_a_shared_set_is_deterministic(tmp_path, shared_data):
-    over = ["eval=[arith,aime24]", "eval.limit=3", "k=2", "max_new_tokens=8", "reward.num_workers=0", "seed=3"]
+    # aime24's first 6 prompts have 421, 136, 375, 408, 173 and 204 tokens; the tiny model's context (256)
+    # less max_new_tokens=8 leaves 248, so I-01, I-03 and I-04 are skipped
+    over = ["eval=[arith,aime24]", "eval.limit=6", "k=2", "max_new_tokens=8", "reward.num_workers=0", "seed=3"]
     first = eval_run(_cfg(over), tmp_path / "a")
-    _check_run_folder(tmp_path / "a", {"arith": 3, "aime24": 3}, 2)
+    _check_run_folder(tmp_path / "a", {"arith": 6, "aime24": (3, 3)}, 2)
     ids = [json.loads(line)["id"] for line in (tmp_path / "a" / "samples_aime24.jsonl").read_text().splitlines()]
-    assert ids == ["aime24-I-01"] * 2 + ["aime24-I-02"] * 2 + ["aime24-I-03"] * 2
+    assert ids == ["aime24-I-02"] * 2 + ["aime24-I-05"] * 2 + ["aime24-I-06"] * 2
     # same seed, same samples; and a set's samples do not depend on the sets run before it
     eval_run(_cfg([*over[1:], "eval=aime24"]), tmp_path / "b")
     assert (tmp_path / "a" / "samples_aime24.jsonl").read_text() == (
@@ -245,14 +276,221 @@ def test_eval_compose_api_on_a_shared_set_is_deterministic(tmp_path, shared_data
 
 
 def test_checkpoint_loads_a_run_folders_export(tmp_path, tiny_model, tiny_tok):
+    """A run folder without config.yaml, or a bare export, is evaluated with eval.py's own settings."""
     tiny_model.save_pretrained(tmp_path / "run" / "export")
     tiny_tok.save_pretrained(tmp_path / "run" / "export")
     over = [*TINY_RUN, "eval=arith", "reward.num_workers=0"]
     eval_run(_cfg([*over, f"checkpoint={tmp_path / 'run'}"]), tmp_path / "out")
     results = _check_run_folder(tmp_path / "out", {"arith": 3}, 2)
     assert results["config"]["model_path"] == str(tmp_path / "run" / "export")
+    assert results["config"]["run_config"] is None and results["config"]["from_run"] == {}
     # the export folder itself works too, and gives the same samples as the shipped model it copies
     eval_run(_cfg([*over, f"checkpoint={tmp_path / 'run' / 'export'}"]), tmp_path / "out2")
     eval_run(_cfg(over), tmp_path / "out3")
     same = [(tmp_path / d / "samples_arith.jsonl").read_text() for d in ("out", "out2", "out3")]
     assert same[0] == same[1] == same[2]
+
+
+# ----------------------------------------------------------------------------- a training run's settings
+
+# what the run was trained with, each different from eval.py's own defaults (model=tiny)
+RUN = [
+    "model.max_new_tokens=40",
+    "model.dtype=bfloat16",
+    "model.answer_fallback=last_number",
+    "data.instruction=Think step by step and box the answer.",
+    "data.max_prompt_tokens=120",
+]
+
+
+def _run_folder(path: Path, model, tok, *overrides: str, config_name: str = "config.yaml", export: bool = False):
+    """A finished training run as bapo/loop.py leaves it: ``config.yaml`` (the resolved config) and ``export/``;
+    ``export=True``: an export folder carrying the run's config as ``bapo_config.yaml`` instead."""
+    from omegaconf import OmegaConf
+
+    from tests.conftest import compose
+
+    weights = path if export else path / "export"
+    model.save_pretrained(weights)
+    tok.save_pretrained(weights)
+    (weights if export else path).joinpath(config_name).write_text(
+        OmegaConf.to_yaml(compose("debug=smoke", *overrides), resolve=True)
+    )
+    return path
+
+
+def _adopt(overrides: list[str]):
+    cfg = _cfg(overrides)
+    settings = adopt_run(cfg, overrides)
+    return cfg, settings, build_job(cfg)
+
+
+@pytest.mark.parametrize("export", [False, True], ids=["run_folder", "export_with_bapo_config"])
+def test_a_run_is_evaluated_with_its_own_settings(tmp_path, tiny_model, tiny_tok, caplog, export):
+    name = "bapo_config.yaml" if export else "config.yaml"
+    run = _run_folder(tmp_path / "run", tiny_model, tiny_tok, *RUN, config_name=name, export=export)
+    with caplog.at_level(logging.INFO, logger="bapo.evaluate"):
+        cfg, settings, job = _adopt(["eval=arith", f"checkpoint={run}"])
+    weights = run if export else run / "export"
+    assert (job.run.max_new_tokens, job.run.max_prompt_tokens) == (40, 120)
+    assert job.run.instruction == "Think step by step and box the answer."
+    assert (job.model.dtype, job.model.answer_fallback) == ("bfloat16", "last_number")
+    assert job.reward.fallback == "last_number"  # the grader extracts what training's did
+    assert job.model.name_or_path == str(weights) and settings.weights == weights
+    assert cfg.rollout.max_new_tokens == 40 and job.engine == "hf"
+    assert settings.config_file == run / name
+    assert settings.taken["max_new_tokens"] == 40 and settings.kept == {}
+    block = caplog.text[caplog.text.index("evaluating as trained") :]
+    for line in ("max_new_tokens=40", "model.dtype=bfloat16", "max_prompt_tokens=120", "rollout.engine=hf"):
+        assert f"  {line}\n" in block, line
+
+
+def test_a_command_line_override_wins_over_the_run_and_is_logged(tmp_path, tiny_model, tiny_tok, caplog):
+    run = _run_folder(tmp_path / "run", tiny_model, tiny_tok, *RUN)
+    over = ["eval=arith", f"checkpoint={run}", "max_new_tokens=30", "model.dtype=float32", "instruction=Box it."]
+    with caplog.at_level(logging.INFO, logger="bapo.evaluate"):
+        _, settings, job = _adopt(over)
+    assert (job.run.max_new_tokens, job.model.dtype, job.run.instruction) == (30, "float32", "Box it.")
+    assert job.run.max_prompt_tokens == 120 and job.model.answer_fallback == "last_number"  # the rest: the run's
+    assert settings.kept == {
+        "max_new_tokens": (30, 40),
+        "model.dtype": ("float32", "bfloat16"),
+        "instruction": ("Box it.", "Think step by step and box the answer."),
+    }
+    assert "max_new_tokens=30 (command line) overrides the run's 40" in caplog.text
+    assert "model.dtype=float32 (command line) overrides the run's bfloat16" in caplog.text
+    # a group on the command line covers its keys: model=tiny keeps eval.py's whole model group
+    _, settings, job = _adopt(["eval=arith", f"checkpoint={run}", "model=tiny"])
+    assert (job.model.dtype, job.model.answer_fallback) == ("float32", "none")
+    assert job.run.max_new_tokens == 40  # the run's rollout.max_new_tokens is not part of the model group
+
+
+VLLM_RUN = [
+    "rollout=vllm",
+    "rollout.gpu_memory_utilization=0.7",
+    "rollout.tensor_parallel_size=2",
+    "rollout.enforce_eager=true",
+    "rollout.enable_sleep_mode=false",
+]
+
+
+def test_a_run_brings_its_engine_and_knobs(tmp_path, tiny_model, tiny_tok):
+    run = _run_folder(tmp_path / "run", tiny_model, tiny_tok, *VLLM_RUN)
+    cfg, settings, job = _adopt(["eval=arith", f"checkpoint={run}", "k=3", "temperature=0.5"])
+    r = cfg.rollout
+    assert job.engine == "vllm" and (r.gpu_memory_utilization, r.tensor_parallel_size, r.enforce_eager) == (
+        0.7,
+        2,
+        True,
+    )
+    assert r.enable_sleep_mode is True  # the sleep settings are training's business: eval.py's own default
+    assert (r.n, r.temperature, r.max_new_tokens) == (3, 0.5, 48)  # sampling is eval.py's (the run's budget)
+    assert "rollout.enable_sleep_mode" not in settings.taken and settings.taken["rollout.tensor_parallel_size"] == 2
+    # an engine chosen on the command line wins, with its own knobs
+    cfg, settings, job = _adopt(["eval=arith", f"checkpoint={run}", "rollout=hf"])
+    assert job.engine == "hf" and "gpu_memory_utilization" not in cfg.rollout and settings.kept["rollout.engine"]
+    # rollout=vllm (needed to set one of its knobs) picks the engine only: the knobs not given are still the run's
+    cfg, settings, _ = _adopt(["eval=arith", f"checkpoint={run}", "rollout=vllm", "rollout.enforce_eager=false"])
+    assert (cfg.rollout.enforce_eager, cfg.rollout.tensor_parallel_size) == (False, 2)
+    assert settings.kept == {"rollout.engine": ("vllm", "vllm"), "rollout.enforce_eager": (False, True)}
+    # a placement picks the engine and its knobs
+    cfg, _, job = _adopt(["eval=arith", f"checkpoint={run}", "placement=gpu_node"])
+    assert job.engine == "vllm" and (cfg.rollout.gpu_memory_utilization, cfg.rollout.tensor_parallel_size) == (0.6, 1)
+    # and a run on the HF engine switches eval.py's vLLM back to it
+    hf_run = _run_folder(tmp_path / "hf_run", tiny_model, tiny_tok, "rollout.batch_size=7")
+    cfg, _, job = _adopt(["eval=arith", f"checkpoint={hf_run}", "model=qwen7b"])  # qwen7b picks rollout=vllm
+    assert job.engine == "hf" and cfg.rollout.batch_size == 7
+
+
+def test_a_run_is_evaluated_end_to_end_as_trained(tmp_path, tiny_model, tiny_tok, monkeypatch):
+    import bapo.rollout
+
+    built = {}
+    real = bapo.rollout.build_rollout
+    monkeypatch.setattr(bapo.rollout, "build_rollout", lambda *a, **kw: built.update(kw) or real(*a, **kw))
+    run = _run_folder(tmp_path / "run", tiny_model, tiny_tok, *RUN)
+    over = ["eval=arith", "eval.limit=3", "k=2", "reward.num_workers=0", f"checkpoint={run}"]
+    eval_run(_cfg(over), tmp_path / "out", over)
+    results = _check_run_folder(tmp_path / "out", {"arith": 3}, 2)
+    config = results["config"]
+    assert config["model_path"] == str(run / "export") and config["run_config"] == str(run / "config.yaml")
+    assert config["max_new_tokens"] == 40 and config["model"]["dtype"] == "bfloat16"
+    assert config["from_run"]["instruction"] == "Think step by step and box the answer."
+    rows = [json.loads(line) for line in (tmp_path / "out" / "samples_arith.jsonl").read_text().splitlines()]
+    assert all("Think step by step and box the answer." in r["prompt"] for r in rows)
+    assert all(r["length"] <= 40 for r in rows)
+    assert built["max_model_len"] == 120 + 40  # the run's prompt limit (under the 256-token context) + its budget
+
+
+def test_a_bare_folder_sizes_the_engine_from_the_models_context(tmp_path, monkeypatch):
+    import bapo.rollout
+
+    built = {}
+    real = bapo.rollout.build_rollout
+    monkeypatch.setattr(bapo.rollout, "build_rollout", lambda *a, **kw: built.update(kw) or real(*a, **kw))
+    eval_run(_cfg([*TINY_RUN, "eval=arith", "reward.num_workers=0"]), tmp_path)
+    assert built["max_model_len"] == 256  # the context: 208 prompt tokens + 48 new ones
+    eval_run(_cfg([*TINY_RUN, "eval=arith", "reward.num_workers=0", "max_prompt_tokens=100"]), tmp_path / "b")
+    assert built["max_model_len"] == 148
+
+
+def test_checkpoint_errors_name_the_folder(tmp_path, tiny_model, tiny_tok):
+    with pytest.raises(ConfigError, match="^checkpoint: .*does not exist"):
+        find_checkpoint(str(tmp_path / "nope"))
+    (tmp_path / "unfinished").mkdir()
+    (tmp_path / "unfinished" / "config.yaml").write_text("seed: 1\n")
+    with pytest.raises(ConfigError, match="^checkpoint: .*training run without an export"):
+        find_checkpoint(str(tmp_path / "unfinished"))
+    run = _run_folder(tmp_path / "run", tiny_model, tiny_tok)
+    (run / "config.yaml").write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="^checkpoint: .*config.yaml is not a readable training config"):
+        _adopt([f"checkpoint={run}"])
+    (run / "config.yaml").write_text("seed: 1\n")
+    with pytest.raises(ConfigError, match="^checkpoint: .*is not a training run's config: it has no model.dtype"):
+        _adopt([f"checkpoint={run}"])
+
+
+def test_a_truncated_export_is_named(tmp_path, tiny_model, tiny_tok):
+    tiny_model.save_pretrained(tmp_path)
+    check_model_folder(str(tmp_path), "checkpoint")  # whole: nothing to say
+    weights = tmp_path / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    with pytest.raises(ConfigError, match=f"^checkpoint: {re.escape(str(weights))} is damaged or truncated"):
+        check_model_folder(str(tmp_path), "checkpoint")
+
+
+# ----------------------------------------------------------------------------- prompt length
+
+
+def test_over_long_prompts_are_skipped_and_counted_as_in_training(tmp_path, shared_data, tiny_tok):
+    """The tiny model's context is 256 tokens; with max_new_tokens=48 a prompt may have 208 (the
+    tokenizer counts below, independently of the limit's code)."""
+    from transformers import AutoConfig
+
+    from bapo.data import render_prompt
+
+    assert AutoConfig.from_pretrained(ROOT / "assets" / "tiny-math").max_position_embeddings == 256
+    problems = load_evalset(build_job(_cfg(["eval=aime24"])).sets["aime24"], limit=8)
+    fits = [p.id for p in problems if len(render_prompt(p, tiny_tok).ids) <= 256 - 48]
+    assert 0 < len(fits) < 8
+    eval_run(_cfg(["eval=aime24", "eval.limit=8", "k=2", "max_new_tokens=48", "reward.num_workers=0"]), tmp_path)
+    _check_run_folder(tmp_path, {"aime24": (len(fits), 8 - len(fits))}, 2)
+    rows = [json.loads(line) for line in (tmp_path / "samples_aime24.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rows[::2]] == fits
+    # nothing under the limit: one error naming the set and the keys that make the limit
+    with pytest.raises(ConfigError, match=r"^eval\.arith: all 3 prompts are longer than .*max_prompt_tokens=5"):
+        eval_run(_cfg([*TINY_RUN, "eval=arith", "max_prompt_tokens=5"]), tmp_path / "none")
+
+
+@pytest.mark.slow
+def test_training_skips_and_counts_over_long_eval_set_prompts(tmp_path, shared_data, tiny_tok):
+    from bapo.data import render_prompt
+    from bapo.loop import run
+    from tests.conftest import compose
+
+    problems = load_evalset(build_job(_cfg(["eval=aime24"])).sets["aime24"], limit=8)
+    too_long = sum(len(render_prompt(p, tiny_tok).ids) > 256 - 48 for p in problems)
+    over = ["debug=smoke", "train.steps=1", "eval.every=0", "eval.greedy=false", "data.heldout_size=4"]
+    run(compose(*over, "eval.sets=[aime24]", "eval.sets_k=2", "eval.sets_limit=8"), tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["eval/aime24/skipped"] == too_long > 0 and rows[-1]["eval/aime24/skipped"] == too_long

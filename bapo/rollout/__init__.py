@@ -61,12 +61,12 @@ def build_rollout(
             tensor_parallel_size=cfg.tensor_parallel_size,
             enable_sleep_mode=cfg.enable_sleep_mode,
             enforce_eager=cfg.enforce_eager,
-            sleep_level=getattr(cfg, "sleep_level", 1),  # eval.py's rollout group may predate the key
-            max_model_len=max_model_len,
+            sleep_level=cfg.sleep_level,
             dtype=dtype,
             seed=seed,
             top_p=top_p,
             logprobs=logprobs,
+            max_model_len=max_model_len,
         )
     if cfg.engine == "hf":
         if model is None:
