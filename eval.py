@@ -51,16 +51,31 @@ def run(cfg: DictConfig, run_dir, overrides: Sequence[str] = ()) -> dict:
 
     from bapo import dist
     from bapo import evaluate as ev
-    from bapo.config import ConfigError
-    from bapo.modeling import load_model, load_tokenizer, model_path, pick_device
-    from bapo.reward import MathVerifier
-    from bapo.rollout import build_rollout
 
     log = logging.getLogger("eval")
     source = ev.adopt_run(cfg, overrides)  # a training run's settings, before anything is validated or loaded
     job = ev.build_job(cfg)
+    problems = {name: ev.load_evalset(s, limit=job.run.limit) for name, s in job.sets.items()}  # before loading
+    finished = False
+    try:
+        results = _evaluate(cfg, run_dir, job, source, problems, log)
+        finished = True
+        return results
+    finally:
+        dist.teardown(barrier=finished)  # engines and the process group, on every exit path
+
+
+def _evaluate(cfg: DictConfig, run_dir, job, source, problems: dict, log) -> dict:
+    """:func:`run`'s body, once the config is valid: join the ranks, load, sample, grade, report."""
+    from bapo import dist
+    from bapo import evaluate as ev
+    from bapo.config import ConfigError
+    from bapo.modeling import attention_kernel, load_model, load_tokenizer, model_path, pick_device
+    from bapo.reward import MathVerifier
+    from bapo.rollout import build_rollout
+
     m, r = job.model, job.run
-    problems = {name: ev.load_evalset(s, limit=r.limit) for name, s in job.sets.items()}  # fail before loading
+    run_dir = dist.shared_path(run_dir)  # torchrun: joins the process group (a hub id resolves rank by rank)
     key = "checkpoint" if source else "model.name_or_path"
     path = (
         str(source.weights)
@@ -81,14 +96,16 @@ def run(cfg: DictConfig, run_dir, overrides: Sequence[str] = ()) -> dict:
         for name, p in problems.items()
     }
     log.info("model %s; sets %s", path, {name: len(s.prompts) for name, s in sets.items()})
-    run_dir = dist.shared_path(run_dir)  # torchrun: joins the process group; rank 0's folder
     main = dist.is_main()
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
     model = None  # vLLM loads the checkpoint itself
     if job.engine == "hf":
         device = dist.init() if dist.launched() else pick_device(r.device)  # torchrun: this rank's device
-        model = load_model(path, dtype=m.dtype, device=device, trust_remote_code=m.trust_remote_code)
+        kernel = attention_kernel(m.attn_implementation, device.type == "cuda")
+        model = load_model(
+            path, dtype=m.dtype, device=device, trust_remote_code=m.trust_remote_code, attn_implementation=kernel
+        )
     # evaluation records no log-probs, so nucleus sampling (top_p < 1) is allowed here
     engine_cfg = SimpleNamespace(**OmegaConf.to_container(cfg.rollout, resolve=True))
     rollout = build_rollout(
@@ -113,7 +130,6 @@ def run(cfg: DictConfig, run_dir, overrides: Sequence[str] = ()) -> dict:
                 )
     if main:
         log.info("results in %s\n%s", run_dir, (run_dir / "results.md").read_text())
-    dist.teardown()
     return {name: res.metrics for name, res in results.items()}
 
 

@@ -38,8 +38,12 @@ def run_errors() -> tuple[type[BaseException], ...]:
 
 
 def only_hydra_files(run_dir: Path) -> bool:
-    """Nothing in the folder but what Hydra wrote at job start (.hydra/ and the job's log)."""
-    return run_dir.is_dir() and all(p.name == ".hydra" or p.suffix == ".log" for p in run_dir.iterdir())
+    """Nothing in the folder but what a start writes before the run's own files: Hydra's ``.hydra/`` and job
+    log, and the run folder's lock (``bapo.rundir.LOCK_NAME``)."""
+    from bapo.rundir import LOCK_NAME
+
+    start = (".hydra", LOCK_NAME)
+    return run_dir.is_dir() and all(p.name in start or p.suffix == ".log" for p in run_dir.iterdir())
 
 
 def guarded(fn: Callable[[], T], run_dir: str | Path) -> T:

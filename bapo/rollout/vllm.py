@@ -179,8 +179,9 @@ class VLLMRollout(EngineBase):
         if not self.in_process:
             self._weights_dir = Path(tempfile.mkdtemp(prefix="bapo-vllm-weights-"))
             self._cleanup = weakref.finalize(self, shutil.rmtree, self._weights_dir, True)
-        if self.colocated:  # vLLM's shutdown tears the process group down: it must come before ours
-            dist.before_teardown(self.close)
+        # vLLM's shutdown tears down the groups it built (on ours under torchrun, or a one-rank group): it must
+        # come before ours; left to its finalizer at exit it would find the group gone
+        dist.before_teardown(self.close)
 
     def close(self) -> None:
         """Shut the engine down (under torchrun, before the process group is destroyed)."""
@@ -262,13 +263,13 @@ class VLLMRollout(EngineBase):
 
         With ``seed`` the result is reproducible: response i of this call gets its own seed.
         """
+        if self.version == DISCARDED:
+            raise RuntimeError("sleep level 2 discarded the engine's weights: load_weights before generating")
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         n = self.n if n is None else n
         temperature = self.temperature if temperature is None else temperature
-        if self.version == DISCARDED:
-            raise RuntimeError("sleep level 2 discarded the engine's weights: load_weights before generating")
         self.wake()  # weights and KV cache
         # vLLM 0.32's CPU runner crashes when a seeded request's prefill is chunked (it rewinds the
         # generator with set_offset, which CPU generators lack). Its CPU sampler draws from the
