@@ -2,6 +2,7 @@
 per-token figures against peaks measured on CPU, its knobs, and ``train.py --plan``."""
 
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -193,22 +194,28 @@ MEASURE = textwrap.dedent(
 def tiny_arch(layers: int, vocab: int = 2048) -> dict:
     return dict(
         model_type="qwen2", hidden_size=256, intermediate_size=1024, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=8192, tie_word_embeddings=False,
+        num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=4096, tie_word_embeddings=False,
     )  # fmt: skip
+
+
+@functools.cache
+def _measured(arch_json: str, tokens: int, ckpt: bool) -> int:
+    arch = json.loads(arch_json)
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="1048576", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-c", MEASURE, json.dumps(arch), str(tokens), str(int(ckpt))]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])["peak"]
 
 
 def measured(arch: dict, tokens: int, ckpt: bool) -> int:
     """Peak RSS over a forward and backward, over the RSS before it (parameters and gradients already there).
 
     A fixed mmap threshold makes every tensor over 1 MB its own mapping, returned when freed (see
-    tests/learner/test_logprobs.py), so RSS follows the live tensors."""
+    tests/learner/test_logprobs.py), so RSS follows the live tensors. Each shape is measured once."""
     if not Path("/proc/self/clear_refs").exists():
         pytest.skip("needs Linux /proc to measure peak RSS")
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="1048576", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-c", MEASURE, json.dumps(arch), str(tokens), str(int(ckpt))]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])["peak"]
+    return _measured(json.dumps(arch, sort_keys=True), tokens, ckpt)
 
 
 def shape(arch: dict) -> P.ModelShape:
@@ -217,24 +224,27 @@ def shape(arch: dict) -> P.ModelShape:
     return P.model_shape(arch_config(arch))
 
 
-TOKENS = 8192
+TOKENS = 4096  # [tokens, hidden] fp32 is 4 MB: every activation is a mapping of its own
 
 
+@pytest.mark.slow  # models measured in subprocesses (about 10 s of CPU each)
 def test_activations_per_token_per_layer_without_checkpointing():
-    """Two layers against six: the four more layers' saved activations, per token, are the plan's figure."""
-    per_layer = (measured(tiny_arch(6), TOKENS, False) - measured(tiny_arch(2), TOKENS, False)) / (4 * TOKENS)
+    """Two layers against four: the two more layers' saved activations, per token, are the plan's figure."""
+    per_layer = (measured(tiny_arch(4), TOKENS, False) - measured(tiny_arch(2), TOKENS, False)) / (2 * TOKENS)
     plan = P.layer_activations_per_token(shape(tiny_arch(2)), 4)  # fp32: 25,624 bytes a token
     print(f"one layer, all saved: measured {per_layer:.0f} B/token, plan {plan}")
     assert plan == pytest.approx(per_layer, rel=0.03)
 
 
+@pytest.mark.slow  # models measured in subprocesses (about 10 s of CPU each)
 def test_checkpointed_activations_per_token_per_layer():
-    per_layer = (measured(tiny_arch(10), TOKENS, True) - measured(tiny_arch(2), TOKENS, True)) / (8 * TOKENS)
+    per_layer = (measured(tiny_arch(6), TOKENS, True) - measured(tiny_arch(2), TOKENS, True)) / (4 * TOKENS)
     plan = P.checkpoint_per_token(shape(tiny_arch(2)), 4)  # its fp32 input: 1,024 bytes a token
     print(f"one layer, checkpointed: measured {per_layer:.0f} B/token, plan {plan}")
     assert plan == pytest.approx(per_layer, rel=0.15)
 
 
+@pytest.mark.slow  # models measured in subprocesses (about 10 s of CPU each)
 @pytest.mark.parametrize("vocab", [2048, 8192])  # the first decoder layer's backward peaks, then the chain's
 def test_checkpointed_peak_of_a_forward_and_backward(vocab):
     """The plan's activations and logits chain at their largest moment, against the whole measured peak."""

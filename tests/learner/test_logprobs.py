@@ -142,9 +142,9 @@ def test_gradcheck_float64(temperature):
 def test_no_grad_gives_the_same_values_and_no_graph():
     logits, targets = _inputs((11,), 30)
     logits.requires_grad_()
-    with_grad = logp_entropy(logits, targets)
+    with_grad = logp_entropy(logits, targets, temperature=0.7)
     with torch.no_grad():
-        without = logp_entropy(logits, targets)
+        without = logp_entropy(logits, targets, temperature=0.7)
     assert without[0].grad_fn is None and without[1].grad_fn is None
     assert torch.equal(with_grad[0].detach(), without[0]) and torch.equal(with_grad[1].detach(), without[1])
     assert logp_entropy(logits.detach(), targets, entropy=False)[1] is None
