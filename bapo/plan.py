@@ -12,15 +12,18 @@ root module: embeddings, final norm, untied LM head; ``N_layer`` in each decoder
   the KL reference (sharded bf16, ``2N/W``), vLLM's share ``gpu_memory_utilization x device`` (its bf16
   weights ``/ tensor_parallel_size``, its own activations and the KV cache it leaves), vLLM's CUDA graphs
   (outside its share) and the CUDA context with NCCL's buffers.
-* the update (vLLM asleep: only its CUDA graphs stay), at three moments, the largest printed: the logits
-  chain's backward (``bapo.learner.logprobs.peak_bytes``: the logits and their gradient in bf16 plus one
-  chunk's fp32 workspace), the first decoder layer's backward (its recomputed activations and backward
-  temporaries), and the root's gradient reduce-scatter at the end. Throughout: the sharded masters,
+* the update (vLLM asleep: only its CUDA graphs stay), at its largest moments, the largest printed: the
+  logits chain's backward (``bapo.learner.logprobs.peak_bytes``: the logits and their gradient in bf16 plus
+  one chunk's fp32 workspace), the first decoder layer's backward (its recomputed activations and backward
+  temporaries), the root's gradient reduce-scatter at the end, and with a KL reference its forward (the
+  policy's logits kept beside the reference's). No-grad forwards (BAPO's pre-pass, recomputed old
+  log-probs) hold one copy of the logits and so less than the chain's backward. Throughout: the sharded masters,
   gradients and AdamW moments (``16N/W``), the root's bf16 parameters, which FSDP2 keeps unsharded from the
   forward to the end of the backward (``fully_shard(model, reshard_after_forward=False)``), two decoder
   layers' bf16 parameters (the one computed and the one prefetched) and one layer's gradients (bf16, and
   the fp32 copy reduce-scattered), and the activations at ``learner.max_tokens_per_micro_batch`` tokens.
-  With activation checkpointing each layer keeps only its input; without it, everything below.
+  With activation checkpointing each layer keeps only its input; without it, everything below. Shared-prompt
+  packing with the sdpa kernel adds its dense [W, W] masks.
 * host memory per node: vLLM's bf16 weights while it sleeps at level 1 (offloaded to pinned memory; level
   2 discards them), async weight snapshots (one full copy per held version and rank, in the engine's dtype,
   fp32 under ``learner.old_logp=recompute``), FSDP's CPU offload (``16N/W`` per rank), and the full
@@ -318,12 +321,12 @@ def update_moments(u: Setup, tokens: int) -> list[Moment]:
     layer = (
         [Item("activations: the layer recomputed", layer_activations_per_token(s, b) * K)] if u.checkpointing else []
     )
-    layer += [
-        Item("activations: the layer's backward temporaries", layer_backward_per_token(s, b) * K),
-        Item(f"LM head gradient, {_name(b)}, held to the end of the backward", b * s.vocab * s.hidden),
-    ]
-    if u.fsdp:
-        layer.append(Item("the layer's gradients, unsharded, and their reduce-scatter", grad_bytes * s.layer_params))
+    layer.append(Item("activations: the layer's backward temporaries", layer_backward_per_token(s, b) * K))
+    if u.fsdp:  # unsharded gradients until their reduce-scatter (one process: they are the gradients above)
+        layer += [
+            Item(f"LM head gradient, {_name(b)}, held to the end of the backward", b * s.vocab * s.hidden),
+            Item("the layer's gradients, unsharded, and their reduce-scatter", grad_bytes * s.layer_params),
+        ]
     moments.append(Moment("update, at the first decoder layer's backward", [*state, *unsharded, *acts, *layer, *fixed]))
     if u.fsdp:
         grads = Item("root gradients, unsharded, and their reduce-scatter", grad_bytes * s.root_params)
