@@ -1,4 +1,8 @@
-"""Train a policy with BAPO (or a baseline): python train.py algo=bapo model=tiny"""
+"""Train a policy with BAPO (or a baseline): python train.py algo=bapo model=tiny
+
+``python train.py <overrides> --plan [--nproc N] [--gpu-memory GiB]`` prints the run's memory plan
+(per-GPU peaks of generation and of the update, host memory per node: ``bapo.plan``) and exits
+without starting anything or creating a run folder."""
 
 import sys
 from pathlib import Path
@@ -20,4 +24,8 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    if "--plan" in sys.argv[1:]:  # composed by bapo.plan with the same overrides, before Hydra makes a run folder
+        from bapo.plan import cli
+
+        sys.exit(cli(sys.argv[1:]))
     main()

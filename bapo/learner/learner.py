@@ -65,6 +65,7 @@ from bapo.learner.batching import (
     without_tokens,
 )
 from bapo.learner.critic import Critic
+from bapo.learner.logprobs import logp_entropy
 from bapo.learner.strategy import make_strategy
 from bapo.types import ScoredSample, TrainBatch
 
@@ -223,20 +224,16 @@ class Learner:
         return F.pad(logp, (first, 0)), None if ent is None else F.pad(ent, (first, 0))  # [B, L-1] each
 
     def _logp_entropy(self, logits: torch.Tensor, targets: torch.Tensor, entropy: bool):
-        """Log-probs of ``targets`` [...] and entropies [...] under softmax(logits [..., V] / T), from one
-        log-softmax; the entropy carries a gradient only when the loss uses it (``entropy_coef``)."""
-        if logits.dtype in (torch.bfloat16, torch.float16):
-            logits = logits.float()  # log-softmax in fp32 at least
-        if self.temperature != 1.0:
-            logits = logits / self.temperature
-        logp_all = torch.log_softmax(logits, dim=-1)  # [..., V]
-        logp = logp_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)  # [...]
-        if not entropy:
-            return logp, None
-        with torch.set_grad_enabled(self.objective.loss_kw["entropy_coef"] != 0 and torch.is_grad_enabled()):
-            probs = logp_all.exp()  # [..., V]
-            ent = -torch.where(probs > 0, probs * logp_all, torch.zeros_like(probs)).sum(-1)  # -inf logits add 0
-        return logp, ent
+        """Log-probs of ``targets`` [...] and entropies [...] under softmax(logits [..., V] / T), in fp32 at least,
+        computed in chunks of tokens (``bapo.learner.logprobs``: the logits, their gradient and one chunk's
+        workspace are all it holds); the entropy carries a gradient only when the loss uses it (``entropy_coef``)."""
+        return logp_entropy(
+            logits,
+            targets,
+            temperature=self.temperature,
+            entropy=entropy,
+            entropy_grad=self.objective.loss_kw["entropy_coef"] != 0,
+        )
 
     def micro_batches(self, batch: TrainBatch, *, sync: bool = True) -> list[TrainBatch]:
         """The micro-batches of ``batch``: by token budget when set, else by ``micro_batch_size`` rows.

@@ -1,0 +1,294 @@
+"""The memory plan (bapo/plan.py): its arithmetic by hand for paper_7b, the shipped placements fit, its
+per-token figures against peaks measured on CPU, its knobs, and ``train.py --plan``."""
+
+import dataclasses
+import functools
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from bapo import plan as P
+from bapo.learner.logprobs import peak_bytes
+from tests.conftest import ROOT, compose
+
+GiB = 2**30
+MODELS = sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml") if "override /placement" in p.read_text())
+
+
+def test_paper_7b_on_80gb_by_hand():
+    p = P.plan_for(["experiment=paper_7b"])
+    # DeepSeek-R1-Distill-Qwen-7B (Qwen2 shape): H = 3584, I = 18944, 28 layers, 28 heads, 4 KV heads of 128.
+    # A layer: q 3584^2 + 3584 (bias) = 12,848,640; k, v 3584 x 512 + 512 = 1,835,520 each; o 3584^2 =
+    # 12,845,056; MLP 3 x 3584 x 18944 = 203,685,888; two norms 7,168: 233,057,792.
+    # Root: untied embedding and LM head 2 x 152,064 x 3584 = 1,089,994,752, final norm 3584: 1,089,998,336.
+    # N = 28 x 233,057,792 + 1,089,998,336 = 7,615,616,512.
+    s = p.setup.shape
+    assert (s.layer_params, s.root_params, s.params) == (233_057_792, 1_089_998_336, 7_615_616_512)
+    N, W, K, V = 7_615_616_512, 8, 16384, 152064
+    assert (p.setup.world, p.setup.device, p.setup.tokens, p.setup.seq) == (8, 80 * GiB, K, 1024 + 8192)
+
+    items = {i.what.split(" (")[0]: i.bytes for m in p.update for i in m.items}
+    assert items["learner: fp32 master weights"] == 4 * N // W == 3_807_808_256
+    assert items["learner: fp32 gradients"] == 3_807_808_256
+    assert items["learner: AdamW moments, 2 x fp32"] == 8 * N // W == 7_615_616_512
+    assert items["learner: bf16 root params, unsharded"] == 2 * 1_089_998_336
+    assert items["learner: bf16 params of 2 decoder layers"] == 4 * 233_057_792
+    assert items["activations: 28 layers x 7.0 KiB/token"] == 28 * 2 * 3584 * K  # a bf16 input per layer: 3.06 GiB
+    # final norm: fp32 input 4H, 1/rms 4, bf16 output 2H; LM head input 2H: 8 x 3584 + 4 = 28,676 bytes a token
+    assert items["activations: final norm, LM head input"] == 28_676 * K
+    # shared-prompt rows of 9216 tokens: 2 rows for 16384 tokens, a bool mask and a bf16 bias each
+    assert items["attention mask of shared-prompt packing"] == 2 * 9216**2 * 3
+    # two bf16 [K, V] (logits, gradient) and 196 rows of workspace (256 MiB // (152,064 x 9 bytes))
+    assert items["logits chain: bf16 logits, their gradient, one chunk"] == 2 * K * V * 2 + 196 * V * 9
+    chain_moment = 3_807_808_256 * 2 + 7_615_616_512 + 2 * 1_089_998_336 + 4 * 233_057_792
+    chain_moment += 28 * 7168 * K + 28_676 * K + 2 * 9216**2 * 3 + (2 * K * V * 2 + 196 * V * 9) + int(2.5 * GiB)
+    assert p.update_peak.name == "update, at the logits chain's backward"
+    assert p.update_peak.total == chain_moment  # 33.4 GiB: was ~63 GiB more with the one-expression chain
+
+    # generation: masters + AdamW stay, 0.7 x 80 GiB for vLLM, 2.5 GiB of context, NCCL and CUDA graphs
+    assert p.generation.total == 3_807_808_256 + 7_615_616_512 + int(0.7 * 80 * GiB) + int(2.5 * GiB)
+    e = p.engine
+    assert e.weights == 2 * N
+    # vLLM's activations: 16384 tokens x (3 x 18944 + 3 x 3584) x 2 bytes = 2,214,592,512 (> sampling's
+    # 1024 x 152,064 x 12 = 1,868,562,432), plus 0.5 GiB non-torch
+    assert e.own == 2_214_592_512 + GiB // 2
+    # KV: 2 (K and V) x 28 layers x 4 heads x 128 x 2 bytes = 57,344 bytes a token
+    assert e.kv_tokens == (int(0.7 * 80 * GiB) - 2 * N - e.own) // 57_344 == 734_982  # 79 sequences of 9216
+    assert p.startup_free == 80 * GiB - int(1.5 * GiB) - 3_807_808_256 and p.startup_ok
+
+    host = {i.what.split(":")[0]: i.bytes for i in p.host}
+    assert host["vLLM asleep, level 1"] == 8 * 2 * N  # 113.5 GiB of pinned host memory on the node
+    assert host["weight snapshots"] == 0  # sync mode: the engine reads the live weights
+    assert host["HF export, rank 0"] == 4 * N
+
+    assert p.peak == p.generation.total < 76 * GiB and p.fits  # 69.1 GiB
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_every_gpu_model_config_fits_its_placement(model):
+    p = P.plan_for([f"model={model}"])
+    assert p.fits, p.render(f"model={model}")
+    assert p.engine.kv_tokens >= 32 * p.setup.seq  # the KV cache holds a useful batch of full-length sequences
+
+
+@pytest.mark.parametrize("placement", ["gpu_node", "gpu_node_h200"])
+def test_paper_7b_fits_each_node_placement(placement):
+    p = P.plan_for(["experiment=paper_7b", f"placement={placement}"])
+    assert p.fits and p.peak < P.PLACEMENTS[placement].gpu_memory_gib * P.USABLE * GiB
+    assert p.setup.tokens >= p.setup.seq  # a micro-batch holds the longest sequence
+
+
+def test_h200_placement_uses_its_larger_memory():
+    small, large = P.plan_for(["experiment=paper_7b"]), P.plan_for(["experiment=paper_7b", "placement=gpu_node_h200"])
+    assert large.setup.device == 139 * GiB
+    assert large.engine.kv_tokens > 2 * small.engine.kv_tokens and large.setup.tokens == 2 * small.setup.tokens
+
+
+def test_world_size_from_option_then_env_then_placement(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert P.plan_for(["experiment=paper_7b"]).setup.world == 8
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    p16 = P.plan_for(["experiment=paper_7b"])
+    assert p16.setup.world == 16 and os.environ["WORLD_SIZE"] == "16"
+    assert P.plan_for(["experiment=paper_7b"], nproc=32).setup.world == 32
+    masters = {p.setup.world: p.generation.items[0].bytes for p in (p16, P.plan_for(["experiment=paper_7b"], nproc=32))}
+    assert masters[16] == 2 * masters[32] == 4 * 7_615_616_512 // 16
+
+
+def test_kl_reference_async_snapshots_offload_and_sleep_level():
+    base = ["experiment=paper_7b"]
+    kl = P.plan_for([*base, "algo.kl_coef=0.01"])
+    ref = 2 * 7_615_616_512 // 8  # a sharded bf16 copy
+    assert kl.generation.total == P.plan_for(base).generation.total + ref
+    assert any(m.name == "update, at the KL reference's forward" for m in kl.update)
+
+    rc = P.plan_for(base).setup.rc
+    async_rc = dataclasses.replace(
+        rc,
+        train=dataclasses.replace(rc.train, async_rollout=True),
+        learner=dataclasses.replace(rc.learner, old_logp="recompute"),
+        buffer=dataclasses.replace(rc.buffer, max_staleness=8),
+    )
+    snaps = next(i for i in P.make_plan(async_rc, world=8).host if i.what.startswith("weight snapshots"))
+    assert snaps.bytes == 3 * 8 * 7_615_616_512 * 4  # 8 // 4 updates a batch + 1 = 3 versions, 8 ranks, fp32
+
+    p = P.plan_for(["model=r1_distill_qwen_32b"])
+    assert p.generation.items[0].bytes == 0  # offloaded: nothing of the learner's state on the GPU
+    offload = next(i for i in p.host if i.what.startswith("FSDP CPU offload"))
+    assert offload.bytes == 16 * p.setup.shape.params  # the whole node's shards
+    rc = p.setup.rc
+    rc.rollout.sleep_level = 2  # discards its weights instead of copying them to the host
+    asleep = next(i for i in P.make_plan(rc, world=8).host if i.what.startswith("vLLM asleep"))
+    assert asleep.bytes == 0
+
+
+def test_knobs_name_the_number_that_fits():
+    big = ["experiment=paper_7b", "learner.max_tokens_per_micro_batch=200000"]
+    p = P.plan_for(big)
+    assert not p.fits and p.update_peak.total > p.limit
+    (knob,) = [a for a in p.advice() if a.startswith("learner.max_tokens_per_micro_batch=")]
+    tokens = int(knob.split("=")[1].split()[0])
+    assert P.plan_for([*big[:1], f"learner.max_tokens_per_micro_batch={tokens}"]).update_peak.total <= p.limit
+    assert P.plan_for([*big[:1], f"learner.max_tokens_per_micro_batch={tokens + 64}"]).update_peak.total > p.limit
+
+    greedy = ["experiment=paper_7b", "rollout.gpu_memory_utilization=0.95"]
+    p = P.plan_for(greedy)
+    assert not p.fits and p.generation.total > p.limit
+    (knob,) = [a for a in p.advice() if a.startswith("rollout.gpu_memory_utilization=")]
+    util = float(knob.split("=")[1].split()[0])
+    assert util == 0.78 and P.plan_for([*greedy[:1], f"rollout.gpu_memory_utilization={util}"]).fits
+    assert not P.plan_for([*greedy[:1], "rollout.gpu_memory_utilization=0.79"]).fits
+
+    p = P.plan_for(["experiment=paper_7b", "learner.activation_checkpointing=false"])
+    assert not p.fits and "  learner.activation_checkpointing=true" in p.advice()
+
+
+def test_vllm_start_up_check_is_planned():
+    # 0.95 x 80 GiB = 76.0 GiB > 80 - 1.5 - 3.55 (the learner's masters) = 74.95 GiB free when vLLM starts
+    p = P.plan_for(["experiment=paper_7b", "rollout.gpu_memory_utilization=0.95"])
+    assert not p.startup_ok and not p.fits
+    assert "REFUSED" in p.render()
+
+
+# ----------------------------------------------------------------------------- per-token figures, measured
+
+MEASURE = textwrap.dedent(
+    """
+    import json, sys, torch
+    from transformers import AutoModelForCausalLM
+    from bapo.learner.logprobs import logp_entropy
+    from bapo.modeling import arch_config
+
+    def vm(key):
+        for line in open("/proc/self/status"):
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+
+    arch, tokens, ckpt = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+    model = AutoModelForCausalLM.from_config(arch_config(arch)).train()  # fp32
+    if ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    def logp(ids):  # as the learner's packed forward: the logits live only inside the chain
+        k = ids.shape[1] - 1
+        logits = model(input_ids=ids[:, :-1], position_ids=torch.arange(k)[None], use_cache=False).logits[0]
+        return logp_entropy(logits, ids[0, 1:])[0]
+
+    for _ in range(2):  # gradients allocated, first-call allocations done
+        logp(torch.randint(arch["vocab_size"], (1, 65))).sum().backward()
+    ids = torch.randint(arch["vocab_size"], (1, tokens + 1))
+    before = vm("VmRSS")
+    open("/proc/self/clear_refs", "w").write("5")
+    logp(ids).sum().backward()
+    print(json.dumps({"peak": vm("VmHWM") - before}))
+    """
+)
+
+
+def tiny_arch(layers: int, vocab: int = 2048) -> dict:
+    return dict(
+        model_type="qwen2", hidden_size=256, intermediate_size=1024, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=4096, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+@functools.cache
+def _measured(arch_json: str, tokens: int, ckpt: bool) -> int:
+    arch = json.loads(arch_json)
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="1048576", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-c", MEASURE, json.dumps(arch), str(tokens), str(int(ckpt))]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])["peak"]
+
+
+def measured(arch: dict, tokens: int, ckpt: bool) -> int:
+    """Peak RSS over a forward and backward, over the RSS before it (parameters and gradients already there).
+
+    A fixed mmap threshold makes every tensor over 1 MB its own mapping, returned when freed (see
+    tests/learner/test_logprobs.py), so RSS follows the live tensors. Each shape is measured once."""
+    if not Path("/proc/self/clear_refs").exists():
+        pytest.skip("needs Linux /proc to measure peak RSS")
+    return _measured(json.dumps(arch, sort_keys=True), tokens, ckpt)
+
+
+def shape(arch: dict) -> P.ModelShape:
+    from bapo.modeling import arch_config
+
+    return P.model_shape(arch_config(arch))
+
+
+TOKENS = 4096  # [tokens, hidden] fp32 is 4 MB: every activation is a mapping of its own
+
+
+@pytest.mark.slow  # models measured in subprocesses (about 10 s of CPU each)
+def test_activations_per_token_per_layer_without_checkpointing():
+    """Two layers against four: the two more layers' saved activations, per token, are the plan's figure."""
+    per_layer = (measured(tiny_arch(4), TOKENS, False) - measured(tiny_arch(2), TOKENS, False)) / (2 * TOKENS)
+    plan = P.layer_activations_per_token(shape(tiny_arch(2)), 4)  # fp32: 25,624 bytes a token
+    print(f"one layer, all saved: measured {per_layer:.0f} B/token, plan {plan}")
+    assert plan == pytest.approx(per_layer, rel=0.03)
+
+
+@pytest.mark.slow  # models measured in subprocesses (about 10 s of CPU each)
+def test_checkpointed_activations_per_token_per_layer():
+    per_layer = (measured(tiny_arch(6), TOKENS, True) - measured(tiny_arch(2), TOKENS, True)) / (4 * TOKENS)
+    plan = P.checkpoint_per_token(shape(tiny_arch(2)), 4)  # its fp32 input: 1,024 bytes a token
+    print(f"one layer, checkpointed: measured {per_layer:.0f} B/token, plan {plan}")
+    assert plan == pytest.approx(per_layer, rel=0.15)
+
+
+@pytest.mark.slow  # models measured in subprocesses (about 10 s of CPU each)
+@pytest.mark.parametrize("vocab", [2048, 8192])  # the first decoder layer's backward peaks, then the chain's
+def test_checkpointed_peak_of_a_forward_and_backward(vocab):
+    """The plan's activations and logits chain at their largest moment, against the whole measured peak."""
+    arch = tiny_arch(2, vocab)
+    s, K = shape(arch), TOKENS
+    layers = s.layers * P.checkpoint_per_token(s, 4) * K
+    chain = layers + P.head_activations_per_token(s, 4) * K + peak_bytes(K, vocab, torch.float32)
+    layer = layers + (P.layer_activations_per_token(s, 4) + P.layer_backward_per_token(s, 4)) * K
+    peak = measured(arch, K, True)
+    print(f"V={vocab}: measured {peak / 2**20:.1f} MiB, plan: chain {chain / 2**20:.1f}, layer {layer / 2**20:.1f}")
+    assert max(chain, layer) == pytest.approx(peak, rel=0.05)
+    assert (chain > layer) == (vocab == 8192)
+
+
+# ----------------------------------------------------------------------------- the command line
+
+
+def test_train_py_plan_prints_and_creates_no_run_folder(tmp_path):
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env.pop("WORLD_SIZE", None)
+    cmd = [sys.executable, str(ROOT / "train.py"), "experiment=paper_7b", "--plan", "--gpu-memory", "80"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "memory plan: experiment=paper_7b" in proc.stdout and "fits: per-GPU peak 69.14 GiB" in proc.stdout
+    assert list(tmp_path.iterdir()) == []  # no outputs/, no .hydra
+
+    cmd = [sys.executable, str(ROOT / "train.py"), "rollout.temperature=-1", "--plan"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("error: ConfigError: rollout.")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_exit_status_says_whether_it_fits(capsys):
+    assert P.cli(["experiment=paper_7b"]) == 0
+    assert P.cli(["experiment=paper_7b", "--gpu-memory", "40"]) == 1
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out and "rollout.gpu_memory_utilization=" in out
+    assert P.cli(["experiment=paper_7b", "no_such_group=1"]) == 2
+    assert "error: " in capsys.readouterr().err
+
+
+def test_plan_composes_what_training_composes():
+    from omegaconf import OmegaConf
+
+    cfg, choices = P.compose(["experiment=paper_7b"])
+    assert OmegaConf.to_container(cfg) == OmegaConf.to_container(compose("experiment=paper_7b"))
+    assert choices["placement"] == "gpu_node" and choices["model"] == "r1_distill_qwen_7b"
