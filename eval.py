@@ -1,7 +1,7 @@
 """Evaluate a model or a training run on math sets:
 
     python eval.py checkpoint=outputs/<date>/<run> eval=[aime24,aime25,math500] k=16 temperature=0.6 top_p=0.95
-    torchrun --nproc_per_node=8 eval.py checkpoint=outputs/<date>/<run> eval=aime24 k=16   (data-parallel)
+    torchrun --nproc_per_node=8 eval.py rollout=vllm checkpoint=... eval=aime24 k=16   (data-parallel, a GPU node)
     python eval.py model=smollm2_135m eval=gsm8k k=4 eval.limit=50
     .venv-vllm/bin/python eval.py rollout=vllm eval=arith k=2 eval.limit=8
 

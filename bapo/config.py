@@ -607,6 +607,26 @@ class MonitorConfig:
 
 
 @dataclass
+class PlacementConfig:
+    """``placement``: the hardware a run is written for, and the memory knobs the stages read from it
+    (conf/rollout/vllm.yaml and conf/learner/fsdp.yaml interpolate them; the stages check them again)."""
+
+    name: str = MISSING
+    gpus: int = MISSING  # ranks the memory plan assumes without --nproc or $WORLD_SIZE
+    gpu_memory_gib: float = MISSING  # memory of one GPU, for the memory plan
+    # The knobs a GPU placement sets for the stages; absent (None) where the stage keeps its own default.
+    gpu_memory_utilization: float | None = None
+    tensor_parallel_size: int | None = None
+    max_tokens_per_micro_batch: int | None = None
+    activation_checkpointing: bool | None = None
+    cpu_offload: bool | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.gpus >= 1, "placement.gpus", f"must be >= 1, got {self.gpus}")
+        _require(0 < self.gpu_memory_gib < 1e6, "placement.gpu_memory_gib", f"must be > 0, got {self.gpu_memory_gib}")
+
+
+@dataclass
 class CheckpointConfig:
     every: int = MISSING  # steps; 0 = only on SIGTERM / Ctrl-C and at the end
     keep: int = MISSING  # newest checkpoints of this run kept
@@ -644,6 +664,7 @@ class RunConfig:
     train: TrainConfig
     monitor: MonitorConfig
     checkpoint: CheckpointConfig
+    placement: PlacementConfig
     sizes: Sizes
     resume: str | None = None  # null | auto | a run folder or checkpoint folder
     overwrite: bool = False  # a fresh start may replace another run's files in run_dir
@@ -664,6 +685,7 @@ PLAIN: dict[str, type] = {
     "train": TrainConfig,
     "monitor": MonitorConfig,
     "checkpoint": CheckpointConfig,
+    "placement": PlacementConfig,
 }
 TOP_LEVEL = set(PLAIN) | {"algo", "data", "rollout", "learner", "seed", "paths", "resume", "overwrite"}
 
@@ -770,22 +792,24 @@ def check_one_gpu(rc: RunConfig) -> None:
 
 
 def _one_gpu_verdict(rc: RunConfig) -> str | None:
-    """Why the learner's state cannot fit on this machine's first GPU (None when it can, or cannot be told)."""
+    """Why the run cannot fit on this machine's first GPU, by the memory plan (None: it fits, or the model's shape
+    is not known before it is loaded)."""
     import torch
 
-    arch = rc.model.arch if isinstance(rc.model.arch, dict) else None
-    if not arch or "hidden_size" not in arch:
-        return None
-    d, layers, vocab = arch["hidden_size"], arch["num_hidden_layers"], arch["vocab_size"]
-    heads = arch.get("num_attention_heads", 1)
-    kv = d // heads * arch.get("num_key_value_heads", heads)
-    per_layer = 2 * d * d + 2 * d * kv + 3 * d * arch.get("intermediate_size", 4 * d)
-    params = layers * per_layer + vocab * d * (1 if arch.get("tie_word_embeddings") else 2)
-    need = 16 * params / 2**30  # fp32 weights, gradients and AdamW's two moments
+    from bapo import plan
+
     have = torch.cuda.get_device_properties(0).total_memory / 2**30
-    if need <= 0.9 * have:
+    try:
+        p = plan.make_plan(rc, world=1, gpu_memory_gib=have)
+    except ConfigError:
         return None
-    return f"its {params / 1e9:.1f}B parameters need {need:.0f} GiB of learner state alone (cuda:0 has {have:.0f} GiB)"
+    if p.fits:
+        return None
+    s = p.setup.shape
+    return (
+        f"the memory plan of its {s.params / 1e9:.1f}B parameters needs {p.peak / 2**30:.0f} GiB a GPU "
+        f"(cuda:0 has {p.limit / 2**30:.0f} GiB usable of {have:.0f})"
+    )
 
 
 def check_combinations(rc: RunConfig, world: int | None = None, launched: bool | None = None) -> None:

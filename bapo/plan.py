@@ -66,20 +66,6 @@ GPUS_PER_NODE = 8
 DEFAULT_GPU_GIB = 80.0  # H100 / A100 80GB
 
 
-@dataclass(frozen=True)
-class Placement:
-    world: int  # ranks when neither --nproc nor $WORLD_SIZE says
-    gpu_memory_gib: float
-
-
-# The hardware each conf/placement/*.yaml is written for.
-PLACEMENTS = {
-    "gpu_node": Placement(8, 80.0),
-    "gpu_node_offload": Placement(8, 80.0),
-    "gpu_node_h200": Placement(8, 139.0),  # 141 GB; about 139 GiB usable
-    "local": Placement(1, DEFAULT_GPU_GIB),
-}
-
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -609,19 +595,14 @@ def make_plan(rc, *, world: int, gpu_memory_gib: float = DEFAULT_GPU_GIB, host_m
 
 
 def compose(overrides: list[str]):
-    """(the composed config without its ``hydra`` node, Hydra's group choices), as train.py would compose it."""
+    """The composed config, as train.py would compose it."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
-    from omegaconf import open_dict
 
     from bapo.config import ROOT
 
     with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf"), job_name="train"):
-        cfg = hydra_compose(config_name="config", overrides=overrides, return_hydra_config=True)
-    choices = dict(cfg.hydra.runtime.choices)
-    with open_dict(cfg):
-        del cfg["hydra"]
-    return cfg, choices
+        return hydra_compose(config_name="config", overrides=overrides)
 
 
 @contextlib.contextmanager
@@ -642,14 +623,12 @@ def plan_for(overrides: list[str], *, nproc=None, gpu_memory=None, host_memory=N
     """The plan of ``python train.py <overrides>`` on ``nproc`` GPUs (else $WORLD_SIZE, else the placement's)."""
     from bapo.config import build
 
-    cfg, choices = compose(overrides)
-    placement = PLACEMENTS.get(choices.get("placement") or "", Placement(GPUS_PER_NODE, DEFAULT_GPU_GIB))
-    world = nproc or int(os.environ.get("WORLD_SIZE") or placement.world)
+    cfg = compose(overrides)
+    world = nproc or int(os.environ.get("WORLD_SIZE") or cfg.placement.gpus)
     with _world_size(world):
         rc = build(cfg, "plan")  # nothing is written: the run folder is only a name here
-    return make_plan(
-        rc, world=world, gpu_memory_gib=gpu_memory or placement.gpu_memory_gib, host_memory_gib=host_memory
-    )
+    gpu = gpu_memory or rc.placement.gpu_memory_gib
+    return make_plan(rc, world=world, gpu_memory_gib=gpu, host_memory_gib=host_memory)
 
 
 def cli(argv: list[str], prog: str = "train.py") -> int:

@@ -85,7 +85,10 @@ RESUMABLE = (
     "rollout.gpu_memory_utilization",
     "rollout.tensor_parallel_size",
     "rollout.enable_sleep_mode",
+    "rollout.sleep_level",
     "rollout.enforce_eager",
+    "placement.*",  # hardware and memory knobs; the stage keys they set are checked on their own
+    "model.attn_implementation",
 )
 
 

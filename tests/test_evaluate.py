@@ -395,7 +395,7 @@ def test_a_run_brings_its_engine_and_knobs(tmp_path, tiny_model, tiny_tok):
     assert settings.kept == {"rollout.engine": ("vllm", "vllm"), "rollout.enforce_eager": (False, True)}
     # a placement picks the engine and its knobs
     cfg, _, job = _adopt(["eval=arith", f"checkpoint={run}", "placement=gpu_node"])
-    assert job.engine == "vllm" and (cfg.rollout.gpu_memory_utilization, cfg.rollout.tensor_parallel_size) == (0.6, 1)
+    assert job.engine == "vllm" and (cfg.rollout.gpu_memory_utilization, cfg.rollout.tensor_parallel_size) == (0.7, 1)
     # and a run on the HF engine switches eval.py's vLLM back to it
     hf_run = _run_folder(tmp_path / "hf_run", tiny_model, tiny_tok, "rollout.batch_size=7")
     cfg, _, job = _adopt(["eval=arith", f"checkpoint={hf_run}", "model=qwen7b"])  # qwen7b picks rollout=vllm

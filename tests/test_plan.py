@@ -80,7 +80,7 @@ def test_every_gpu_model_config_fits_its_placement(model):
 @pytest.mark.parametrize("placement", ["gpu_node", "gpu_node_h200"])
 def test_paper_7b_fits_each_node_placement(placement):
     p = P.plan_for(["experiment=paper_7b", f"placement={placement}"])
-    assert p.fits and p.peak < P.PLACEMENTS[placement].gpu_memory_gib * P.USABLE * GiB
+    assert p.fits and p.peak < p.setup.rc.placement.gpu_memory_gib * P.USABLE * GiB
     assert p.setup.tokens >= p.setup.seq  # a micro-batch holds the longest sequence
 
 
@@ -289,6 +289,6 @@ def test_cli_exit_status_says_whether_it_fits(capsys):
 def test_plan_composes_what_training_composes():
     from omegaconf import OmegaConf
 
-    cfg, choices = P.compose(["experiment=paper_7b"])
+    cfg = P.compose(["experiment=paper_7b"])
     assert OmegaConf.to_container(cfg) == OmegaConf.to_container(compose("experiment=paper_7b"))
-    assert choices["placement"] == "gpu_node" and choices["model"] == "r1_distill_qwen_7b"
+    assert cfg.placement.name == "gpu_node" and cfg.model.name_or_path == "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B"
