@@ -136,14 +136,14 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
                     log_line(rc, step, metrics)
                     stop.agree()
                     if (rc.checkpoint.every and step % rc.checkpoint.every == 0) or stop or step == rc.train.steps:
-                        save(rc, s, step, lineage)
+                        save(rc, s, step, lineage, logger)
                     if stop:
                         return stopped(rc, metrics, stop.signum)
                 s.learner.export_hf(rc.run_dir / "export", s.tokenizer)
         except offpolicy.Interrupted:  # a stop request woke a wait inside a step: the last finished step is saved
             done = step - 1
             if done > start and not (rc.checkpoint.every and done % rc.checkpoint.every == 0):
-                save(rc, s, done, lineage)
+                save(rc, s, done, lineage, logger)
             return stopped(rc, metrics, stop.signum)
         except TrainingDiverged as e:
             raise TrainingDiverged(f"{e}; the newest checkpoint is in {rc.run_dir / 'checkpoints'}") from None
@@ -393,8 +393,10 @@ def evaluate_now(rc: RunConfig, s: Stages, step: int) -> dict:
         return out
 
 
-def save(rc: RunConfig, s: Stages, step: int, lineage: str) -> None:
-    """Checkpoint ``step`` (the producer quiesced between two batches, so its queue and data cursor agree)."""
+def save(rc: RunConfig, s: Stages, step: int, lineage: str, logger) -> None:
+    """Checkpoint ``step`` (the producer quiesced between two batches, so its queue and data cursor agree).
+    The metrics rows it covers go to disk first: a checkpoint never outlives the rows before it."""
+    logger.sync()
     with s.producer.paused():
         path = checkpoint.save_run(
             rc.run_dir / "checkpoints",
