@@ -361,13 +361,16 @@ def prepare(tmp: Path) -> None:
 
 
 def write(path: Path, state: dict) -> None:
-    """One file of a checkpoint: encoded, flushed and fsynced (its folder is renamed into place later)."""
+    """One file of a checkpoint: encoded, flushed and fsynced (its folder is renamed into place later).
+
+    A full disk is a CheckpointError, after the partial write is removed. ``torch.save``'s zip writer
+    reports it as a ``RuntimeError`` ("enforce fail at inline_container.cc") whose context is the OSError."""
     try:
         with open(path, "wb") as f:
             torch.save(to_plain(state), f)
             f.flush()
             os.fsync(f.fileno())
-    except OSError as e:
+    except Exception as e:
         if is_enospc(e):
             raise full_disk_error(path, e) from e
         raise
@@ -415,12 +418,12 @@ def save(
         else:
             tmp.rename(final)
         _fsync_dir(ckpt_dir)
-    except OSError as e:
-        if is_enospc(e):
-            raise full_disk_error(tmp, e) from e
-        raise
     except CheckpointError:
         shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    except Exception as e:
+        if is_enospc(e):
+            raise full_disk_error(tmp, e) from e
         raise
     prune(ckpt_dir, keep=keep, lineage=lineage)
     return final
@@ -609,7 +612,11 @@ def save_run(
     except Exception as e:
         err = e
     raise_together(err, doing, cleanup=tmp)
-    learner.save(tmp / "learner")  # a collective that fails together by itself
+    try:
+        learner.save(tmp / "learner")  # under FSDP a collective that fails together by itself; then so does this
+    except Exception as e:
+        err = e
+    raise_together(err, doing, cleanup=tmp)
     path = ckpt_dir / f"step_{step:06d}"
     try:
         if dist.is_main():
