@@ -20,4 +20,6 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from bapo.cli import hydra_entry
+
+    hydra_entry(main)  # Hydra's own start-up errors (a bad override, an unwritable run folder): one line too

@@ -118,7 +118,7 @@ def read_meta(path: Path) -> dict:
     f = Path(path) / "meta.json"
     try:
         meta = json.loads(f.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise CheckpointError(f"{f}: unreadable ({type(e).__name__}: {e})") from e
     if not isinstance(meta, dict):
         raise CheckpointError(f"{f}: not a JSON object")
@@ -229,7 +229,7 @@ def _read_manifest(root: Path) -> dict[str, dict]:
         raise CheckpointError(f"{f}: missing (an unfinished write, or a checkpoint older than checksums)")
     try:
         manifest = json.loads(f.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested too deeply to parse
         raise CheckpointError(f"{f}: unreadable ({type(e).__name__}: {e})") from e
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT or not isinstance(files, dict):

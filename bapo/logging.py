@@ -46,24 +46,33 @@ class MetricsLogger:
     ):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = self.path.open("a", encoding="utf-8")
         self._wandb = None
-        if wandb and mode != "disabled":
+        if wandb and mode != "disabled":  # first: a wandb that cannot start leaves no metrics.jsonl behind
             import wandb as wb
 
             os.environ.setdefault("WANDB_SILENT", "true")
-            self._wandb = wb.init(
-                project=project,
-                mode=mode,
-                group=group,
-                tags=tags or None,
-                name=name,
-                dir=str(run_dir),
-                config=config,
-                reinit="finish_previous",
-                id=run_id,
-                resume="allow" if run_id else None,
-            )
+            try:
+                self._wandb = wb.init(
+                    project=project,
+                    mode=mode,
+                    group=group,
+                    tags=tags or None,
+                    name=name,
+                    dir=str(run_dir),
+                    config=config,
+                    reinit="finish_previous",
+                    id=run_id,
+                    resume="allow" if run_id else None,
+                )
+            except Exception as e:  # wandb's UsageError, CommError, a timeout: all mean "not this way"
+                from bapo.config import ConfigError
+
+                msg = str(e).strip().split("\n")[0]
+                raise ConfigError(
+                    f"logger.mode: wandb could not start (mode={mode}: {type(e).__name__}: {msg}); "
+                    "use logger.mode=offline (sync later with wandb sync) or logger=none"
+                ) from None
+        self._f = self.path.open("a", encoding="utf-8")
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         row = {"step": step} | {k: _clean(v) for k, v in sorted(metrics.items())}
@@ -84,6 +93,36 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+
+
+def check_wandb(mode: str) -> None:
+    """Refuse ``logger.mode=online`` without wandb credentials, before anything is loaded or written.
+
+    Looks where wandb itself looks: ``WANDB_API_KEY``, ``WANDB_IDENTITY_TOKEN_FILE``, or a netrc entry
+    (``$NETRC``, ``~/.netrc``, ``~/_netrc``) for the host of ``WANDB_BASE_URL`` (default api.wandb.ai).
+    """
+    if mode != "online" or os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return
+    import netrc
+    from urllib.parse import urlparse
+
+    from bapo.config import ConfigError
+
+    host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
+    env = os.environ.get("NETRC")
+    files = [Path(env).expanduser()] if env else [Path("~/.netrc").expanduser(), Path("~/_netrc").expanduser()]
+    for f in files:
+        if f.is_file():
+            try:
+                if netrc.netrc(f).authenticators(host) is not None:
+                    return
+            except (netrc.NetrcParseError, OSError):
+                pass
+            break  # wandb reads the first netrc file that exists, and only that one
+    raise ConfigError(
+        f"logger.mode: online needs wandb credentials for {host}: set WANDB_API_KEY, or run `wandb login` "
+        f"(it writes {files[0]}); or use logger.mode=offline (sync later with `wandb sync`) or logger=none"
+    )
 
 
 class NullLogger:

