@@ -79,8 +79,8 @@ class Stages:
 def run(cfg: DictConfig, run_dir: str | Path) -> dict:
     """Train as configured; returns the last logged metrics."""
     rc = build(cfg, run_dir)  # every config error is raised here, before any file is touched
-    check_files(rc.data, rc.data_dir)  # and a missing, empty or folder data file, and online wandb without a key
-    check_wandb(rc.logger.mode)
+    check_files(rc.data, rc.data_dir)  # a missing, empty or folder data file, before the model load
+    check_wandb(rc.logger.mode)  # logger.mode=online without credentials
     rc = dataclasses.replace(rc, run_dir=dist.shared_path(rc.run_dir))  # torchrun: rank 0's folder
     with rundir.RunFolder.open(rc.run_dir) if dist.is_main() else contextlib.nullcontext() as folder:
         plan, changes = plan_start(rc, cfg)  # refuses a wrong start, or incompatible changes, before any write
@@ -148,16 +148,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
                 save(rc, s, done, lineage, logger)
             return stopped(rc, metrics, stop.signum)
         except TrainingDiverged as e:
-            newest = checkpoint.latest(rc.run_dir / "checkpoints")
-            where = (
-                f"the newest checkpoint is {newest}"
-                if newest
-                else (
-                    f"no checkpoint was written before it diverged (checkpoint.every={rc.checkpoint.every}): "
-                    "there is nothing to resume; start again with the change"
-                )
-            )
-            raise TrainingDiverged(f"{e}; {where}") from None
+            raise TrainingDiverged(f"{e}; {resume_point(rc)}") from None
         finally:
             s.producer.stop()
             logger.close()
@@ -457,6 +448,17 @@ def log_line(rc: RunConfig, step: int, m: dict) -> None:
     if "eval/accuracy" in m:
         s += f" | eval {m['eval/accuracy']:.3f}"
     tqdm.write(s) if rc.logger.progress and dist.is_main() else log.info(s)
+
+
+def resume_point(rc: RunConfig) -> str:
+    """Where a run that stopped can be resumed from, for its error message: the newest checkpoint, or none."""
+    newest = checkpoint.latest(rc.run_dir / "checkpoints")
+    if newest is not None:
+        return f"the newest checkpoint is {newest}"
+    return (
+        f"no checkpoint was written before it diverged (checkpoint.every={rc.checkpoint.every}): there is "
+        "nothing to resume; start again with the change"
+    )
 
 
 def stopped(rc: RunConfig, metrics: dict, signum: int | None) -> dict:
