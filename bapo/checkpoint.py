@@ -243,11 +243,13 @@ def _read_manifest(root: Path) -> dict[str, dict]:
     return files
 
 
-def verify(ckpt_path: Path, only: Path | None = None) -> None:
+def verify(ckpt_path: Path, only: Path | None = None, *, extra_ok: bool = False) -> None:
     """Check every file of checkpoint folder ``ckpt_path`` against its manifest; raise CheckpointError naming
     the first missing, truncated, altered or unlisted file.
 
     ``only``: a file or sub-folder of the checkpoint; then only what lies under it is checked.
+    ``extra_ok``: files the manifest does not list are allowed (an export, where users add a README or a
+    run's config beside the weights); the listed ones are still checked.
     """
     root = Path(ckpt_path)
     files = _read_manifest(root)
@@ -267,7 +269,7 @@ def verify(ckpt_path: Path, only: Path | None = None) -> None:
             raise CheckpointError(f"{f}: checksum mismatch (the file changed after it was written)")
     scanned = _files(root) if only is None or Path(only).is_dir() else [scope]
     extra = [rel for rel in scanned if inside(rel) and rel not in files]
-    if extra:
+    if extra and not extra_ok:
         raise CheckpointError(f"{root / extra[0]}: not in {root / MANIFEST} (not written with this checkpoint)")
     if scope and not any(inside(rel) for rel in files):
         raise CheckpointError(f"{root / scope}: not in {root / MANIFEST}")
@@ -447,12 +449,13 @@ def prune(ckpt_dir: Path, *, keep: int, lineage: str | None) -> list[Path]:
 
 
 @contextlib.contextmanager
-def staged_folder(out: Path) -> Iterator[Path]:
+def staged_folder(out: Path, *, manifest: bool = False) -> Iterator[Path]:
     """Yield an empty temporary sibling of ``out`` to fill; on success it replaces ``out`` atomically.
 
     Everything in it gets the permissions the user's umask gives a new folder or file: ``tempfile.mkdtemp``
     (0700) and safetensors (0600 files) would hide an export from the rest of a shared cluster. On failure
-    the folder is removed; a full disk becomes a CheckpointError that says so.
+    the folder is removed; a full disk becomes a CheckpointError that says so. ``manifest``: record the
+    SHA-256 and size of every file in ``manifest.json`` (an export: :func:`verify_export` checks it on load).
     """
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -460,6 +463,8 @@ def staged_folder(out: Path) -> Iterator[Path]:
     os.mkdir(tmp, 0o777)  # the umask applies: this mode is the one to give everything inside
     try:
         yield tmp
+        if manifest:
+            write_manifest(tmp)
         dir_mode = tmp.stat().st_mode & 0o777
         for p in tmp.rglob("*"):
             if not p.is_symlink():
@@ -483,6 +488,16 @@ def staged_folder(out: Path) -> Iterator[Path]:
 
 
 # ---------------------------------------------------------------- reading
+
+
+def verify_export(folder: str | Path) -> None:
+    """Check a model folder that carries a manifest (a run's ``export/``) before anything reads it: a truncated
+    or altered weight file is a CheckpointError naming it, not a safetensors error that names nothing. A
+    folder without a manifest (a hub download, an older export) is left to its loader; files added beside
+    the listed ones are allowed."""
+    folder = Path(folder)
+    if (folder / MANIFEST).is_file():
+        verify(folder, extra_ok=True)
 
 
 def load(path: Path, *, verify_checksum: bool = True) -> dict:

@@ -79,9 +79,18 @@ def model_path(name_or_path: str, gguf_package: str | None = None, gguf_file: st
     return resolve_path(name_or_path)
 
 
+def _verify_local(path: str) -> None:
+    """A local folder with a manifest (a run's export) is checked against it first (cheap the second time)."""
+    if Path(path).is_dir():
+        from bapo.checkpoint import verify_export
+
+        verify_export(path)
+
+
 def load_tokenizer(path: str, *, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
+    _verify_local(path)
     tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
@@ -160,6 +169,7 @@ def load_model(
             return AutoModelForCausalLM.from_config(arch_config(arch), dtype=DTYPES[dtype])
     if init != "pretrained":
         raise ValueError(f"model.init: must be 'pretrained' or 'random', got {init!r}")
+    _verify_local(path)
     if torch.device(device).type == "meta":
         return empty_model(path, dtype=dtype, trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)

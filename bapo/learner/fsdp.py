@@ -207,7 +207,7 @@ def save_hf(model: nn.Module, out: str | Path, *, tokenizer=None, dtype: torch.d
         if dtype is not None:
             sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
         try:
-            with checkpoint.staged_folder(Path(out)) as tmp:
+            with checkpoint.staged_folder(Path(out), manifest=True) as tmp:
                 model.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
                 if tokenizer is not None:
                     tokenizer.save_pretrained(tmp)

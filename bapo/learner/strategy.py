@@ -173,7 +173,7 @@ class SingleStrategy:
         return state["extra"]
 
     def export_hf(self, model, out: Path, tokenizer) -> None:
-        with checkpoint.staged_folder(out) as tmp:
+        with checkpoint.staged_folder(out, manifest=True) as tmp:
             model.save_pretrained(tmp, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
 
