@@ -502,3 +502,17 @@ def test_documented_cpu_commands_run(cmd, tmp_path, ran, one_thread):
     final = run(cfg, run_dir)
     ran[key] = final
     assert final["policy/version"] >= 1 and (run_dir / "export" / "model.safetensors").is_file(), cmd.where
+
+
+def _minutes(text: str) -> list[int]:
+    return [int(m) for m in re.findall(r"(\d+) (?:with the vLLM tests|minutes)", " ".join(text.split()))]
+
+
+def test_the_readme_and_make_help_give_the_same_timings():
+    """Before: the README said the demo takes 5 minutes and the suite 15, make help 10 and 12."""
+    helps = subprocess.run(["make", "help"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    help_of = {line.split()[0]: line for line in helps.splitlines() if line.strip()}
+    opening = (ROOT / "README.md").read_text().split("\n\n")[2]  # the paragraph under the two commands
+    demo, test = opening.split("`make test`")
+    assert _minutes(help_of["demo"]) == _minutes(demo) and _minutes(demo)
+    assert _minutes(help_of["test"]) == _minutes(test.split("`make test-fast`")[0]) and _minutes(help_of["test"])
