@@ -252,3 +252,49 @@ def test_divergence_after_a_checkpoint_names_the_newest_one(tmp_path, monkeypatc
     with pytest.raises(TrainingDiverged) as info:
         run(_cfg(["train.steps=3", "checkpoint.every=1", "eval.every=0"]), tmp_path)
     assert str(info.value).endswith(f"the newest checkpoint is {tmp_path / 'checkpoints' / 'step_000002'}")
+
+
+@pytest.mark.parametrize(
+    "err,status,text",
+    [
+        (
+            OSError(28, "No space left on device", "/runs/r/metrics.jsonl"),
+            1,
+            "no space left on device while writing /runs/r/metrics.jsonl",
+        ),
+        (OSError(30, "Read-only file system", "/ro/run"), 2, "cannot write /ro/run: Read-only file system"),
+        (PermissionError(13, "Permission denied", "/root/run"), 2, "cannot write /root/run: Permission denied"),
+    ],
+)
+def test_hydra_entry_turns_file_system_errors_into_one_line(err, status, text, capsys, monkeypatch):
+    from bapo.cli import hydra_entry
+
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "0")  # restored (unset) after the test; hydra_entry sets it to 1
+
+    def main():
+        raise err
+
+    with pytest.raises(SystemExit) as info:
+        hydra_entry(main)
+    assert info.value.code == status
+    line = capsys.readouterr().err.strip()
+    assert "\n" not in line and line.startswith("error: ") and text in line
+
+
+def test_hydra_entry_leaves_other_errors_and_a_users_full_error_alone(monkeypatch):
+    from bapo.cli import hydra_entry
+
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "0")  # restored (unset) after the test; hydra_entry sets it to 1
+
+    def bug():
+        raise FileNotFoundError(2, "No such file or directory", "/a/bug")
+
+    with pytest.raises(FileNotFoundError):  # not a file-system condition the user can fix: a bug keeps its trace
+        hydra_entry(bug)
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+
+    def full():
+        raise OSError(28, "No space left on device", "/x")
+
+    with pytest.raises(OSError):
+        hydra_entry(full)
