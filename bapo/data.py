@@ -15,7 +15,7 @@ Three sources, one interface (an iterable of :class:`Problem`):
   refused: no answer can be graded against them.
 * ``hub``: any ``datasets`` dataset, by hub name or local path. ``datasets``
   parses a local file as a whole, so an empty or unparsable file is a
-  ``ValueError`` naming the file (use ``jsonl`` to skip bad rows one by one);
+  :class:`DataFileError` naming the file (use ``jsonl`` to skip bad rows one by one);
   rows that parse but lack a field are skipped and counted as above.
 
 Prompts go through the tokenizer's chat template with an instruction to put the
@@ -493,8 +493,9 @@ def load_hub(
     """Load problems through ``datasets`` (a hub name, a local folder, or a data file).
 
     ``datasets`` parses a local file as a whole: an empty or unparsable file is a
-    ``ValueError`` that names it (``datasets`` itself raises a bare ``StopIteration`` on an
-    empty JSONL file). Rows that parse but are malformed are skipped and counted.
+    :class:`DataFileError` that names it and ``key`` (``datasets`` itself raises a bare
+    ``StopIteration`` on an empty JSONL file), and so is a name that is neither a local path
+    nor loadable from the hub. Rows that parse but are malformed are skipped and counted.
     """
     import datasets
 
@@ -502,13 +503,14 @@ def load_hub(
     p = Path(name)
     if p.is_file():
         if p.stat().st_size == 0:
-            raise ValueError(f"{p}: the data file is empty")
+            raise DataFileError(f"{key}: {p.absolute()}: the data file is empty")
         try:
             ds = datasets.load_dataset(p.suffix.lstrip(".").replace("jsonl", "json"), data_files=str(p), split=split)
         except Exception as e:  # StopIteration, ValueError, DatasetGenerationError, ...: all mean "this file"
-            raise ValueError(
-                f"{p}: datasets could not load split {split!r} from this file ({type(e).__name__}: {e}); "
-                "data.kind=jsonl reads a JSONL file row by row and skips malformed rows"
+            msg = str(e).split("\n")[0]
+            raise DataFileError(
+                f"{key}: {p.absolute()}: datasets could not load split {split!r} from this file ({type(e).__name__}: "
+                f"{msg}); data.kind=jsonl reads a JSONL file row by row and skips malformed rows"
             ) from e
     else:
         try:

@@ -169,6 +169,17 @@ def test_a_data_file_that_cannot_serve_is_a_data_file_error_naming_it(tmp_path, 
         assert f"{f}:1" in str(info.value)  # the first bad row, by file and line
 
 
+def test_a_hub_file_datasets_cannot_parse_or_a_name_it_cannot_find_names_the_key(tmp_path):
+    from bapo.data import load_hub
+
+    f = tmp_path / "bad.jsonl"
+    f.write_text('{"problem": "1+1?", "answer": "2"}\nnot json\n')
+    with pytest.raises(DataFileError, match=f"^data.path: {f}: datasets could not load"):
+        load_hub(str(f), split="train")
+    with pytest.raises(DataFileError, match=r"^data\.path: 'no-such-org/no-such-set' is not a local file or folder"):
+        load_hub("no-such-org/no-such-set", split="train")
+
+
 @pytest.mark.slow
 def test_a_prompt_limit_nothing_fits_under_names_the_key(tmp_path):
     proc = train("debug=smoke", "data.max_prompt_tokens=3", f"hydra.run.dir={tmp_path / 'r'}")
