@@ -123,7 +123,7 @@ def test_every_checkpoint_comes_after_the_metrics_it_covers_are_on_disk(tmp_path
 
 @pytest.mark.slow
 def test_a_resume_keeps_every_intact_row_and_marks_the_lost_one(tmp_path, caplog):
-    """The issue's case in the real loop: step 2's line cut short, steps 3-6 intact, resumed from step 6."""
+    """In the real loop: the step-2 line cut short, steps 3-6 intact, resumed from the checkpoint of step 6."""
     over = ["eval.every=0", "checkpoint.every=3"]
     run(_cfg([*over, "train.steps=6"]), tmp_path)
     f = tmp_path / "metrics.jsonl"
