@@ -33,10 +33,10 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton
 	touch $@
 
-demo: install ## run the default job: BAPO on the tiny model (about 10 minutes on 2 CPU cores)
+demo: install ## run the default job: BAPO on the tiny model (about 5 minutes on 2 idle CPU cores, after the install)
 	$(PY) train.py
 
-test: install ## the whole suite, as CI runs it (CPU, about 12 minutes); the vLLM tests too when .venv-vllm exists
+test: install ## the whole suite, as CI runs it: about 15 minutes on 2 idle CPU cores, 18 with the vLLM tests (.venv-vllm)
 	$(PY) -m pytest
 	@if [ -x $(VLLM_VENV)/bin/python ]; then \
 		echo "== vLLM engine and loop (transformers $$($(VLLM_VENV)/bin/python -c 'import transformers as t; print(t.__version__)'), $(VLLM_VENV))"; \

@@ -143,4 +143,6 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":  # vLLM's engine may spawn processes that re-import this file
-    main()
+    from bapo.cli import hydra_entry
+
+    hydra_entry(main)  # Hydra's own start-up errors (a bad override, an unknown set): one line too

@@ -28,4 +28,6 @@ if __name__ == "__main__":
         from bapo.plan import cli
 
         sys.exit(cli(sys.argv[1:]))
-    main()
+    from bapo.cli import hydra_entry
+
+    hydra_entry(main)  # Hydra's own start-up errors (a bad override, an unwritable run folder): one line too

@@ -118,7 +118,7 @@ def read_meta(path: Path) -> dict:
     f = Path(path) / "meta.json"
     try:
         meta = json.loads(f.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise CheckpointError(f"{f}: unreadable ({type(e).__name__}: {e})") from e
     if not isinstance(meta, dict):
         raise CheckpointError(f"{f}: not a JSON object")
@@ -229,7 +229,7 @@ def _read_manifest(root: Path) -> dict[str, dict]:
         raise CheckpointError(f"{f}: missing (an unfinished write, or a checkpoint older than checksums)")
     try:
         manifest = json.loads(f.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested too deeply to parse
         raise CheckpointError(f"{f}: unreadable ({type(e).__name__}: {e})") from e
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT or not isinstance(files, dict):
@@ -243,11 +243,13 @@ def _read_manifest(root: Path) -> dict[str, dict]:
     return files
 
 
-def verify(ckpt_path: Path, only: Path | None = None) -> None:
+def verify(ckpt_path: Path, only: Path | None = None, *, extra_ok: bool = False) -> None:
     """Check every file of checkpoint folder ``ckpt_path`` against its manifest; raise CheckpointError naming
     the first missing, truncated, altered or unlisted file.
 
     ``only``: a file or sub-folder of the checkpoint; then only what lies under it is checked.
+    ``extra_ok``: files the manifest does not list are allowed (an export, where users add a README or a
+    run's config beside the weights); the listed ones are still checked.
     """
     root = Path(ckpt_path)
     files = _read_manifest(root)
@@ -267,7 +269,7 @@ def verify(ckpt_path: Path, only: Path | None = None) -> None:
             raise CheckpointError(f"{f}: checksum mismatch (the file changed after it was written)")
     scanned = _files(root) if only is None or Path(only).is_dir() else [scope]
     extra = [rel for rel in scanned if inside(rel) and rel not in files]
-    if extra:
+    if extra and not extra_ok:
         raise CheckpointError(f"{root / extra[0]}: not in {root / MANIFEST} (not written with this checkpoint)")
     if scope and not any(inside(rel) for rel in files):
         raise CheckpointError(f"{root / scope}: not in {root / MANIFEST}")
@@ -361,13 +363,16 @@ def prepare(tmp: Path) -> None:
 
 
 def write(path: Path, state: dict) -> None:
-    """One file of a checkpoint: encoded, flushed and fsynced (its folder is renamed into place later)."""
+    """One file of a checkpoint: encoded, flushed and fsynced (its folder is renamed into place later).
+
+    A full disk is a CheckpointError, after the partial write is removed. ``torch.save``'s zip writer
+    reports it as a ``RuntimeError`` ("enforce fail at inline_container.cc") whose context is the OSError."""
     try:
         with open(path, "wb") as f:
             torch.save(to_plain(state), f)
             f.flush()
             os.fsync(f.fileno())
-    except OSError as e:
+    except Exception as e:
         if is_enospc(e):
             raise full_disk_error(path, e) from e
         raise
@@ -415,12 +420,12 @@ def save(
         else:
             tmp.rename(final)
         _fsync_dir(ckpt_dir)
-    except OSError as e:
-        if is_enospc(e):
-            raise full_disk_error(tmp, e) from e
-        raise
     except CheckpointError:
         shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    except Exception as e:
+        if is_enospc(e):
+            raise full_disk_error(tmp, e) from e
         raise
     prune(ckpt_dir, keep=keep, lineage=lineage)
     return final
@@ -444,12 +449,13 @@ def prune(ckpt_dir: Path, *, keep: int, lineage: str | None) -> list[Path]:
 
 
 @contextlib.contextmanager
-def staged_folder(out: Path) -> Iterator[Path]:
+def staged_folder(out: Path, *, manifest: bool = False) -> Iterator[Path]:
     """Yield an empty temporary sibling of ``out`` to fill; on success it replaces ``out`` atomically.
 
     Everything in it gets the permissions the user's umask gives a new folder or file: ``tempfile.mkdtemp``
     (0700) and safetensors (0600 files) would hide an export from the rest of a shared cluster. On failure
-    the folder is removed; a full disk becomes a CheckpointError that says so.
+    the folder is removed; a full disk becomes a CheckpointError that says so. ``manifest``: record the
+    SHA-256 and size of every file in ``manifest.json`` (an export: :func:`verify_export` checks it on load).
     """
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -457,6 +463,8 @@ def staged_folder(out: Path) -> Iterator[Path]:
     os.mkdir(tmp, 0o777)  # the umask applies: this mode is the one to give everything inside
     try:
         yield tmp
+        if manifest:
+            write_manifest(tmp)
         dir_mode = tmp.stat().st_mode & 0o777
         for p in tmp.rglob("*"):
             if not p.is_symlink():
@@ -480,6 +488,16 @@ def staged_folder(out: Path) -> Iterator[Path]:
 
 
 # ---------------------------------------------------------------- reading
+
+
+def verify_export(folder: str | Path) -> None:
+    """Check a model folder that carries a manifest (a run's ``export/``) before anything reads it: a truncated
+    or altered weight file is a CheckpointError naming it, not a safetensors error that names nothing. A
+    folder without a manifest (a hub download, an older export) is left to its loader; files added beside
+    the listed ones are allowed."""
+    folder = Path(folder)
+    if (folder / MANIFEST).is_file():
+        verify(folder, extra_ok=True)
 
 
 def load(path: Path, *, verify_checksum: bool = True) -> dict:
@@ -611,7 +629,11 @@ def save_run(
     except Exception as e:
         err = e
     raise_together(err, doing, cleanup=tmp)
-    learner.save(tmp / "learner")  # a collective that fails together by itself
+    try:
+        learner.save(tmp / "learner")  # under FSDP a collective that fails together by itself; then so does this
+    except Exception as e:
+        err = e
+    raise_together(err, doing, cleanup=tmp)
     path = ckpt_dir / f"step_{step:06d}"
     try:
         if dist.is_main():

@@ -20,6 +20,7 @@ math's own check, and reported here under the config key.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -690,8 +691,29 @@ PLAIN: dict[str, type] = {
 TOP_LEVEL = set(PLAIN) | {"algo", "data", "rollout", "learner", "seed", "paths", "resume", "overwrite"}
 
 
-def _typed(key: str, node: Any, schema: type) -> Any:
-    """``node`` (a plain dict) as an instance of ``schema``; errors name ``key`` and the offending field."""
+def did_you_mean(group: str, key: str, tree: Any) -> list[str]:
+    """The dotted keys below ``group`` (its plain dict ``tree``) that end in ``key`` one sub-group or more down:
+    where a user who wrote ``group.key`` meant to go (``algo.contribution`` -> ``algo.bounds.contribution``)."""
+    hits: list[str] = []
+
+    def walk(node: Any, path: str, depth: int) -> None:
+        if not isinstance(node, dict) or depth > 8:
+            return
+        for k, v in node.items():
+            here = f"{path}.{k}" if path else str(k)
+            if k == key and depth > 0:
+                hits.append(here)
+            walk(v, here, depth + 1)
+
+    walk(tree, group, 0)
+    return sorted(hits)
+
+
+def _typed(key: str, node: Any, schema: type, tree: Any = None) -> Any:
+    """``node`` (a plain dict) as an instance of ``schema``; errors name ``key`` and the offending field.
+
+    ``tree``: the whole group as composed (``node`` with its sub-groups), searched for a key that ``node``
+    does not have (:func:`did_you_mean`); default ``node``."""
     if not isinstance(node, dict):
         raise ConfigError(f"{key}: expected a group of keys, got {node!r}")
     try:
@@ -700,7 +722,10 @@ def _typed(key: str, node: Any, schema: type) -> Any:
     except OmegaConfBaseException as e:
         full = f"{key}.{e.full_key}" if getattr(e, "full_key", None) else key
         msg = str(e).split("\n")[0]
-        raise ConfigError(f"{full}: {msg}") from None
+        unknown = getattr(e, "key", None) if "not in" in msg else None
+        hits = did_you_mean(key, unknown, node if tree is None else tree) if isinstance(unknown, str) else []
+        hint = f"; did you mean {' or '.join(hits)}?" if hits else ""
+        raise ConfigError(f"{full}: {msg}{hint}") from None
 
 
 def _variant(key: str, node: Any, selector: str, schemas: dict[str, type]) -> Any:
@@ -713,10 +738,10 @@ def _variant(key: str, node: Any, selector: str, schemas: dict[str, type]) -> An
 def _algo(node: Any) -> AlgoConfig:
     if not isinstance(node, dict):
         raise ConfigError(f"algo: expected a group of keys, got {node!r}")
-    node = dict(node)
+    tree, node = node, dict(node)
     subs = ("bounds", "surrogate", "critic", "eps_feedback", "correction")
     bounds, surrogate, critic, eps_feedback, correction = (node.pop(k, None) for k in subs)
-    algo = _typed("algo", node, AlgoConfig)
+    algo = _typed("algo", node, AlgoConfig, tree=tree)
     algo.correction = None if correction is None else _variant("algo.correction", correction, "kind", CORRECTIONS)
     _require(
         algo.eps_feedback is None or algo.correction is None or algo.correction.kind == "none",
@@ -884,17 +909,60 @@ def check_combinations(rc: RunConfig, world: int | None = None, launched: bool |
     )
 
 
-def prompt_limit(max_prompt_tokens: int, max_new_tokens: int, context: int | None) -> int:
+EXPORT_CONFIG = "bapo_config.yaml"  # the resolved config of the run that wrote an export, beside its weights
+
+
+def exported_max_new_tokens(model_dir: str | Path | None) -> int | None:
+    """``rollout.max_new_tokens`` of the run that wrote the export ``model_dir`` (its ``bapo_config.yaml``), or
+    None when the folder has none or it cannot be read."""
+    f = Path(model_dir) / EXPORT_CONFIG if model_dir else None
+    if f is None or not f.is_file():
+        return None
+    try:
+        saved = OmegaConf.to_container(OmegaConf.load(f), resolve=False)
+        value = saved["rollout"]["max_new_tokens"]
+        if isinstance(value, str):  # an interpolation left in the file: the model's value
+            value = saved["model"]["max_new_tokens"]
+    except Exception:  # unreadable, nested too deeply, not a run's config: no advice rather than a second error
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def prompt_limit(
+    max_prompt_tokens: int, max_new_tokens: int, context: int | None, model_dir: str | Path | None = None
+) -> int:
     """The longest prompt a run accepts: ``data.max_prompt_tokens``, and no more than the model's context
-    leaves once ``rollout.max_new_tokens`` are reserved for the response (rows over it are skipped, counted)."""
+    leaves once ``rollout.max_new_tokens`` are reserved for the response (rows over it are skipped, counted).
+
+    ``model_dir``: the model's folder; when it is a run's export (``bapo_config.yaml``), a response length
+    that does not fit is refused with the value that run used."""
     if context is None:
         return max_prompt_tokens
-    _require(
-        max_new_tokens < context,
-        "rollout.max_new_tokens",
-        f"{max_new_tokens} leaves no room for a prompt in the model's context of {context} tokens",
-    )
+    if max_new_tokens >= context:
+        used = exported_max_new_tokens(model_dir)
+        if used is not None and used < context:
+            advice = f"set model.max_new_tokens={used} (what the run that wrote {model_dir} used)"
+        else:
+            advice = f"set model.max_new_tokens below {context}, leaving room for the prompt"
+        raise ConfigError(
+            f"rollout.max_new_tokens: {max_new_tokens} (model.max_new_tokens) leaves no room for a prompt in the "
+            f"model's context of {context} tokens: {advice}"
+        )
     return min(max_prompt_tokens, context - max_new_tokens)
+
+
+def check_finite(node: Any, prefix: str = "") -> None:
+    """Refuse a NaN or an infinity anywhere in the plain config ``node``: no key of this project means anything
+    by them (``learner.lr=inf`` would pass ``> 0`` and diverge after the model load; ``nan`` fails every
+    comparison in its own way). Checked once, before any group's range checks see the value."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            check_finite(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            check_finite(v, f"{prefix}[{i}]")
+    elif isinstance(node, float) and not math.isfinite(node):
+        raise ConfigError(f"{prefix}: must be a finite number, got {node}")
 
 
 def build(cfg: DictConfig, run_dir: str | Path) -> RunConfig:
@@ -905,6 +973,7 @@ def build(cfg: DictConfig, run_dir: str | Path) -> RunConfig:
         raise ConfigError(f"{e.full_key or 'config'}: {str(e).splitlines()[0]}") from None
     extra = sorted(set(plain) - TOP_LEVEL)
     _require(not extra, extra[0] if extra else "", f"unknown top-level key(s) {extra}")
+    check_finite(plain)
     seed = plain.get("seed")
     _require(isinstance(seed, int) and not isinstance(seed, bool), "seed", f"must be an integer, got {seed!r}")
     resume = plain.get("resume")

@@ -8,11 +8,14 @@ Three sources, one interface (an iterable of :class:`Problem`):
 * ``jsonl``: local JSONL files with ``problem`` and ``answer`` fields. The file
   is read as bytes and each line decoded on its own, so one bad row never sinks
   the load: a malformed row (invalid UTF-8, invalid JSON, a missing or empty
-  field) is logged with its ``file:line``, skipped and counted in
-  :class:`LoadReport`. A UTF-8 byte-order mark before row 1 is dropped.
+  field, an answer that is not a finite number or a string, a row nested too
+  deeply to parse, an integer too long to convert) is logged with its
+  ``file:line``, skipped and counted in :class:`LoadReport`. A UTF-8
+  byte-order mark before row 1 is dropped. JSON's ``NaN`` and ``Infinity`` are
+  refused: no answer can be graded against them.
 * ``hub``: any ``datasets`` dataset, by hub name or local path. ``datasets``
   parses a local file as a whole, so an empty or unparsable file is a
-  ``ValueError`` naming the file (use ``jsonl`` to skip bad rows one by one);
+  :class:`DataFileError` naming the file (use ``jsonl`` to skip bad rows one by one);
   rows that parse but lack a field are skipped and counted as above.
 
 Prompts go through the tokenizer's chat template with an instruction to put the
@@ -23,6 +26,11 @@ logged once with its problem id): :func:`render_prompts` for fixed sets,
 tokenized: a problem over ``MAX_CHARS_PER_TOKEN * max_prompt_tokens``
 characters is skipped on its length alone (see :data:`MAX_CHARS_PER_TOKEN`).
 ``max_prompt_tokens=None`` means no limit.
+
+A file that cannot serve at all (missing, a folder, empty, no valid row) and a limit no prompt fits
+under are a :class:`DataFileError`, one line naming the config key, the absolute path and, for a
+path under ``paths.data_dir``, where that folder came from (``$BAPO_DATA_DIR`` or the default).
+:func:`check_files` finds the first three before anything is loaded.
 """
 
 from __future__ import annotations
@@ -31,12 +39,14 @@ import codecs
 import hashlib
 import json
 import logging
+import math
+import os
 import random
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from bapo.config import resolve_path
+from bapo.config import ROOT, ConfigError, resolve_path
 from bapo.types import Problem, Prompt
 
 log = logging.getLogger(__name__)
@@ -50,6 +60,11 @@ DEFAULT_INSTRUCTION = "Put the final answer in \\boxed{}."
 # characters per token on English and LaTeX, so a row this long is over the limit by a
 # wide margin; the cap keeps a 1 MB row from reaching the tokenizer (and the rollout).
 MAX_CHARS_PER_TOKEN = 64
+# What the prompt limit is, for the error when nothing fits under it.
+LIMIT_NOTE = (
+    " (the limit is data.max_prompt_tokens, or less: the model's context minus rollout.max_new_tokens; "
+    "raise data.max_prompt_tokens, or lower model.max_new_tokens)"
+)
 # A source with no known epoch (an endless generator) whose next this many draws are all
 # too long has a limit nothing fits under; raise rather than spin.
 MAX_SKIP_STREAK = 10_000
@@ -301,6 +316,68 @@ def mixed_split(n: int, *, seed: int, split: str, heldout_frac: float, spec: Mix
 # ----------------------------------------------------------------------------- files and hub
 
 
+class DataFileError(ConfigError):
+    """A data file that a config key points at is missing, a folder, empty, or holds no usable row, or no
+    prompt fits the length limit. One line: the key, the absolute path, and what to change."""
+
+
+def _tried(value: str) -> str:
+    """The absolute path a data path is looked for at (:func:`bapo.config.resolve_path`): from the working
+    directory, else from the repository root."""
+    path = Path(value).expanduser()
+    if path.is_absolute():
+        return os.path.normpath(path)
+    here = os.path.normpath(Path.cwd() / path)
+    root = os.path.normpath(ROOT / path)
+    return here if here == root else f"{here} (nor {root})"
+
+
+def _origin(value: str, data_dir: str | None) -> str:
+    """Where a path under ``paths.data_dir`` came from, and what to set, for a message about it."""
+    if not data_dir or not value.startswith(data_dir.rstrip("/") + "/"):
+        return ""
+    env = os.environ.get("BAPO_DATA_DIR")
+    src = f"$BAPO_DATA_DIR={env}" if env is not None else "the default (BAPO_DATA_DIR is not set)"
+    return (
+        f"; it is under paths.data_dir={data_dir}, from {src}: point BAPO_DATA_DIR or paths.data_dir at the "
+        "folder that holds it"
+    )
+
+
+def file_problem(key: str, value: str, data_dir: str | None = None) -> DataFileError | None:
+    """Why the data file ``value`` (of config key ``key``) cannot be read, or None when it can."""
+    path = Path(resolve_path(value))
+    origin = _origin(value, data_dir)
+    if not path.exists():
+        return DataFileError(f"{key}: no such file: {_tried(value)}{origin}")
+    if path.is_dir():
+        return DataFileError(f"{key}: {os.path.normpath(path.absolute())} is a folder, not a JSONL file{origin}")
+    if path.stat().st_size == 0:
+        return DataFileError(f"{key}: {os.path.normpath(path.absolute())} is empty{origin}")
+    return None
+
+
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt", ".arrow")
+
+
+def check_files(cfg, data_dir: str | None = None) -> None:
+    """Raise :class:`DataFileError` for the first data file of the typed ``data`` group that is missing, a folder
+    or empty (``data.path``, ``data.eval_path``). A ``hub`` path is checked when it is a local folder or names a
+    data file (by its suffix); anything else is a hub name, which only loading can check."""
+    if cfg.kind == "arith":
+        return
+    for key in ("data.path", "data.eval_path"):
+        value = getattr(cfg, key.split(".")[1])
+        if not value:
+            continue
+        if cfg.kind == "hub" and Path(resolve_path(value)).is_dir():
+            continue  # a dataset folder: datasets reads it
+        if cfg.kind == "hub" and Path(value).suffix.lower() not in DATA_SUFFIXES:
+            continue
+        if (err := file_problem(key, value, data_dir)) is not None:
+            raise err
+
+
 @dataclass
 class LoadReport:
     """What the loaders read, and what they and the prompt renderers had to skip.
@@ -325,17 +402,39 @@ def _row_to_problem(row: object, where: str, problem_key: str, answer_key: str, 
     if not isinstance(prob, str) or not prob.strip():
         raise ValueError(f"{where}: field {problem_key!r} must be a non-empty string")
     if isinstance(ans, bool) or not isinstance(ans, str | int | float):
-        raise ValueError(f"{where}: field {answer_key!r} must be a string or number, got {ans!r}")
+        raise ValueError(f"{where}: field {answer_key!r} must be a string or number, got {_short(ans)}")
+    if isinstance(ans, float) and not math.isfinite(ans):
+        raise ValueError(f"{where}: field {answer_key!r} is {ans!r}, which no answer can equal")
+    if isinstance(ans, str) and not ans.strip():
+        raise ValueError(f"{where}: field {answer_key!r} is an empty string")
     return Problem(id=str(row.get("id", idx)), problem=prob, answer=str(ans), source=str(row.get("source", "")))
 
 
-def _row_error(where: str, e: ValueError) -> str:
+def _short(value: object, n: int = 60) -> str:
+    r = repr(value)
+    return r if len(r) <= n else f"{r[:n]}... ({len(r)} characters)"
+
+
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a number an answer can be graded against")
+
+
+def _parse_row(line: str) -> object:
+    """``json.loads`` of one row, without NaN/Infinity (refused), and with nesting bounded: a row nested deeper
+    than Python's recursion limit is a RecursionError, reported like any other malformed row."""
+    return json.loads(line, parse_constant=_refuse_constant)
+
+
+def _row_error(where: str, e: Exception) -> str:
     """One line for the log: where, and what was wrong with the row."""
     if isinstance(e, UnicodeDecodeError):
         return f"{where}: invalid UTF-8 (byte 0x{e.object[e.start]:02x} at column {e.start + 1})"
     if isinstance(e, json.JSONDecodeError):
         return f"{where}: invalid JSON ({e.msg})"
-    return str(e)
+    if isinstance(e, RecursionError):
+        return f"{where}: nested too deeply to parse"
+    msg = str(e).split("\n")[0]
+    return msg if msg.startswith(where) else f"{where}: {msg}"  # json's own (a too-long integer, NaN) lack it
 
 
 def load_jsonl(
@@ -344,17 +443,20 @@ def load_jsonl(
     problem_key: str = "problem",
     answer_key: str = "answer",
     report: LoadReport | None = None,
+    key: str = "data.path",
 ) -> list[Problem]:
     """Read problems from a JSONL file. Malformed rows are logged with file:line and skipped.
 
     Lines are decoded one at a time (bytes, then UTF-8), so an invalid byte costs its own
     row only; a byte-order mark before row 1 is dropped rather than spoiling that row.
+    ``key``: the config key that names the file, for the :class:`DataFileError` of a file
+    that is missing, a folder, empty, or has no valid row.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"data file not found: {path}")
+    if (err := file_problem(key, str(path))) is not None:
+        raise err
+    path = Path(resolve_path(str(path)))
     report = report if report is not None else LoadReport()
-    out = []
+    out, first_error, skipped = [], "", 0
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, 1):
             if lineno == 1 and raw.startswith(codecs.BOM_UTF8):
@@ -364,13 +466,17 @@ def load_jsonl(
             where = f"{path}:{lineno}"
             try:
                 line = raw.decode("utf-8")
-                out.append(_row_to_problem(json.loads(line), where, problem_key, answer_key, lineno))
+                out.append(_row_to_problem(_parse_row(line), where, problem_key, answer_key, lineno))
                 report.rows += 1
-            except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
+            except (ValueError, RecursionError) as e:  # UnicodeDecodeError, JSONDecodeError are ValueErrors
                 report.skipped += 1
-                log.warning("skipping malformed row: %s", _row_error(where, e))
+                skipped += 1
+                why = _row_error(where, e)
+                first_error = first_error or why
+                log.warning("skipping malformed row: %s", why)
     if not out:
-        raise ValueError(f"{path}: no valid rows ({report.skipped} skipped)")
+        first = f"; the first: {first_error}" if first_error else ""
+        raise DataFileError(f"{key}: {path.absolute()}: no valid rows ({skipped} skipped{first})")
     return out
 
 
@@ -382,12 +488,14 @@ def load_hub(
     problem_key: str = "problem",
     answer_key: str = "answer",
     report: LoadReport | None = None,
+    key: str = "data.path",
 ) -> list[Problem]:
     """Load problems through ``datasets`` (a hub name, a local folder, or a data file).
 
     ``datasets`` parses a local file as a whole: an empty or unparsable file is a
-    ``ValueError`` that names it (``datasets`` itself raises a bare ``StopIteration`` on an
-    empty JSONL file). Rows that parse but are malformed are skipped and counted.
+    :class:`DataFileError` that names it and ``key`` (``datasets`` itself raises a bare
+    ``StopIteration`` on an empty JSONL file), and so is a name that is neither a local path
+    nor loadable from the hub. Rows that parse but are malformed are skipped and counted.
     """
     import datasets
 
@@ -395,16 +503,24 @@ def load_hub(
     p = Path(name)
     if p.is_file():
         if p.stat().st_size == 0:
-            raise ValueError(f"{p}: the data file is empty")
+            raise DataFileError(f"{key}: {p.absolute()}: the data file is empty")
         try:
             ds = datasets.load_dataset(p.suffix.lstrip(".").replace("jsonl", "json"), data_files=str(p), split=split)
         except Exception as e:  # StopIteration, ValueError, DatasetGenerationError, ...: all mean "this file"
-            raise ValueError(
-                f"{p}: datasets could not load split {split!r} from this file ({type(e).__name__}: {e}); "
-                "data.kind=jsonl reads a JSONL file row by row and skips malformed rows"
+            msg = str(e).split("\n")[0]
+            raise DataFileError(
+                f"{key}: {p.absolute()}: datasets could not load split {split!r} from this file ({type(e).__name__}: "
+                f"{msg}); data.kind=jsonl reads a JSONL file row by row and skips malformed rows"
             ) from e
     else:
-        ds = datasets.load_dataset(name, subset, split=split)
+        try:
+            ds = datasets.load_dataset(name, subset, split=split)
+        except Exception as e:  # a name that is neither a local file or folder nor reachable on the hub
+            msg = str(e).split("\n")[0]
+            raise DataFileError(
+                f"{key}: {name!r} is not a local file or folder (tried {_tried(name)}), and datasets could not load "
+                f"it as a hub name ({type(e).__name__}: {msg})"
+            ) from None
     out = []
     for i, row in enumerate(ds):
         try:
@@ -414,7 +530,7 @@ def load_hub(
             report.skipped += 1
             log.warning("skipping malformed row: %s", e)
     if not out:
-        raise ValueError(f"{name}[{split}]: no valid rows ({report.skipped} skipped)")
+        raise DataFileError(f"{key}: {name}[{split}]: no valid rows ({report.skipped} skipped)")
     return out
 
 
@@ -508,12 +624,13 @@ def render_prompts(
     instruction: str = DEFAULT_INSTRUCTION,
     max_prompt_tokens: int | None,
     report: LoadReport | None = None,
+    limit_key: str = "data.max_prompt_tokens",
 ) -> list[Prompt]:
     """Render a fixed set (held-out, eval), skipping prompts over ``max_prompt_tokens``.
 
     Each skipped problem is logged with its id and counted in ``report.skipped`` and
-    ``report.too_long``. A non-empty set with nothing under the limit is a ``ValueError``:
-    evaluating on nothing would look like a result.
+    ``report.too_long``. A non-empty set with nothing under the limit is a :class:`DataFileError`
+    naming ``limit_key``: evaluating on nothing would look like a result.
     """
     _check_limit(max_prompt_tokens)
     report = report if report is not None else LoadReport()
@@ -526,7 +643,7 @@ def render_prompts(
         else:
             out.append(prompt)
     if n and not out:
-        raise ValueError(f"all {n} prompts are longer than max_prompt_tokens={max_prompt_tokens}")
+        raise DataFileError(f"{limit_key}: all {n} prompts are longer than {max_prompt_tokens} tokens{LIMIT_NOTE}")
     return out
 
 
@@ -554,8 +671,10 @@ class PromptStream:
         instruction: str = DEFAULT_INSTRUCTION,
         max_prompt_tokens: int | None,
         report: LoadReport | None = None,
+        limit_key: str = "data.max_prompt_tokens",
     ):
         _check_limit(max_prompt_tokens)
+        self.limit_key = limit_key
         self.source = problems_iter
         self._it = iter(problems_iter)
         self.tokenizer = tokenizer
@@ -582,9 +701,9 @@ class PromptStream:
             if key not in self._counted:
                 self._counted.add(key)
                 _count_too_long(problem, why, self.report)
-        raise ValueError(
-            f"no prompt fits max_prompt_tokens={self.max_prompt_tokens}: the last {self._max_streak} problems drawn "
-            f"({self._streak_means}) were all too long"
+        raise DataFileError(
+            f"{self.limit_key}: no prompt fits in {self.max_prompt_tokens} tokens: the last {self._max_streak} "
+            f"problems drawn ({self._streak_means}) were all longer{LIMIT_NOTE}"
         )
 
     def state_dict(self) -> dict:
@@ -616,23 +735,27 @@ def problem_sources(cfg) -> tuple[Iterator[Problem], list[Problem], LoadReport]:
         return train, held, report
     hub = cfg.kind == "hub"
 
-    def load(where: str, which: str | None) -> list[Problem]:
-        keys = dict(problem_key=cfg.problem_key, answer_key=cfg.answer_key, report=report)
+    def load(where: str, which: str | None, key: str) -> list[Problem]:
+        keys = dict(problem_key=cfg.problem_key, answer_key=cfg.answer_key, report=report, key=key)
         if hub:
             rows = load_hub(where, split=which, subset=cfg.subset, **keys)
         else:  # a relative path that is not under the working directory is taken from the repo root
-            rows = load_jsonl(resolve_path(where), **keys)
+            rows = load_jsonl(where, **keys)
         return [gsm8k_answer(p) for p in rows] if cfg.answer_format == "gsm8k" else rows
 
-    rows = load(cfg.path, cfg.split if hub else None)
+    rows = load(cfg.path, cfg.split if hub else None, "data.path")
     eval_split = cfg.eval_split if hub else None
     if cfg.eval_path or eval_split:
-        train_rows, held = rows, load(cfg.eval_path or cfg.path, eval_split or (cfg.split if hub else None))
+        eval_key = "data.eval_path" if cfg.eval_path else "data.path"
+        train_rows, held = rows, load(cfg.eval_path or cfg.path, eval_split or (cfg.split if hub else None), eval_key)
     else:  # hold out a hash-chosen slice of the training rows
         train_rows = [p for p in rows if not is_heldout(p.problem, cfg.heldout_frac)]
         held = [p for p in rows if is_heldout(p.problem, cfg.heldout_frac)]
     if not train_rows or not held:
-        raise ValueError(f"data.path={cfg.path}: {len(train_rows)} training and {len(held)} held-out rows; need both")
+        raise DataFileError(
+            f"data.path: {cfg.path}: {len(train_rows)} training and {len(held)} held-out rows; need both "
+            "(set data.eval_path, or a data.heldout_frac that leaves rows on both sides)"
+        )
     rng = random.Random(cfg.heldout_seed)
     held = rng.sample(held, min(cfg.heldout_size, len(held)))
     return ListSource(train_rows, seed=cfg.train_seed), held, report

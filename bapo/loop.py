@@ -44,11 +44,11 @@ from bapo.algos.objective import proximal_fn
 from bapo.batches import RolloutMaker
 from bapo.buffer import ReplayBuffer
 from bapo.config import AlgoConfig, RunConfig, build, prompt_limit
-from bapo.data import LoadReport, PromptStream, problem_sources, render_prompts
+from bapo.data import LoadReport, PromptStream, check_files, problem_sources, render_prompts
 from bapo.evaluate import evaluate, evaluate_sets, load_evalset, named_set, prepare_set
 from bapo.groupfilter import GroupFilter
 from bapo.learner import Learner, TrainingDiverged, frozen_dtype, master_dtype
-from bapo.logging import MetricsLogger, NullLogger, truncate_metrics
+from bapo.logging import MetricsLogger, NullLogger, check_wandb, truncate_metrics
 from bapo.modeling import attention_kernel, load_model, load_tokenizer, model_path
 from bapo.monitor import Monitor
 from bapo.reward import MathVerifier
@@ -80,6 +80,8 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
     """Train as configured; returns the last logged metrics. Every exit (done, already complete, stopped by a
     signal, an error) shuts the engines and the process group down (``dist.teardown``)."""
     rc = build(cfg, run_dir)  # every config error is raised here, before any file is touched
+    check_files(rc.data, rc.data_dir)  # a missing, empty or folder data file, before the model load
+    check_wandb(rc.logger.mode)  # logger.mode=online without credentials
     finished = False
     try:
         rc = dataclasses.replace(rc, run_dir=dist.shared_path(rc.run_dir))  # torchrun: rank 0's folder
@@ -148,7 +150,7 @@ def train(rc: RunConfig, cfg: DictConfig) -> dict:
                     log_line(rc, step, metrics)
                     stop.agree()
                     if (rc.checkpoint.every and step % rc.checkpoint.every == 0) or stop or step == rc.train.steps:
-                        save(rc, s, step, lineage)
+                        save(rc, s, step, lineage, logger)
                     if stop:
                         return stopped(rc, metrics, stop.signum)
                 config = {"bapo_config.yaml": OmegaConf.to_yaml(cfg, resolve=True)}  # eval.py reads the run's settings
@@ -156,10 +158,10 @@ def train(rc: RunConfig, cfg: DictConfig) -> dict:
         except offpolicy.Interrupted:  # a stop request woke a wait inside a step: the last finished step is saved
             done = step - 1
             if done > start and not (rc.checkpoint.every and done % rc.checkpoint.every == 0):
-                save(rc, s, done, lineage)
+                save(rc, s, done, lineage, logger)
             return stopped(rc, metrics, stop.signum)
         except TrainingDiverged as e:
-            raise TrainingDiverged(f"{e}; the newest checkpoint is in {rc.run_dir / 'checkpoints'}") from None
+            raise TrainingDiverged(f"{e}; {resume_point(rc)}") from None
         finally:
             s.producer.stop()
             logger.close()
@@ -257,7 +259,7 @@ def build_stages(rc: RunConfig) -> Stages:
     if engine_model is not None:
         engine_model.to(learner.device)
     d, context = rc.data, getattr(policy.config, "max_position_embeddings", None)
-    limit = prompt_limit(d.max_prompt_tokens, rc.rollout.max_new_tokens, context)
+    limit = prompt_limit(d.max_prompt_tokens, rc.rollout.max_new_tokens, context, model_dir=path)
     engine = build_rollout(
         rc.rollout,
         path=path,
@@ -428,8 +430,10 @@ def evaluate_now(rc: RunConfig, s: Stages, step: int) -> dict:
         return out
 
 
-def save(rc: RunConfig, s: Stages, step: int, lineage: str) -> None:
-    """Checkpoint ``step`` (the producer quiesced between two batches, so its queue and data cursor agree)."""
+def save(rc: RunConfig, s: Stages, step: int, lineage: str, logger) -> None:
+    """Checkpoint ``step`` (the producer quiesced between two batches, so its queue and data cursor agree).
+    The metrics rows it covers go to disk first: a checkpoint never outlives the rows before it."""
+    logger.sync()
     with s.producer.paused():
         path = checkpoint.save_run(
             rc.run_dir / "checkpoints",
@@ -479,6 +483,17 @@ def log_line(rc: RunConfig, step: int, m: dict) -> None:
     if "eval/accuracy" in m:
         s += f" | eval {m['eval/accuracy']:.3f}"
     tqdm.write(s) if rc.logger.progress and dist.is_main() else log.info(s)
+
+
+def resume_point(rc: RunConfig) -> str:
+    """Where a run that stopped can be resumed from, for its error message: the newest checkpoint, or none."""
+    newest = checkpoint.latest(rc.run_dir / "checkpoints")
+    if newest is not None:
+        return f"the newest checkpoint is {newest}"
+    return (
+        f"no checkpoint was written before it diverged (checkpoint.every={rc.checkpoint.every}): there is "
+        "nothing to resume; start again with the change"
+    )
 
 
 def stopped(rc: RunConfig, metrics: dict, signum: int | None) -> dict:

