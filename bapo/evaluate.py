@@ -53,7 +53,16 @@ from bapo.config import (
     prompt_limit,
     resolve_path,
 )
-from bapo.data import ArithSpec, LoadReport, arith_heldout, gsm8k_answer, load_hub, load_jsonl, render_prompts
+from bapo.data import (
+    ArithSpec,
+    DataFileError,
+    LoadReport,
+    arith_heldout,
+    gsm8k_answer,
+    load_hub,
+    load_jsonl,
+    render_prompts,
+)
 from bapo.reward import normalize_answer
 from bapo.seeding import derive_seed
 from bapo.types import Problem, Prompt, Sample
@@ -196,8 +205,11 @@ def prepare_set(
         prompts = render_prompts(
             problems, tokenizer, instruction=instruction, max_prompt_tokens=max_prompt_tokens, report=report
         )
-    except ValueError as e:
-        raise ConfigError(f"eval.{name}: {e}{f' ({limit_keys})' if limit_keys else ''}") from None
+    except DataFileError:  # nothing under the limit: said in this set's own keys, not training's
+        why = f" ({limit_keys})" if limit_keys else ""
+        raise ConfigError(
+            f"eval.{name}: all {len(problems)} prompts are longer than {max_prompt_tokens} tokens{why}"
+        ) from None
     if report.too_long:
         log.warning(
             "eval.%s: %d of %d prompts are longer than %s tokens and are skipped", name, report.too_long,
