@@ -129,7 +129,7 @@ def teardown(barrier: bool = True) -> None:
             if barrier:
                 raise
             logging.getLogger(__name__).warning("teardown: %s failed: %s: %s", fn, type(e).__name__, e)
-    if ours:
+    if ours and dist.is_initialized():  # a colocated engine's shutdown may already have destroyed it
         if barrier:
             dist.barrier()
         dist.destroy_process_group()
