@@ -27,7 +27,7 @@ root module: embeddings, final norm, untied LM head; ``N_layer`` in each decoder
 * host memory per node: vLLM's bf16 weights while it sleeps at level 1 (offloaded to pinned memory; level
   2 discards them), async weight snapshots (one full copy per held version and rank, in the engine's dtype,
   fp32 under ``learner.old_logp=recompute``), FSDP's CPU offload (``16N/W`` per rank), and the full
-  state dict rank 0 gathers for an HF export.
+  state dict rank 0 gathers for an HF export (in the model's dtype).
 
 Activation bytes per token are those of a transformers Qwen2 / Llama decoder layer with a flash or sdpa
 kernel (no [L, L] score matrix), counted from what autograd saves (compute dtype ``b`` bytes, RMSNorm in
@@ -394,10 +394,11 @@ def host_items(u: Setup, sleep_level: int) -> list[Item]:
     )
     if u.offload:
         items.append(Item(f"FSDP CPU offload: {ranks} ranks x 16 bytes x N / {u.world}", ranks * 16 * N // u.world))
-    lazy = u.fsdp and u.vllm and rc.algo.kl_coef == 0 and rc.model.init != "random"
+    lazy = u.fsdp and u.vllm and rc.model.init != "random"  # the KL reference is meta-loaded too
     if not lazy:
         items.append(Item(f"start-up: {ranks} ranks load the whole model ({_name(u.master)})", ranks * u.master * N))
-    items.append(Item("HF export, rank 0: the full state dict gathered (fp32)", 4 * N))
+    export = DTYPE_BYTES[rc.model.dtype]  # gathered in the model's dtype, one tensor at a time, kept by rank 0
+    items.append(Item(f"HF export, rank 0: the full state dict gathered ({_name(export)})", export * N))
     return items
 
 
