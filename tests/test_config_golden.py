@@ -1,0 +1,128 @@
+"""Every shipped config composes to the values it had when tests/data/composed_configs.json was recorded.
+
+A refactor of the config (schemas beside their stages, YAML bases per group, renamed keys) must not change
+what a run computes. The recording holds the resolved composition of the default config, of every option of
+every group, of every experiment and of eval.py's config; this test composes each again and compares key by
+key. A key that a refactor renames is listed in ``RENAMED`` (old -> new), a key it adds with the value the old
+code used implicitly in ``ADDED``, a key it drops (a knob that did nothing) in ``DROPPED``: each with its reason,
+so the diff a reviewer reads is exactly the list of what moved.
+
+Regenerate only when a change is meant to move values: ``python tests/test_config_golden.py --record``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = ROOT / "tests" / "data" / "composed_configs.json"
+DATA_DIR = "/data"  # paths.data_dir, fixed so the recording does not depend on the machine
+
+RENAMED: dict[str, str] = {}  # old flattened key -> new flattened key
+ADDED: dict[str, object] = {}  # new flattened key -> its value (what the old code did without the key)
+DROPPED: set[str] = set()  # old flattened keys that no longer exist
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (ROOT / "conf" / group).glob("*.yaml"))
+
+
+def compositions() -> dict[str, tuple[str, list[str]]]:
+    """name -> (config name, overrides): everything a user can pick by one option, and the documented mixes."""
+    out: dict[str, tuple[str, list[str]]] = {"default": ("config", [])}
+    for group in ("algo", "model", "data", "rollout", "buffer", "learner", "logger", "placement", "experiment"):
+        for opt in _options(group):
+            out[f"{group}={opt}"] = ("config", [f"{group}={opt}"])
+    for sub in ("bounds", "correction"):
+        for opt in _options(f"algo/{sub}"):
+            out[f"algo/{sub}={opt}"] = ("config", [f"algo/{sub}={opt}"])
+    out["debug=smoke"] = ("config", ["debug=smoke"])
+    out["model=qwen7b,rollout=hf"] = ("config", ["model=qwen7b", "rollout=hf"])
+    out["experiment=paper_7b,placement=gpu_node_h200"] = ("config", ["experiment=paper_7b", "placement=gpu_node_h200"])
+    out["algo=ppo,learner=single"] = ("config", ["algo=ppo"])
+    out["eval:default"] = ("eval_config", [])
+    out["eval:aime24,aime25,math500"] = ("eval_config", ["eval=[aime24,aime25,math500]"])
+    out["eval:model=qwen7b"] = ("eval_config", ["model=qwen7b"])
+    out["eval:rollout=vllm"] = ("eval_config", ["rollout=vllm"])
+    return out
+
+
+def flatten(node, prefix: str = "") -> dict:
+    if isinstance(node, dict):
+        out: dict = {}
+        for k, v in node.items():
+            out |= flatten(v, f"{prefix}{k}.")
+        return out or {prefix[:-1]: {}}
+    return {prefix[:-1]: node}
+
+
+def compose_flat(config_name: str, overrides: list[str]) -> dict:
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    if config_name == "eval_config":
+        import importlib
+
+        sys.path.insert(0, str(ROOT))
+        importlib.import_module("eval")  # registers the resolvers eval_config.yaml uses
+    old = os.environ.get("BAPO_DATA_DIR")
+    os.environ["BAPO_DATA_DIR"] = DATA_DIR
+    try:
+        with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
+            cfg = compose(config_name=config_name, overrides=overrides)
+        return flatten(OmegaConf.to_container(cfg, resolve=True))
+    finally:
+        os.environ.pop("BAPO_DATA_DIR") if old is None else os.environ.__setitem__("BAPO_DATA_DIR", old)
+
+
+def expected(recorded: dict) -> dict:
+    """The recording as the code of today should compose it: renamed keys moved, dropped ones gone, added ones in."""
+    out = {}
+    for k, v in recorded.items():
+        if k in DROPPED:
+            continue
+        out[RENAMED.get(k, k)] = v
+    return out
+
+
+CASES = compositions()
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_every_shipped_config_composes_as_recorded(name):
+    recorded = json.loads(GOLDEN.read_text())
+    assert name in recorded, f"{name} is not in {GOLDEN.name}: a new option? record it (--record)"
+    config_name, overrides = CASES[name]
+    now = compose_flat(config_name, overrides)
+    want = expected(recorded[name])
+    added = {k: now[k] for k in now.keys() - want.keys()}
+    assert added.keys() <= ADDED.keys(), f"keys that are new and not in ADDED: {sorted(added.keys() - ADDED.keys())}"
+    assert all(added[k] == ADDED[k] for k in added), {k: (added[k], ADDED[k]) for k in added if added[k] != ADDED[k]}
+    missing = sorted(want.keys() - now.keys())
+    assert not missing, f"keys that are gone and not in DROPPED or RENAMED: {missing}"
+    moved = {k: (want[k], now[k]) for k in want if want[k] != now[k]}
+    assert not moved, f"values that moved (recorded, now): {moved}"
+
+
+def test_every_option_is_recorded():
+    recorded = json.loads(GOLDEN.read_text())
+    assert set(CASES) <= set(recorded), sorted(set(CASES) - set(recorded))
+
+
+def record() -> None:
+    data = {name: compose_flat(cfg, over) for name, (cfg, over) in compositions().items()}
+    GOLDEN.write_text(json.dumps(data, sort_keys=True, separators=(",", ":")) + "\n")
+    print(f"{GOLDEN}: {len(data)} compositions, {GOLDEN.stat().st_size} bytes")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--record"]:
+        sys.path.insert(0, str(ROOT))
+        record()
+    else:
+        sys.exit("usage: python tests/test_config_golden.py --record")
