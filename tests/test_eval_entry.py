@@ -41,7 +41,10 @@ BAD = {
     "greedy_k4": (["temperature=0"], "k: greedy decoding (temperature=0) gives k equal samples"),
     "no_checkpoint": (["checkpoint=/nonexistent/run"], "checkpoint: /nonexistent/run does not exist"),
     "heldout": (["eval=heldout"], "eval: heldout is training's held-out config (conf/eval/heldout.yaml"),
-    "no_data": (["eval=aime24", "paths.data_dir=/nonexistent"], "eval.aime24.path: data file not found"),
+    "no_data": (
+        ["eval=aime24", "paths.data_dir=/nonexistent"],
+        "eval.aime24.path: data.path: no such file: /nonexistent/aime24.jsonl",
+    ),
     "truncated": ([], "checkpoint: {export}/model.safetensors is damaged or truncated"),
 }
 
