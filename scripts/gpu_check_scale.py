@@ -118,10 +118,10 @@ def cpu_peak(fn) -> tuple[Any, int]:
 
 def state_bytes(learner) -> int:
     """Bytes of the learner's tensors alive between updates: its (local) parameters, buffers and AdamW moments."""
-    tensors = [getattr(p, "_local_tensor", p) for p in learner.model.parameters()]
+    tensors = [local_tensor(p) for p in learner.model.parameters()]
     tensors += list(learner.model.buffers())
     tensors += [v for s in learner.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-    storages = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors if t.device.type == "cpu"}
+    storages = {(t.device, t.untyped_storage().data_ptr()): t.untyped_storage().nbytes() for t in tensors}
     return sum(storages.values())
 
 
@@ -282,6 +282,9 @@ class Scale:
         cache = self.scratch / "hub"
         snapshot = write_wide_standin(cache, self.arch, self.device)
         written = time.perf_counter() - t0
+        gc.collect()  # the writer's model, before the load is measured
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
         serve_hub_cache(cache)
         resolved = model_path(REPO_ID)
         self.rc = self.run_config(*self.overrides(self.args.budgets[0]))
@@ -348,21 +351,24 @@ class Scale:
         batch = budget_batch(self.arch["vocab_size"], tokens, seed=tokens)
         micro = learner.micro_batches(batch, sync=False)
         sync(device)
+        state = state_bytes(learner)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
             t0 = time.perf_counter()
             metrics = learner.update(batch)
             sync(device)
             sec = time.perf_counter() - t0
-            measured = torch.cuda.max_memory_allocated(device)
-            how = "torch.cuda.max_memory_allocated"
+            peak = torch.cuda.max_memory_allocated(device) - before
+            how = "the learner's state + torch.cuda.max_memory_allocated over what was allocated before the update"
+            others = before - state  # what else this process holds on the GPU (none of the learner's)
         else:
-            before = state_bytes(learner)
             t0 = time.perf_counter()
             metrics, peak = cpu_peak(lambda: learner.update(batch))
             sec = time.perf_counter() - t0  # with the profiler's overhead
-            measured = before + peak
             how = "CPU: the learner's state + the peak of the allocations during the update (torch's profiler)"
+            others = None
+        measured = state + peak
         lengths = batch.attention_mask.sum(1).tolist()
         flops = forward_flops(matmul_params(learner.model), self.arch, lengths) * (3 + int(learner.objective.prepass))
         row = {
@@ -373,6 +379,8 @@ class Scale:
             "tflops_per_s": round(flops / sec / 1e12, 2),
             "grad_norm": metrics.get("learner/grad_norm"),
             "measured": how,
+            "learner_state_gib": gib(state),
+            "other_allocations_gib": gib(others),
         }
         row |= against_plan(plan, measured)
         row["ok"] = bool(row["within_plan"] and math.isfinite(row["grad_norm"] or math.nan))
