@@ -37,7 +37,7 @@ GiB = 2**30
 REPO_ID = "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B"  # experiment=paper_7b's model
 # The 7B's width (conf/model/r1_distill_qwen_7b.yaml) with a few layers; --dry-run's small but logits-dominated shape.
 WIDE = dict(hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4, vocab_size=152064)
-SMALL = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=4096)
+SMALL = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=16384)
 SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
 SHAPE_KEYS += ("vocab_size", "max_position_embeddings", "rope_theta")
 ROWS_PER_MICRO_BATCH = 4  # the budget's tokens in this many sequences, prompt + response
@@ -118,9 +118,9 @@ def cpu_peak(fn) -> tuple[Any, int]:
 
 def state_bytes(learner) -> int:
     """Bytes of the learner's tensors alive between updates: its (local) parameters, buffers and AdamW moments."""
-    tensors = [local_tensor(p) for p in learner.model.parameters()]
-    tensors += list(learner.model.buffers())
+    tensors = list(learner.model.parameters()) + list(learner.model.buffers())
     tensors += [v for s in learner.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    tensors = [local_tensor(t) for t in tensors]  # FSDP2's parameters and AdamW's moments are DTensors
     storages = {(t.device, t.untyped_storage().data_ptr()): t.untyped_storage().nbytes() for t in tensors}
     return sum(storages.values())
 
