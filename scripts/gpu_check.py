@@ -49,6 +49,8 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.metadata
+import importlib.util
 import json
 import math
 import os
@@ -100,7 +102,7 @@ TINY_ARCH = dict(
 SECTIONS = {"models": 45, "learner": 30, "rollout": 20, "vllm": 60, "metaload": 75, "budget": 45, "qwen7b": 90,
             "world2": 240}  # fmt: skip
 SUMMARY_S = 10  # kept free before the cap to write the summary
-REQUIRED = ("hydra", "omegaconf", "transformers", "safetensors", "huggingface_hub", "tokenizers", "math_verify")
+REQUIRED = ("hydra", "omegaconf", "transformers", "safetensors", "huggingface_hub", "tokenizers", "math_verify", "tqdm")
 
 
 def peak_tflops(device_name: str, override: float | None) -> float | None:
@@ -167,7 +169,8 @@ def check_models(configs: dict[str, dict], device: torch.device, dry: bool) -> d
         row: dict[str, Any] = {"name_or_path": m["name_or_path"]}
         key = json.dumps([m["name_or_path"], m["arch"]], sort_keys=True)
         if key in seen:
-            out[name] = row | {"forward": f"as {seen[key]}", "same_as": seen[key]}
+            first = out[seen[key]]
+            out[name] = row | {"params": first["params"], "forward": f"as {seen[key]}", "same_as": seen[key]}
             continue
         seen[key] = name
         meta = load_model("", init="random", arch=m["arch"], dtype="bfloat16", device="meta")
@@ -465,8 +468,6 @@ def parse_args(argv=None):
 
 def preflight() -> list[str]:
     """The packages the check needs that this Python does not have."""
-    import importlib.util
-
     return [m for m in REQUIRED if importlib.util.find_spec(m) is None]
 
 
@@ -529,6 +530,9 @@ def main(argv=None) -> int:
         "dry_run": args.dry_run,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
+        "transformers": importlib.metadata.version("transformers"),
+        "vllm_installed": commands.has("vllm"),
+        "flash_attn_installed": commands.has("flash_attn"),
         "peak_tflops": peak_tflops(name, args.peak_tflops),
         "scratch": str(scratch),
     }
