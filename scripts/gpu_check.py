@@ -159,7 +159,7 @@ def init_group(device: torch.device) -> str:
 
 
 def check_models(configs: dict[str, dict], device: torch.device, dry: bool) -> dict:
-    """(a) Parameter counts of the real shapes (meta device) and a random-weight forward of each."""
+    """models: parameter counts of the real shapes (meta device) and a random-weight forward of each."""
     from bapo.modeling import load_model
 
     out: dict[str, Any] = {}
@@ -199,7 +199,7 @@ def check_models(configs: dict[str, dict], device: torch.device, dry: bool) -> d
 
 
 def check_learner(arch: dict, device: torch.device, args) -> dict:
-    """(b) + (c): the real Learner on an FSDP2-sharded model; tokens/s and MFU."""
+    """learner: the real Learner on an FSDP2-sharded model; tokens/s and MFU."""
     from bapo.learner import Learner
     from bapo.loop import make_objective
     from bapo.modeling import load_model
@@ -274,7 +274,7 @@ class StubTokenizer:
 
 
 def check_rollout(arch: dict, device: torch.device, args) -> dict:
-    """(d) HF generate with the KV cache on the device; a random model seldom samples EOS, so rows run full length."""
+    """rollout: HF generate with the KV cache on the device (a random model seldom samples EOS: rows run full)."""
     from bapo.modeling import load_model
     from bapo.rollout import HFRollout
     from bapo.types import Problem, Prompt
@@ -322,7 +322,7 @@ def check_rollout(arch: dict, device: torch.device, args) -> dict:
 
 
 def check_vllm(arch: dict, device: torch.device, args) -> dict:
-    """(f) vLLM generation, a streamed weight sync from FSDP2 shards, sleep/wake (GPU); skipped without vLLM."""
+    """vllm: generation, a streamed weight sync from FSDP2 shards, sleep/wake (GPU); skipped without vLLM."""
     try:
         import vllm  # noqa: F401
     except Exception as e:  # absent, or a broken install (a torchvision built for another torch)
@@ -452,12 +452,14 @@ def parse_args(argv=None):
     p.add_argument("--standin-layers", type=int, default=2, help="decoder layers of the 7B-wide stand-in")
     p.add_argument("--budgets", type=int, nargs="+", default=[16384, 32768],
                    help="tokens per micro-batch of the budget section (gpu_node's, gpu_node_h200's)")  # fmt: skip
-    cap = float(os.environ.get("GPU_CHECK_TIMEOUT", 480))
-    p.add_argument("--time-limit", type=float, default=cap, help="seconds to the cap (gpu_check.sh's timeout)")
+    p.add_argument("--time-limit", type=float, help="seconds to the cap (default: $GPU_CHECK_TIMEOUT, else 480; "
+                   "an hour for --dry-run, which checks the script, not the machine's speed)")  # fmt: skip
     p.add_argument("--scratch", type=Path, default=None, help="folder for the stand-ins and runs (default: a temp dir)")
     p.add_argument("--keep-scratch", action="store_true", help="keep the stand-ins and run folders afterwards")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON summary here")
     args = p.parse_args(argv)
+    if args.time_limit is None:
+        args.time_limit = 3600.0 if args.dry_run else float(os.environ.get("GPU_CHECK_TIMEOUT", 480))
     if args.dry_run:  # seconds on two CPU cores
         args.prompt_len, args.response_len, args.micro_batch, args.micro_batches = 8, 24, 2, 2
         args.warmup, args.updates = 1, 1
