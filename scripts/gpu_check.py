@@ -398,7 +398,9 @@ def status(summary: dict, name: str) -> str:
         return f"skipped: {sec['skipped']}"
     if sec.get("ok"):
         return "ok"
-    return "FAILED" + (f": {str(sec['error']).splitlines()[0]}" if sec.get("error") else "")
+    if sec.get("error"):
+        return f"FAILED: {str(sec['error']).splitlines()[0]}"
+    return "FAILED" + (f": {', '.join(sec['failed_checks'])}" if sec.get("failed_checks") else "")
 
 
 def headline(summary: dict) -> dict:
@@ -502,7 +504,8 @@ class Sections:
 
     def record(self, name: str, out: dict) -> None:
         self.summary[name] = out
-        print(f"gpu_check: {name}: {status(self.summary, name)} ({out.get('seconds', 0)} s)", file=sys.stderr)
+        seconds = out.get("background_s", out.get("seconds", 0))
+        print(f"gpu_check: {name}: {status(self.summary, name)} ({seconds} s)", file=sys.stderr)
         if self.args.out:
             self.args.out.write_text(json.dumps(self.summary, indent=2) + "\n")
 

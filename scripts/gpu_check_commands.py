@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from scripts.gpu_check_scale import judge
+
 ROOT = Path(__file__).resolve().parents[1]
 QWEN7B = ["algo=bapo", "model=qwen7b"]  # python train.py algo=bapo model=qwen7b
 QWEN7B_SIZES = ["train.steps=2", "train.prompts_per_step=2", "rollout.n=2", "model.max_new_tokens=16",
@@ -128,9 +130,11 @@ def launch(cmd: list[str], env: dict[str, str], timeout: float) -> dict[str, Any
         rc, out = "timeout", f"killed after {timeout:.0f} s\n{e.stdout or ''}{e.stderr or ''}"
     res: dict[str, Any] = {"cmd": " ".join("python" if c == sys.executable else c for c in cmd), "rc": rc}
     res["seconds"] = round(time.perf_counter() - t0, 1)
-    if rc != 0 or "Traceback" in out:
-        res["output_tail"] = out[-3000:]
     res["ok"] = rc == 0 and "Traceback" not in out
+    if not res["ok"]:
+        last = [line for line in out.splitlines() if line.strip() and not line.startswith(" ")]
+        res["error"] = f"exit {rc}: {last[-1] if last else 'no output'}"
+        res["output_tail"] = out[-3000:]
     res["_out"] = out
     return res
 
@@ -177,8 +181,12 @@ def check_qwen7b(base: Path, *, cuda: bool, deadline: float) -> dict:
         "sharded_checkpoint": (run / "checkpoints" / "step_000002" / "learner").is_dir(),  # DCP: the FSDP learner
         "export_dtype": config.get("dtype") or config.get("torch_dtype"),
     }
-    out["ok"] = bool(out["steps"] == [0, 1, 2] and out["policy_version"] == 4 and out["sharded_checkpoint"])
-    return out
+    return judge(
+        out,
+        steps_0_to_2=out["steps"] == [0, 1, 2],
+        policy_version_4=out["policy_version"] == 4,
+        sharded_checkpoint=out["sharded_checkpoint"],
+    )
 
 
 # ----------------------------------------------------------------------------- world2: two processes
@@ -209,12 +217,11 @@ class World2:
         report = self.base / "worker.json"
         worker = launch([*torchrun, "scripts/gpu_check_worker.py", "--out", str(report), "--override", *arch], env,
                         self.left())  # fmt: skip
-        out["worker"] = public(worker)
-        if report.exists():
-            out["worker"] |= json.loads(report.read_text())
+        ranks = json.loads(report.read_text()) if report.exists() else {"ok": False}
+        out["worker"] = public(worker) | ranks | {"ok": worker["ok"] and ranks["ok"]}
         out["train"] = self.train(torchrun, env, arch)
-        out["ok"] = bool(out["worker"]["ok"] and out["train"]["ok"])
-        return out
+        ranks = {f"worker_rank_{i}": r for i, r in enumerate(out["worker"].get("ranks", []))}
+        return judge(out, worker=out["worker"], **ranks, train=out["train"])
 
     def train(self, torchrun: list[str], env: dict, arch: list[str]) -> dict:
         """experiment=paper_7b under torchrun: the whole run, then its copy killed after step 3 and resumed."""
@@ -224,7 +231,7 @@ class World2:
         first = launch([*train, f"hydra.run.dir={full}"], env, self.left())
         out: dict[str, Any] = {"extra_overrides": extra, "run": public(first)}
         if not first["ok"]:
-            return out | {"ok": False}
+            return judge(out, run=first)
         shutil.copytree(full, resumed, symlinks=True)
         shutil.rmtree(resumed / "checkpoints" / "step_000004")
         shutil.rmtree(resumed / "export")
@@ -232,7 +239,7 @@ class World2:
         second = launch([*train, f"hydra.run.dir={resumed}", "resume=auto"], env, self.left())
         out["resume"] = public(second)
         if not second["ok"]:
-            return out | {"ok": False}
+            return judge(out, resume=second)
         a, b = rows(full), rows(resumed)
         wa, wb = export_weights(full / "export"), export_weights(resumed / "export")
         same = wa.keys() == wb.keys() and all(bool((wa[k] == wb[k]).all()) for k in wa)
@@ -248,12 +255,12 @@ class World2:
         # on GPUs the kernels are not bitwise deterministic: the resumed run is checked for its steps there
         exact = not self.nccl
         equal = out["resumed_metrics_equal"] and out["resumed_export_equal"]
-        out["ok"] = bool(
-            out["steps"] == [0, 1, 2, 3, 4]
-            and out["policy_version"] == 16
-            and out["checkpoint_world_size"] == 2
-            and out["resumed_from_step_2"]
-            and [r["step"] for r in b] == out["steps"]
-            and (equal or not exact)
+        return judge(
+            out,
+            steps_0_to_4=out["steps"] == [0, 1, 2, 3, 4],
+            policy_version_16=out["policy_version"] == 16,
+            checkpoint_of_2_ranks=out["checkpoint_world_size"] == 2,
+            resumed_from_step_2=out["resumed_from_step_2"],
+            resumed_steps=[r["step"] for r in b] == out["steps"],
+            resumed_equal_uninterrupted=equal or not exact,
         )
-        return out

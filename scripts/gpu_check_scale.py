@@ -62,6 +62,18 @@ def serve_hub_cache(cache: Path) -> None:
         constants.HF_HUB_CACHE, constants.HF_HUB_OFFLINE = str(cache), True
 
 
+def judge(out: dict, **checks: bool | dict) -> dict:
+    """``out`` with ``ok`` (every check passed) and ``failed_checks``: the names of those that did not, and for a
+    check given as a part's own judged dict, why that part failed (its error or its failed checks)."""
+    failed = []
+    for name, check in checks.items():
+        passed = check.get("ok", False) if isinstance(check, dict) else bool(check)
+        if not passed:
+            why = (check.get("error") or "; ".join(check.get("failed_checks") or [])) if isinstance(check, dict) else ""
+            failed.append(f"{name} ({str(why).splitlines()[0]})" if why else name)
+    return out | {"ok": not failed, "failed_checks": failed}
+
+
 # ----------------------------------------------------------------------------- FLOPs and batches
 
 
@@ -316,8 +328,15 @@ class Scale:
         check = against_eager(self.learner, resolved)
         out |= check
         no_host_copy = host is None or host < 0.5 * 4 * n or self.device.type == "cpu"  # on CPU the shard is host
-        out["ok"] = bool(check["ok"] and out["resolved_is_snapshot"] and out["safetensors_files"] > 1 and no_host_copy)
-        return out
+        return judge(
+            out,
+            resolved_to_the_snapshot=out["resolved_is_snapshot"],
+            several_shards=out["safetensors_files"] > 1,
+            every_parameter_sharded=check["sharded_param_tensors"] == check["param_tensors"],
+            shards_equal_eager=check["shards_equal_eager"],
+            forward_equal_eager=check["forward_max_abs_logp_diff"] <= check["forward_tolerance"],
+            no_full_host_copy=no_host_copy,
+        )
 
     def budget(self) -> dict:
         from bapo.plan import make_plan
@@ -342,9 +361,8 @@ class Scale:
                 warm = True
             row |= self._measured_update(rc, tokens, plan)
             out["budgets"][str(tokens)] = row
-        rows = [r for r in out["budgets"].values() if "skipped" not in r]
-        out["ok"] = bool(rows) and all(r["ok"] for r in rows)
-        return out
+        rows = {t: r for t, r in out["budgets"].items() if "skipped" not in r}
+        return judge(out, some_budget_ran=bool(rows), **{f"budget_{t}": r for t, r in rows.items()})
 
     def _measured_update(self, rc, tokens: int, plan) -> dict:
         learner, device = self.learner, self.device
@@ -383,8 +401,7 @@ class Scale:
             "other_allocations_gib": gib(others),
         }
         row |= against_plan(plan, measured)
-        row["ok"] = bool(row["within_plan"] and math.isfinite(row["grad_norm"] or math.nan))
-        return row
+        return judge(row, within_plan=row["within_plan"], finite_grad_norm=math.isfinite(row["grad_norm"] or math.nan))
 
 
 def against_plan(plan, measured: int) -> dict:

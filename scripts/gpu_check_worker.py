@@ -118,14 +118,14 @@ def work(args) -> dict:
         if hasattr(engine, "close"):
             engine.close()
     s, a = out["sync"], out["against_eager"]
-    out["ok"] = bool(
-        a["ok"]
-        and math.isfinite(out["update"]["grad_norm"])
-        and moved > 0
-        and s["samples_version"] == [learner.version]
-        and s["logp_mismatch_after"] < min(0.1, 0.5 * s["logp_mismatch_before"])  # the sync changed the engine
+    return scale.judge(
+        out,
+        against_eager=a["ok"],
+        finite_grad_norm=math.isfinite(out["update"]["grad_norm"]),
+        weights_moved=moved > 0,
+        samples_of_the_new_version=s["samples_version"] == [learner.version],
+        engine_matches_learner_after_sync=s["logp_mismatch_after"] < min(0.1, 0.5 * s["logp_mismatch_before"]),
     )
-    return out
 
 
 def main(argv=None) -> int:

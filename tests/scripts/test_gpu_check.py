@@ -116,6 +116,15 @@ def test_a_section_that_no_longer_fits_before_the_cap_is_skipped_and_says_so(tmp
     assert json.loads((tmp_path / "s.json").read_text()).keys() == {"world2", "vllm"}  # written as it goes
 
 
+def test_a_failed_check_is_named_with_its_reason():
+    part = scale.judge({"x": 1}, shards_equal_eager=True, no_full_host_copy=False)
+    assert part == {"x": 1, "ok": False, "failed_checks": ["no_full_host_copy"]}
+    out = scale.judge({}, worker={"ok": False, "error": "RuntimeError: x\ny"}, train=part, fine=True, rank={"ok": True})
+    assert out["failed_checks"] == ["worker (RuntimeError: x)", "train (no_full_host_copy)"]
+    assert gpu_check.status({"world2": out}, "world2") == "FAILED: worker (RuntimeError: x), train (no_full_host_copy)"
+    assert scale.judge({}, a=True, b={"ok": True}) == {"ok": True, "failed_checks": []}
+
+
 def test_the_plan_is_judged_against_the_measured_peak():
     from bapo import plan as P
 
