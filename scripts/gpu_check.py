@@ -580,8 +580,17 @@ def main(argv=None) -> int:
 
 
 def qwen7b(sc: scale.Scale, scratch: Path, device: torch.device, deadline: float) -> dict:
+    """The command at toy size on this device, and what the memory plan says of it at its real size here (one
+    GPU: ``bapo.config`` refuses at start-up a run whose plan does not fit)."""
+    from bapo.plan import GiB, plan_for
+
     sc.release()  # the GPU to the child process
-    return commands.check_qwen7b(scratch / "qwen7b", cuda=device.type == "cuda", deadline=deadline)
+    out = commands.check_qwen7b(scratch / "qwen7b", cuda=device.type == "cuda", deadline=deadline)
+    memory = torch.cuda.get_device_properties(device).total_memory / GiB if device.type == "cuda" else None
+    p = plan_for(commands.QWEN7B, nproc=1, gpu_memory=memory)  # as documented: vLLM, whatever is installed here
+    out["real_size_plan"] = {"gpu_memory_gib": round(p.setup.device / GiB, 1), "fits": p.fits,
+                             "peak_gib": round(p.peak / GiB, 1), "advice": p.advice()}  # fmt: skip
+    return out
 
 
 class Background:

@@ -76,6 +76,7 @@ def test_the_whole_dry_run_reports_every_section_ok(tmp_path):
     q = s["qwen7b"]
     assert q["cmd"].startswith("python train.py algo=bapo model=qwen7b ") and q["steps"] == [0, 1, 2]
     assert q["sharded_checkpoint"] and q["export_dtype"] == "bfloat16"
+    assert q["real_size_plan"]["gpu_memory_gib"] == 80.0 and not q["real_size_plan"]["fits"]  # 7.6 B on one GPU
     # two processes: the worker on every rank, paper_7b through a checkpoint, a resume and the export
     w = s["world2"]
     assert w["variant"] == "cpu: 2 gloo ranks" and h["world2"].startswith("cpu: 2 gloo ranks (0 GPU(s) here")
