@@ -525,8 +525,17 @@ def main(argv=None) -> int:
     else:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-    wanted = [s for s in SECTIONS if s in set(args.only or SECTIONS)]
     scratch = Path(tempfile.mkdtemp(prefix="gpu_check-", dir=args.scratch))
+    try:
+        return run(args, device, scratch, t_start)
+    finally:
+        if not args.keep_scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def run(args, device: torch.device, scratch: Path, t_start: float) -> int:
+    """Every wanted section, then the summary; 0 when all passed, else 1."""
+    wanted = [s for s in SECTIONS if s in set(args.only or SECTIONS)]
     scale.serve_hub_cache(scratch / "hub")  # this process serves the stand-ins only: nothing else, nothing downloaded
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     summary: dict[str, Any] = {
@@ -549,9 +558,8 @@ def main(argv=None) -> int:
     world2 = background = None
     if "world2" in wanted:
         world2 = commands.World2(scratch / "world2", gpus=summary["gpus"], deadline=sections.deadline)
-        world2.prepare()
-        if not world2.nccl:  # on the CPU: beside the GPU sections
-            background = Background(world2.run)
+        if not world2.nccl:  # on the CPU: beside the GPU sections (its stand-in written on this thread first)
+            background = Background(world2.run, before=world2.prepare)
     sc = scale.Scale(args, device, scratch, run_config)
     checks = {
         "models": lambda: check_models(configs, device, args.dry_run),
@@ -561,7 +569,7 @@ def main(argv=None) -> int:
         "metaload": sc.metaload,
         "budget": sc.budget,
         "qwen7b": lambda: qwen7b(sc, scratch, device, sections.deadline),
-        "world2": lambda: background.result(sections.left()) if background else world2.run(),
+        "world2": lambda: background.result(sections.left()) if background else world2.prepare() or world2.run(),
     }
     for section in wanted:  # world2 on its thread is only waited for: it needs no time of its own
         sections.run(section, checks[section], device, needs=0 if section == "world2" and background else None)
@@ -574,8 +582,6 @@ def main(argv=None) -> int:
     print(text)
     if args.out:
         args.out.write_text(text + "\n")
-    if not args.keep_scratch:
-        shutil.rmtree(scratch, ignore_errors=True)
     return 0 if not failed else 1
 
 
@@ -594,24 +600,35 @@ def qwen7b(sc: scale.Scale, scratch: Path, device: torch.device, deadline: float
 
 
 class Background:
-    """``fn()`` on a thread; :meth:`result` waits for it (its exception is the section's error)."""
+    """``fn()`` on a thread, after ``before()`` on the caller's; :meth:`result` waits for it (an exception of either
+    is the section's error)."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, before=None):
         self._out: dict | None = None
         self._t0 = time.perf_counter()
+        try:
+            if before is not None:
+                before()
+        except Exception as e:
+            self._out = self._failed(e)
+            return
         self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
         self._thread.start()
 
+    def _failed(self, e: Exception) -> dict:
+        out = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+        return out | {"background_s": round(time.perf_counter() - self._t0, 1)}
+
     def _run(self, fn) -> None:
         try:
-            out = fn()
+            self._out = fn() | {"background_s": round(time.perf_counter() - self._t0, 1)}
         except Exception as e:
-            out = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
-        self._out = out | {"background_s": round(time.perf_counter() - self._t0, 1)}
+            self._out = self._failed(e)
 
     def result(self, timeout: float) -> dict:
         t0 = time.perf_counter()
-        self._thread.join(max(0.0, timeout))
+        if self._out is None:
+            self._thread.join(max(0.0, timeout))
         if self._out is None:
             return {"ok": False, "error": f"still running at the cap ({timeout:.0f} s waited)"}
         return self._out | {"waited_s": round(time.perf_counter() - t0, 1)}

@@ -117,6 +117,17 @@ def test_a_section_that_no_longer_fits_before_the_cap_is_skipped_and_says_so(tmp
     assert json.loads((tmp_path / "s.json").read_text()).keys() == {"world2", "vllm"}  # written as it goes
 
 
+def test_a_background_section_reports_its_outcome_or_its_error():
+    done = gpu_check.Background(lambda: {"ok": True}).result(timeout=30)
+    assert done["ok"] and done["background_s"] >= 0 and "waited_s" in done
+    failed = gpu_check.Background(lambda: {"ok": True}, before=lambda: 1 / 0).result(timeout=30)
+    assert failed["error"] == "ZeroDivisionError: division by zero" and not failed["ok"]
+    raised = gpu_check.Background(lambda: {}["x"]).result(timeout=30)
+    assert raised["error"] == "KeyError: 'x'"
+    slow = gpu_check.Background(lambda: time.sleep(2) or {"ok": True}).result(timeout=0.1)
+    assert slow == {"ok": False, "error": "still running at the cap (0 s waited)"}
+
+
 def test_a_failed_check_is_named_with_its_reason():
     part = scale.judge({"x": 1}, shards_equal_eager=True, no_full_host_copy=False)
     assert part == {"x": 1, "ok": False, "failed_checks": ["no_full_host_copy"]}
