@@ -1,27 +1,38 @@
-"""GPU check: the scale path on one GPU in a few minutes, with nothing to download.
+"""GPU check: the scale path and the users' commands on one GPU in under 8 minutes, with nothing to download.
 
     bash scripts/gpu_check.sh                 # torchrun --standalone --nproc_per_node=1 scripts/gpu_check.py
-    python scripts/gpu_check.py --dry-run     # the same code on CPU with tiny shapes (seconds; the test runs it)
+    python scripts/gpu_check.py --dry-run     # the same code on CPU with tiny shapes (the test runs it)
 
-Six checks, each recorded in one JSON summary on stdout (and ``--out``), which opens with the
-headline figures (``headline``: MFU, the learner's, HF rollout's and vLLM's tokens/s, vLLM's
-weight-sync seconds):
+One JSON summary on stdout (and ``--out``, rewritten after every section, so a run killed at the cap keeps what
+it did), opening with ``headline``: MFU and tokens/s, the memory plan against the measured peak, which sections
+ran, failed or were skipped and why, and the seconds of each. Exit status 1 when a section failed, 2 when the
+machine cannot run the check (no GPU without ``--dry-run``, a package missing).
 
-a. models: every GPU model config (conf/model/*.yaml with a ``model.arch``) is built with random
-   weights from its config.json fields: the parameter count on the meta device, then, where it
-   fits in memory, the bf16 model on the GPU and one forward pass (finite logits).
-b. fsdp: ``fully_shard`` on every decoder layer and the root, in a one-process group (NCCL on a
-   GPU, gloo on CPU), mixed precision bf16 parameters with fp32 gradient reduction (fp32 on CPU).
-c. learner: ``bapo.learner.Learner`` with the paper's BAPO objective (conf/algo/bapo.yaml) on the
-   sharded 1.5B-shaped model: tokens/s and MFU against the GPU's dense bf16 peak (a table keyed
-   by ``torch.cuda.get_device_name()``, or ``--peak-tflops``).
-d. rollout: ``bapo.rollout.HFRollout`` on the GPU (bf16): generated tokens/s.
-e. loop: ``python train.py model=tiny learner.device=cuda train.steps=3 debug=smoke`` as a subprocess.
-f. vllm: ``bapo.rollout.vllm.VLLMRollout`` on a random-weight model of the bench shape saved to a
-   temporary folder: generated tokens/s, then the weights of an FSDP2-sharded copy streamed into
-   the engine (``StreamedWeights``, one parameter gathered at a time: the training path's sync,
-   seconds in ``sync_s``), and on a GPU a sleep/wake cycle before generating again. Where vLLM is
-   not importable the check passes with ``skipped`` saying so, and the other checks still run.
+Sections (``--only`` picks some):
+
+models     every GPU model config (conf/model/*.yaml with a ``model.arch``) built with random weights: the
+           parameter count on the meta device, and where it fits a bf16 forward on the GPU (finite logits).
+learner    ``bapo.learner.Learner`` with the paper's BAPO objective on an FSDP2-sharded 1.5B shape (NCCL, bf16
+           parameters, fp32 gradient reduction): tokens/s and MFU.
+rollout    ``bapo.rollout.HFRollout`` on the GPU (bf16): generated tokens/s.
+vllm       ``VLLMRollout`` on a random-weight model of the bench shape: tokens/s, a weight sync streamed from
+           FSDP2 shards, sleep/wake; skipped and said so where vLLM does not import.
+metaload   a stand-in at the 7B's width (hidden 3584, vocabulary 152,064, ``--standin-layers`` layers) written into
+           a temporary HF cache under ``deepseek-ai/DeepSeek-R1-Distill-Qwen-7B``, resolved offline by
+           ``bapo.modeling.model_path``, meta-loaded by the FSDP learner as the loop builds it; shards and a
+           forward pass against an eager load (``scripts/gpu_check_scale.py``).
+budget     that learner's update with micro-batches of exactly the placement's token budget (gpu_node's 16,384,
+           gpu_node_h200's 32,768), bf16, activation checkpointing: ``torch.cuda.max_memory_allocated`` beside
+           ``bapo.plan``'s update peak for the same run config, and their ratio.
+qwen7b     ``python train.py algo=bapo model=qwen7b`` at toy size against a stand-in under Qwen/Qwen2.5-7B-Instruct,
+           on this GPU without torchrun (a one-rank group, NCCL, bf16) (``scripts/gpu_check_commands.py``).
+world2     two processes: ``scripts/gpu_check_worker.py`` (meta-load, update, streamed sync into each rank's
+           engine) and ``train.py experiment=paper_7b`` through a checkpoint, a resume and the export, under
+           ``torchrun --nproc_per_node=2``: on two GPUs (NCCL) where there are two, else on the CPU (gloo), beside
+           the GPU sections.
+
+Each section has a time budget (:data:`SECTIONS`, seconds on one H200); one that no longer fits before the cap
+(``--time-limit``, gpu_check.sh's timeout) is skipped and says so, and the summary is printed before the cap.
 
 FLOPs (MFU's numerator). Per forward pass over sequences of lengths L_i:
     2 * N * sum(L_i)  +  2 * n_layers * d_attn * sum(L_i^2)
@@ -37,12 +48,16 @@ counted: the update's FLOPs are 4 forwards. MFU = FLOPs / seconds / (peak x worl
 from __future__ import annotations
 
 import argparse
+import gc
+import importlib.metadata
+import importlib.util
 import json
 import math
 import os
-import subprocess
+import shutil
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -53,6 +68,10 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
+from scripts import gpu_check_commands as commands  # noqa: E402
+from scripts import gpu_check_scale as scale  # noqa: E402
+from scripts.gpu_check_scale import forward_flops, matmul_params, sync, synthetic_batch  # noqa: E402
 
 # Dense (no sparsity) bf16 tensor-core peaks in TFLOP/s, from the vendors' data sheets.
 # The longest matching key wins, so "H100 PCIe" is not read as "H100".
@@ -79,9 +98,11 @@ TINY_ARCH = dict(
     bos_token_id=510,
     eos_token_id=511,
 )
-LOOP_METRICS = ("eval/accuracy", "learner/loss", "learner/grad_norm", "policy/version", "time/step_s")
-TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME")
-TORCHRUN_ENV += ("ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+# Each section and the seconds it is given on one H200 (world2 runs on the CPU beside the others there).
+SECTIONS = {"models": 45, "learner": 30, "rollout": 20, "vllm": 60, "metaload": 75, "budget": 45, "qwen7b": 90,
+            "world2": 240}  # fmt: skip
+SUMMARY_S = 10  # kept free before the cap to write the summary
+REQUIRED = ("hydra", "omegaconf", "transformers", "safetensors", "huggingface_hub", "tokenizers", "math_verify", "tqdm")
 
 
 def peak_tflops(device_name: str, override: float | None) -> float | None:
@@ -123,20 +144,6 @@ def shrink(arch: dict) -> dict:
     return {**arch, **TINY_ARCH}
 
 
-def matmul_params(model: torch.nn.Module) -> int:
-    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-
-
-def forward_flops(n_matmul: int, arch: dict, lengths: list[int]) -> float:
-    d_attn = arch["hidden_size"]  # num_attention_heads x head_dim for Qwen2
-    return 2.0 * n_matmul * sum(lengths) + 2.0 * arch["num_hidden_layers"] * d_attn * sum(n * n for n in lengths)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def init_group(device: torch.device) -> str:
     """A one-process group: torchrun's environment when launched by it, else an in-process store."""
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -152,13 +159,20 @@ def init_group(device: torch.device) -> str:
 
 
 def check_models(configs: dict[str, dict], device: torch.device, dry: bool) -> dict:
-    """(a) Parameter counts of the real shapes (meta device) and a random-weight forward of each."""
+    """models: parameter counts of the real shapes (meta device) and a random-weight forward of each."""
     from bapo.modeling import load_model
 
     out: dict[str, Any] = {}
+    seen: dict[str, str] = {}  # an alias (model=qwen7b is model=qwen2.5_7b) is built once
     for name, m in configs.items():
         t0 = time.perf_counter()
         row: dict[str, Any] = {"name_or_path": m["name_or_path"]}
+        key = json.dumps([m["name_or_path"], m["arch"]], sort_keys=True)
+        if key in seen:
+            first = out[seen[key]]
+            out[name] = row | {"params": first["params"], "forward": f"as {seen[key]}", "same_as": seen[key]}
+            continue
+        seen[key] = name
         meta = load_model("", init="random", arch=m["arch"], dtype="bfloat16", device="meta")
         row["params"] = sum(p.numel() for p in meta.parameters())
         del meta
@@ -175,29 +189,17 @@ def check_models(configs: dict[str, dict], device: torch.device, dry: bool) -> d
             row["forward"] = "ok" if bool(torch.isfinite(logits).all()) else "non-finite logits"
             row["logits_shape"] = list(logits.shape)
             del model, logits
+            gc.collect()  # a transformers model holds reference cycles: freed by the collector, not by del
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         row["seconds"] = round(time.perf_counter() - t0, 2)
         out[name] = row
-    return {"ok": all(r["forward"] == "ok" or r["forward"].startswith("skipped") for r in out.values()), **out}
-
-
-def synthetic_batch(arch: dict, rows: int, prompt_len: int, response_len: int, seed: int):
-    """Full-length rows (no padding): random prompt+response ids, one advantage per sequence."""
-    from bapo.types import TrainBatch
-
-    g = torch.Generator().manual_seed(seed)
-    L = prompt_len + response_len
-    ids = torch.randint(0, arch["vocab_size"], (rows, L), generator=g)
-    mask = torch.zeros(rows, L - 1)
-    mask[:, prompt_len - 1 :] = 1.0  # logits at t predict token t+1
-    old_logp = -math.log(arch["vocab_size"]) + 0.1 * torch.randn(rows, L - 1, generator=g)
-    adv = torch.where(torch.rand(rows, 1, generator=g) < 0.5, -1.0, 1.0).expand(rows, L - 1).clone()
-    return TrainBatch(ids, torch.ones_like(ids), mask, old_logp, adv, torch.zeros(rows, dtype=torch.long))
+    fine = ("ok", "skipped", "as ")
+    return {"ok": all(r["forward"].startswith(fine) for r in out.values()), **out}
 
 
 def check_learner(arch: dict, device: torch.device, args) -> dict:
-    """(b) + (c): the real Learner on an FSDP2-sharded model; tokens/s and MFU."""
+    """learner: the real Learner on an FSDP2-sharded model; tokens/s and MFU."""
     from bapo.learner import Learner
     from bapo.loop import make_objective
     from bapo.modeling import load_model
@@ -224,7 +226,7 @@ def check_learner(arch: dict, device: torch.device, args) -> dict:
     flops = forward_flops(n_matmul, arch, lengths) * (3 + int(learner.objective.prepass))
     times, metrics = [], {}
     for step in range(args.warmup + args.updates):
-        batch = synthetic_batch(arch, rows, args.prompt_len, args.response_len, seed=step)
+        batch = synthetic_batch(arch["vocab_size"], rows, args.prompt_len, args.response_len, seed=step)
         sync(device)
         t0 = time.perf_counter()
         metrics = learner.update(batch)
@@ -272,7 +274,7 @@ class StubTokenizer:
 
 
 def check_rollout(arch: dict, device: torch.device, args) -> dict:
-    """(d) HF generate with the KV cache on the device; a random model seldom samples EOS, so rows run full length."""
+    """rollout: HF generate with the KV cache on the device (a random model seldom samples EOS: rows run full)."""
     from bapo.modeling import load_model
     from bapo.rollout import HFRollout
     from bapo.types import Problem, Prompt
@@ -320,7 +322,7 @@ def check_rollout(arch: dict, device: torch.device, args) -> dict:
 
 
 def check_vllm(arch: dict, device: torch.device, args) -> dict:
-    """(f) vLLM generation, a streamed weight sync from FSDP2 shards, sleep/wake (GPU); skipped without vLLM."""
+    """vllm: generation, a streamed weight sync from FSDP2 shards, sleep/wake (GPU); skipped without vLLM."""
     try:
         import vllm  # noqa: F401
     except Exception as e:  # absent, or a broken install (a torchvision built for another torch)
@@ -384,61 +386,60 @@ def check_vllm(arch: dict, device: torch.device, args) -> dict:
     return out
 
 
-def check_loop(device: torch.device, args) -> dict:
-    """(e) The real loop on the shipped tiny model, in a child process with torchrun's variables removed."""
-    with tempfile.TemporaryDirectory(prefix="gpu_check-run-") as tmp:
-        return _run_loop(Path(tmp), device, args)
-
-
-def _run_loop(run_dir: Path, device: torch.device, args) -> dict:
-    cmd = [sys.executable, str(ROOT / "train.py"), "model=tiny", f"learner.device={device.type}"]
-    cmd += [f"train.steps={args.loop_steps}", "debug=smoke", "logger=none", f"hydra.run.dir={run_dir}"]
-    cmd += args.loop_override
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV and not k.startswith("TORCHELASTIC_")}
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("WANDB_MODE", "disabled")
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.loop_timeout)
-    out: dict[str, Any] = {
-        "cmd": "python train.py " + " ".join(cmd[2:]),
-        "rc": proc.returncode,
-        "seconds": round(time.perf_counter() - t0, 1),
-    }
-    final = run_dir / "final_metrics.json"
-    if proc.returncode == 0 and final.exists():
-        metrics = json.loads(final.read_text())
-        out["final"] = {k: metrics[k] for k in LOOP_METRICS if k in metrics}
-    else:
-        out["stderr_tail"] = proc.stderr[-2000:]
-    out["ok"] = proc.returncode == 0 and final.exists()
-    return out
-
-
 # ----------------------------------------------------------------------------- main
 
 
+def status(summary: dict, name: str) -> str:
+    """ "ok", "skipped: why", or "FAILED: the error's first line" for a section of the summary."""
+    sec = summary.get(name)
+    if sec is None:
+        return "not run"
+    if sec.get("skipped"):
+        return f"skipped: {sec['skipped']}"
+    if sec.get("ok"):
+        return "ok"
+    if sec.get("error"):
+        return f"FAILED: {str(sec['error']).splitlines()[0]}"
+    return "FAILED" + (f": {', '.join(sec['failed_checks'])}" if sec.get("failed_checks") else "")
+
+
 def headline(summary: dict) -> dict:
-    """The figures a reader wants first, pulled from the checks that ran (None where a check did not)."""
+    """The figures a reader wants first, pulled from the sections that ran (None where one did not)."""
 
-    def get(check: str, key: str):
-        return summary.get(check, {}).get(key)
+    def get(section: str, key: str):
+        return summary.get(section, {}).get(key)
 
+    budgets = {t: r for t, r in (get("budget", "budgets") or {}).items() if "skipped" not in r}
+    first = next(iter(budgets.values()), {})
+    peak = summary.get("peak_tflops")
+    tflops = first.get("tflops_per_s")
+    world2 = summary.get("world2", {})
     return {
         "mfu": get("learner", "mfu"),
         "learner_tokens_per_s": get("learner", "tokens_per_s"),
+        "budget_tokens_per_s": first.get("tokens_per_s"),
+        "budget_mfu": round(tflops / peak, 4) if tflops and peak and not summary.get("dry_run") else None,
+        "plan_vs_measured": {
+            t: {k: r.get(k) for k in ("measured_peak_gib", "plan_torch_gib", "measured_over_plan", "within_plan")}
+            for t, r in budgets.items()
+        },
         "hf_rollout_tokens_per_s": get("rollout", "tokens_per_s"),
         "vllm_tokens_per_s": get("vllm", "tokens_per_s"),
         "vllm_sync_s": get("vllm", "sync_s"),
-        "vllm": "skipped" if get("vllm", "skipped") else ("ran" if "vllm" in summary else "not run"),
+        "world2": world2.get("variant") and f"{world2['variant']} ({world2.get('why')})",
+        "sections": {name: status(summary, name) for name in SECTIONS if name in summary},
+        "seconds": {
+            name: summary[name].get("background_s", summary[name].get("seconds"))
+            for name in SECTIONS
+            if name in summary
+        },  # fmt: skip
     }
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dry-run", action="store_true", help="CPU, gloo, tiny shapes, few steps: check the script itself")
-    p.add_argument(
-        "--only", nargs="+", choices=["models", "learner", "rollout", "loop", "vllm"], help="run only these checks"
-    )
+    p.add_argument("--only", nargs="+", choices=list(SECTIONS), help="run only these sections")
     p.add_argument("--bench-model", default="qwen2.5_1.5b", help="model config whose shape the learner/rollout use")
     p.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak of one GPU (overrides the table)")
     p.add_argument("--prompt-len", type=int, default=256)
@@ -450,75 +451,187 @@ def parse_args(argv=None):
     p.add_argument("--rollout-prompts", type=int, default=32)
     p.add_argument("--rollout-n", type=int, default=4)
     p.add_argument("--rollout-tokens", type=int, default=384)
-    p.add_argument("--loop-steps", type=int, default=3)
-    p.add_argument("--loop-timeout", type=int, default=300)
-    p.add_argument("--loop-override", nargs="*", default=[], help="extra train.py overrides for the loop check")
+    p.add_argument("--standin-layers", type=int, default=2, help="decoder layers of the 7B-wide stand-in")
+    p.add_argument("--budgets", type=int, nargs="+", default=[16384, 32768],
+                   help="tokens per micro-batch of the budget section (gpu_node's, gpu_node_h200's)")  # fmt: skip
+    p.add_argument("--time-limit", type=float, help="seconds to the cap (default: $GPU_CHECK_TIMEOUT, else 480; "
+                   "an hour for --dry-run, which checks the script, not the machine's speed)")  # fmt: skip
+    p.add_argument("--scratch", type=Path, default=None, help="folder for the stand-ins and runs (default: a temp dir)")
+    p.add_argument("--keep-scratch", action="store_true", help="keep the stand-ins and run folders afterwards")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON summary here")
     args = p.parse_args(argv)
+    if args.time_limit is None:
+        args.time_limit = 3600.0 if args.dry_run else float(os.environ.get("GPU_CHECK_TIMEOUT", 480))
     if args.dry_run:  # seconds on two CPU cores
         args.prompt_len, args.response_len, args.micro_batch, args.micro_batches = 8, 24, 2, 2
         args.warmup, args.updates = 1, 1
         args.rollout_prompts, args.rollout_n, args.rollout_tokens = 2, 2, 8
-        args.loop_steps = min(args.loop_steps, 2)
+        args.budgets = [512, 1024]
     return args
 
 
+def preflight() -> list[str]:
+    """The packages the check needs that this Python does not have."""
+    return [m for m in REQUIRED if importlib.util.find_spec(m) is None]
+
+
+class Sections:
+    """Runs the sections in order, each against the cap: timed, recorded, written out as it goes."""
+
+    def __init__(self, summary: dict, args, t0: float):
+        self.summary, self.args = summary, args
+        self.deadline = t0 + args.time_limit - SUMMARY_S
+
+    def left(self) -> float:
+        return self.deadline - time.perf_counter()
+
+    def run(self, name: str, fn, device: torch.device, needs: float | None = None) -> None:
+        budget = SECTIONS[name] / (10 if self.args.dry_run else 1) if needs is None else needs
+        if self.left() < budget:
+            self.record(name, {"ok": True, "skipped": f"{self.left():.0f} s left before the cap, it needs ~{budget} s"})
+            return
+        t0 = time.perf_counter()
+        try:
+            out = fn()
+        except Exception as e:  # record and go on: one summary with every section's outcome
+            out = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+        out["seconds"] = round(time.perf_counter() - t0, 1)
+        self.record(name, out)
+        gc.collect()  # what a section left in reference cycles (transformers models) goes before the next one
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def record(self, name: str, out: dict) -> None:
+        self.summary[name] = out
+        seconds = out.get("background_s", out.get("seconds", 0))
+        print(f"gpu_check: {name}: {status(self.summary, name)} ({seconds} s)", file=sys.stderr)
+        if self.args.out:
+            self.args.out.write_text(json.dumps(self.summary, indent=2) + "\n")
+
+
 def main(argv=None) -> int:
+    t_start = time.perf_counter()
     args = parse_args(argv)
-    if not args.dry_run and not torch.cuda.is_available():
-        print("gpu_check: no CUDA device; use --dry-run to check the script on CPU", file=sys.stderr)
+    if args.dry_run:  # the CPU even where there is a GPU: every rank and child sees none
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    missing = preflight()
+    if missing or (not args.dry_run and not torch.cuda.is_available()):
+        why = f"missing Python packages: {missing}" if missing else "no CUDA device; --dry-run checks the script on CPU"
+        print(json.dumps({"ok": False, "error": why}), file=sys.stderr)
         return 2
     if args.dry_run:
         device = torch.device("cpu")
     else:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-    wanted = set(args.only or ["models", "learner", "rollout", "loop", "vllm"])
+    scratch = Path(tempfile.mkdtemp(prefix="gpu_check-", dir=args.scratch))
+    try:
+        return run(args, device, scratch, t_start)
+    finally:
+        if not args.keep_scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def run(args, device: torch.device, scratch: Path, t_start: float) -> int:
+    """Every wanted section, then the summary; 0 when all passed, else 1."""
+    wanted = [s for s in SECTIONS if s in set(args.only or SECTIONS)]
+    scale.serve_hub_cache(scratch / "hub")  # this process serves the stand-ins only: nothing else, nothing downloaded
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     summary: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "device": name,
+        "gpus": torch.cuda.device_count(),
         "dry_run": args.dry_run,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
+        "transformers": importlib.metadata.version("transformers"),
+        "vllm_installed": commands.has("vllm"),
+        "flash_attn_installed": commands.has("flash_attn"),
+        "peak_tflops": peak_tflops(name, args.peak_tflops),
+        "scratch": str(scratch),
     }
-    t_all = time.perf_counter()
+    sections = Sections(summary, args, t_start)
     configs = model_configs()
     bench = shrink(configs[args.bench_model]["arch"]) if args.dry_run else configs[args.bench_model]["arch"]
     summary["bench_model"] = args.bench_model
+    summary["backend"] = init_group(device)
+    world2 = background = None
+    if "world2" in wanted:
+        world2 = commands.World2(scratch / "world2", gpus=summary["gpus"], deadline=sections.deadline)
+        if not world2.nccl:  # on the CPU: beside the GPU sections (its stand-in written on this thread first)
+            background = Background(world2.run, before=world2.prepare)
+    sc = scale.Scale(args, device, scratch, run_config)
     checks = {
         "models": lambda: check_models(configs, device, args.dry_run),
         "learner": lambda: check_learner(bench, device, args),
         "rollout": lambda: check_rollout(bench, device, args),
-        "loop": lambda: check_loop(device, args),
         "vllm": lambda: check_vllm(bench, device, args),
+        "metaload": sc.metaload,
+        "budget": sc.budget,
+        "qwen7b": lambda: qwen7b(sc, scratch, device, sections.deadline),
+        "world2": lambda: background.result(sections.left()) if background else world2.prepare() or world2.run(),
     }
-    if "learner" in wanted:
-        summary["backend"] = init_group(device)
-    for name, fn in checks.items():
-        if name not in wanted:
-            continue
-        try:
-            summary[name] = fn()
-        except Exception as e:  # record and go on: one summary with every check's outcome
-            summary[name] = {
-                "ok": False,
-                "error": f"{type(e).__name__}: {e}",
-                "traceback": traceback.format_exc()[-3000:],
-            }
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
+    for section in wanted:  # world2 on its thread is only waited for: it needs no time of its own
+        sections.run(section, checks[section], device, needs=0 if section == "world2" and background else None)
     if dist.is_initialized():
         dist.destroy_process_group()
+    failed = [s for s in wanted if not summary[s]["ok"]]
     summary = {"headline": headline(summary)} | summary
-    failed = [name for name in checks if name in summary and not summary[name]["ok"]]
-    summary["failed"] = failed
-    summary["ok"] = not failed
-    summary["seconds"] = round(time.perf_counter() - t_all, 1)
+    summary |= {"failed": failed, "ok": not failed, "seconds": round(time.perf_counter() - t_start, 1)}
     text = json.dumps(summary, indent=2)
     print(text)
     if args.out:
         args.out.write_text(text + "\n")
     return 0 if not failed else 1
+
+
+def qwen7b(sc: scale.Scale, scratch: Path, device: torch.device, deadline: float) -> dict:
+    """The command at toy size on this device, and what the memory plan says of it at its real size here (one
+    GPU: ``bapo.config`` refuses at start-up a run whose plan does not fit)."""
+    from bapo.plan import GiB, plan_for
+
+    sc.release()  # the GPU to the child process
+    out = commands.check_qwen7b(scratch / "qwen7b", cuda=device.type == "cuda", deadline=deadline)
+    memory = torch.cuda.get_device_properties(device).total_memory / GiB if device.type == "cuda" else None
+    p = plan_for(commands.QWEN7B, nproc=1, gpu_memory=memory)  # as documented: vLLM, whatever is installed here
+    out["real_size_plan"] = {"gpu_memory_gib": round(p.setup.device / GiB, 1), "fits": p.fits,
+                             "peak_gib": round(p.peak / GiB, 1), "advice": p.advice()}  # fmt: skip
+    return out
+
+
+class Background:
+    """``fn()`` on a thread, after ``before()`` on the caller's; :meth:`result` waits for it (an exception of either
+    is the section's error)."""
+
+    def __init__(self, fn, before=None):
+        self._out: dict | None = None
+        self._t0 = time.perf_counter()
+        try:
+            if before is not None:
+                before()
+        except Exception as e:
+            self._out = self._failed(e)
+            return
+        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self._thread.start()
+
+    def _failed(self, e: Exception) -> dict:
+        out = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+        return out | {"background_s": round(time.perf_counter() - self._t0, 1)}
+
+    def _run(self, fn) -> None:
+        try:
+            self._out = fn() | {"background_s": round(time.perf_counter() - self._t0, 1)}
+        except Exception as e:
+            self._out = self._failed(e)
+
+    def result(self, timeout: float) -> dict:
+        t0 = time.perf_counter()
+        if self._out is None:
+            self._thread.join(max(0.0, timeout))
+        if self._out is None:
+            return {"ok": False, "error": f"still running at the cap ({timeout:.0f} s waited)"}
+        return self._out | {"waited_s": round(time.perf_counter() - t0, 1)}
 
 
 if __name__ == "__main__":

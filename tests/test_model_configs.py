@@ -143,6 +143,7 @@ def test_gpu_check_dry_run_end_to_end(tmp_path):
     out = tmp_path / "summary.json"
     env = os.environ | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
     cmd = [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--dry-run", "--out", str(out)]
+    cmd += ["--only", "models", "learner", "rollout"]  # the other sections: tests/scripts/test_gpu_check.py
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     s = json.loads(out.read_text())
@@ -151,4 +152,4 @@ def test_gpu_check_dry_run_end_to_end(tmp_path):
     learner = s["learner"]
     assert learner["sharded"] and learner["backend"] == "gloo" and learner["world_size"] == 1
     assert learner["weights_changed"] > 0 and learner["tokens_per_s"] > 0 and learner["prepass"]
-    assert s["rollout"]["new_tokens"] > 0 and s["loop"]["rc"] == 0 and "learner/loss" in s["loop"]["final"]
+    assert s["rollout"]["new_tokens"] > 0

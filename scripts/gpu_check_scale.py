@@ -1,0 +1,426 @@
+"""scripts/gpu_check.py's model-scale sections: a stand-in served under a hub id, meta-loaded by the FSDP learner,
+and the learner's update at a placement's token budget against the memory plan's prediction.
+
+``metaload``: :func:`scripts.standin.write_standin` writes a Qwen2 checkpoint at the 7B's width (hidden 3584,
+vocabulary 152,064, a few layers: a few GB in bf16) into a temporary HF cache under
+``deepseek-ai/DeepSeek-R1-Distill-Qwen-7B``; ``bapo.modeling.model_path`` resolves the id offline to its snapshot;
+the learner is built as ``bapo.loop.build_stages`` builds it (the policy on the meta device, FSDP2 reading each
+rank's rows of the safetensors); every shard is compared with the same rows of an eager ``from_pretrained`` load,
+and a forward pass of the sharded policy with the eager model's.
+
+``budget``: the learner's update with micro-batches of exactly the placement's token budget
+(``learner.max_tokens_per_micro_batch``, gpu_node's 16,384 and gpu_node_h200's 32,768) at the real vocabulary,
+bf16 mixed precision and the placement's activation checkpointing; the peak of ``torch.cuda.max_memory_allocated``
+beside ``bapo.plan``'s update peak for exactly that run config (the stand-in's shape in ``model.arch``, the ranks
+and the device's memory), less what the plan counts outside torch's allocator in this process (the CUDA context
+and NCCL buffers, vLLM's CUDA graphs). On CPU (``--dry-run``) the peak is the learner's state plus the peak of the
+allocations made during the update (:func:`cpu_peak`).
+
+The same meta-load runs under two ranks in ``scripts/gpu_check_worker.py``.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
+GiB = 2**30
+REPO_ID = "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B"  # experiment=paper_7b's model
+# The 7B's width (conf/model/r1_distill_qwen_7b.yaml) with a few layers; --dry-run's small but logits-dominated shape.
+WIDE = dict(hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4, vocab_size=152064)
+SMALL = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=16384)
+SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+SHAPE_KEYS += ("vocab_size", "max_position_embeddings", "rope_theta")
+ROWS_PER_MICRO_BATCH = 4  # the budget's tokens in this many sequences, prompt + response
+MICRO_BATCHES = 2  # per update: the gradient accumulates over two micro-batches of the budget each
+
+
+def gib(n: float | None) -> float | None:
+    return None if n is None else round(n / GiB, 3)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def serve_hub_cache(cache: Path) -> None:
+    """Serve hub ids from ``cache`` offline, in this process and its children (``HF_HUB_CACHE``,
+    ``HF_HUB_OFFLINE``; huggingface_hub's module constants too where it was imported before)."""
+    os.environ["HF_HUB_CACHE"], os.environ["HF_HUB_OFFLINE"] = str(cache), "1"
+    constants = sys.modules.get("huggingface_hub.constants")
+    if constants is not None:
+        constants.HF_HUB_CACHE, constants.HF_HUB_OFFLINE = str(cache), True
+
+
+def judge(out: dict, **checks: bool | dict) -> dict:
+    """``out`` with ``ok`` (every check passed) and ``failed_checks``: the names of those that did not, and for a
+    check given as a part's own judged dict, why that part failed (its error or its failed checks)."""
+    failed = []
+    for name, check in checks.items():
+        passed = check.get("ok", False) if isinstance(check, dict) else bool(check)
+        if not passed:
+            why = (check.get("error") or "; ".join(check.get("failed_checks") or [])) if isinstance(check, dict) else ""
+            failed.append(f"{name} ({str(why).splitlines()[0]})" if why else name)
+    return out | {"ok": not failed, "failed_checks": failed}
+
+
+# ----------------------------------------------------------------------------- FLOPs and batches
+
+
+def matmul_params(model: torch.nn.Module) -> int:
+    """Weights of every nn.Linear (their global sizes under FSDP)."""
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def forward_flops(n_matmul: int, arch: dict, lengths: list[int]) -> float:
+    """One forward pass over sequences of ``lengths`` (scripts/gpu_check.py's docstring)."""
+    d_attn = arch["hidden_size"]  # num_attention_heads x head_dim for Qwen2
+    return 2.0 * n_matmul * sum(lengths) + 2.0 * arch["num_hidden_layers"] * d_attn * sum(n * n for n in lengths)
+
+
+def synthetic_batch(vocab: int, rows: int, prompt_len: int, response_len: int, seed: int):
+    """Full-length rows (no padding): random prompt+response ids, one advantage per sequence."""
+    from bapo.types import TrainBatch
+
+    g = torch.Generator().manual_seed(seed)
+    L = prompt_len + response_len
+    ids = torch.randint(0, vocab, (rows, L), generator=g)
+    mask = torch.zeros(rows, L - 1)
+    mask[:, prompt_len - 1 :] = 1.0  # logits at t predict token t+1
+    old_logp = -math.log(vocab) + 0.1 * torch.randn(rows, L - 1, generator=g)
+    adv = torch.where(torch.rand(rows, 1, generator=g) < 0.5, -1.0, 1.0).expand(rows, L - 1).clone()
+    return TrainBatch(ids, torch.ones_like(ids), mask, old_logp, adv, torch.zeros(rows, dtype=torch.long))
+
+
+def budget_batch(vocab: int, tokens: int, seed: int):
+    """An update's batch: MICRO_BATCHES micro-batches of exactly ``tokens`` tokens (ROWS_PER_MICRO_BATCH rows each)."""
+    row = tokens // ROWS_PER_MICRO_BATCH
+    prompt = min(512, row // 8)
+    return synthetic_batch(vocab, ROWS_PER_MICRO_BATCH * MICRO_BATCHES, prompt, row - prompt, seed)
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def cpu_peak(fn) -> tuple[Any, int]:
+    """``fn()`` and the peak bytes of the CPU allocations made while it ran, over what was alive before: torch's
+    profiler records every allocation and free of its CPU allocator (the CPU has no ``max_memory_allocated``). A
+    profiler, not a dispatch mode: under a mode autograd takes its out-of-place formulas, which allocate more."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        peak = max(peak, live)
+    return out, peak
+
+
+def state_bytes(learner) -> int:
+    """Bytes of the learner's tensors alive between updates: its (local) parameters, buffers and AdamW moments."""
+    tensors = list(learner.model.parameters()) + list(learner.model.buffers())
+    tensors += [v for s in learner.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    tensors = [local_tensor(t) for t in tensors]  # FSDP2's parameters and AdamW's moments are DTensors
+    storages = {(t.device, t.untyped_storage().data_ptr()): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def host_peak_reset() -> bool:
+    """Start measuring this process's peak RSS from now (Linux ``clear_refs``); False where it cannot."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def host_rss(key: str = "VmHWM") -> int | None:
+    """This process's peak (``VmHWM``) or current (``VmRSS``) resident memory, in bytes (None off Linux)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+# ----------------------------------------------------------------------------- the stand-in and the learner
+
+
+def standin_arch(layers: int, dry: bool) -> dict:
+    """The stand-in's config.json shape: conf/model/r1_distill_qwen_7b.yaml's width (``dry``: SMALL), ``layers``."""
+    return {**(SMALL if dry else WIDE), "num_hidden_layers": layers, "max_position_embeddings": 131072,
+            "rope_theta": 10000.0}  # fmt: skip
+
+
+def write_wide_standin(cache: Path, arch: dict, device: torch.device) -> Path:
+    """The stand-in under :data:`REPO_ID` in ``cache`` (random bf16 weights made on ``device``), in shards."""
+    from scripts.standin import write_standin
+
+    kw = {k: arch[k] for k in SHAPE_KEYS}
+    shard = "100KB" if arch["hidden_size"] < 1024 else "2GB"  # several shards and an index, as on the hub
+    return write_standin(cache, REPO_ID, **kw, max_shard_size=shard, device=str(device))
+
+
+def arch_overrides(arch: dict) -> list[str]:
+    """``model.arch.<key>=<value>`` for the stand-in's shape: the plan (and the one-GPU fit check) then plan it."""
+    return [f"model.arch.{k}={arch[k]}" for k in SHAPE_KEYS]
+
+
+def build_learner(rc, path: str):
+    """The policy learner as ``bapo.loop.build_stages`` builds it for ``learner=fsdp rollout=vllm``: the policy on
+    the meta device, FSDP2 reading each rank's shard of the checkpoint at ``path``. Returns (learner, tokenizer)."""
+    from bapo.learner import Learner, master_dtype
+    from bapo.loop import make_objective
+    from bapo.modeling import DTYPES, attention_kernel, load_model, load_tokenizer
+
+    m = rc.model
+    tok = load_tokenizer(path, trust_remote_code=m.trust_remote_code)
+    kernel = attention_kernel(m.attn_implementation, torch.cuda.is_available())
+    policy = load_model(path, dtype=master_dtype(rc.learner, m.dtype), device="meta", attn_implementation=kernel)
+    if not all(p.is_meta for p in policy.parameters()):
+        raise AssertionError("the policy was not built on the meta device")
+    learner = Learner(
+        policy,
+        rc.learner,
+        objective=make_objective(rc.algo),
+        pad_id=tok.pad_token_id,
+        temperature=rc.rollout.temperature,
+        max_response_len=rc.rollout.max_new_tokens,
+        weights_dtype=DTYPES[m.dtype],
+    )
+    return learner, tok
+
+
+def local_tensor(p: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a parameter (the tensor itself where it is not sharded)."""
+    from torch.distributed.tensor import DTensor
+
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def against_eager(learner, path: str, *, seq: int = 128) -> dict:
+    """Every shard of the sharded policy against the same rows of an eager ``from_pretrained`` load, and the log-probs
+    of one forward pass of each (the eager model in the learner's compute dtype; every rank runs the forward)."""
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
+    from bapo.learner.fsdp import shard_rows, uses_bf16
+
+    device = learner.device
+    bf16 = uses_bf16(learner.cfg.mixed_precision, device)
+    kernel = learner.model.config._attn_implementation
+    eager = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.bfloat16 if bf16 else torch.float32, attn_implementation=kernel
+    )
+    eager = eager.to(device).eval()
+    ref = eager.state_dict()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    mismatched, sharded, local_bytes = [], 0, 0
+    for name, p in learner.model.named_parameters():
+        local = local_tensor(p)
+        sharded += isinstance(p, DTensor)
+        local_bytes += local.numel() * local.element_size()
+        start, stop = shard_rows(p.shape[0], rank, world) if isinstance(p, DTensor) else (0, p.shape[0])
+        if not torch.equal(local.detach(), ref[name][start:stop].to(local.dtype)):
+            mismatched.append(name)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, eager.config.vocab_size, (2, seq), generator=g).to(device)
+    with torch.no_grad():
+        a = torch.log_softmax(learner.model(input_ids=ids, use_cache=False).logits.float(), -1)  # [2, seq, V]
+        b = torch.log_softmax(eager(input_ids=ids, use_cache=False).logits.float(), -1)  # [2, seq, V]
+    learner.model.reshard()  # the root keeps its gathered parameters after a forward until a backward reshards them
+    diff = float((a - b).abs().max())
+    tol = 0.05 if bf16 else 1e-4
+    del eager, ref, a, b
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    params = sum(1 for _ in learner.model.parameters())
+    return {
+        "param_tensors": params,
+        "sharded_param_tensors": sharded,
+        "local_shard_gib": gib(local_bytes),
+        "shards_equal_eager": not mismatched,
+        "mismatched": mismatched[:5],
+        "compute_dtype": "bfloat16" if bf16 else "float32",
+        "forward_max_abs_logp_diff": diff,
+        "forward_tolerance": tol,
+        "ok": not mismatched and sharded == params and diff <= tol,
+    }
+
+
+# ----------------------------------------------------------------------------- the sections
+
+
+class Scale:
+    """The stand-in, the learner meta-loaded from it, and the update at the token budgets (one learner for both)."""
+
+    def __init__(self, args, device: torch.device, scratch: Path, run_config):
+        self.args, self.device, self.scratch, self.run_config = args, device, scratch, run_config
+        self.arch = standin_arch(args.standin_layers, args.dry_run)
+        self.learner = self.rc = None
+
+    def release(self) -> None:
+        """Free the learner (and its GPU memory) for the processes that come after."""
+        self.learner = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def overrides(self, tokens: int) -> list[str]:
+        """The run config of the check: experiment=paper_7b with the stand-in's shape and a token budget."""
+        over = ["experiment=paper_7b", *arch_overrides(self.arch), f"learner.max_tokens_per_micro_batch={tokens}"]
+        if self.args.dry_run:  # the plan's bf16 compute is the GPU's; on CPU FSDP computes in fp32
+            over.append("learner.mixed_precision=fp32")
+        return over
+
+    def metaload(self) -> dict:
+        from bapo.modeling import model_path
+
+        t0 = time.perf_counter()
+        cache = self.scratch / "hub"
+        snapshot = write_wide_standin(cache, self.arch, self.device)
+        written = time.perf_counter() - t0
+        gc.collect()  # the writer's model, before the load is measured
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        serve_hub_cache(cache)
+        resolved = model_path(REPO_ID)
+        self.rc = self.run_config(*self.overrides(self.args.budgets[0]))
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        rss0, hwm = host_rss("VmRSS"), host_peak_reset()
+        t1 = time.perf_counter()
+        self.learner, _ = build_learner(self.rc, resolved)
+        sync(self.device)
+        load_s = time.perf_counter() - t1
+        host = host_rss() - rss0 if hwm and rss0 is not None else None
+        n = sum(p.numel() for p in self.learner.model.parameters())
+        out: dict[str, Any] = {
+            "repo_id": REPO_ID,
+            "hub_cache": str(cache),
+            "resolved": resolved,
+            "resolved_is_snapshot": Path(resolved) == snapshot,
+            "safetensors_files": len(list(Path(resolved).glob("*.safetensors"))),
+            "arch": self.arch,
+            "params": n,
+            "fp32_model_gib": gib(4 * n),
+            "write_s": round(written, 1),
+            "load_s": round(load_s, 1),
+            "load_host_peak_gib": gib(host),  # no full host copy: well under fp32_model_gib
+        }
+        if cuda:
+            out["load_gpu_peak_gib"] = gib(torch.cuda.max_memory_allocated(self.device))  # ~ its fp32 shard
+        check = against_eager(self.learner, resolved)
+        out |= check
+        no_host_copy = host is None or host < 0.5 * 4 * n or self.device.type == "cpu"  # on CPU the shard is host
+        return judge(
+            out,
+            resolved_to_the_snapshot=out["resolved_is_snapshot"],
+            several_shards=out["safetensors_files"] > 1,
+            every_parameter_sharded=check["sharded_param_tensors"] == check["param_tensors"],
+            shards_equal_eager=check["shards_equal_eager"],
+            forward_equal_eager=check["forward_max_abs_logp_diff"] <= check["forward_tolerance"],
+            no_full_host_copy=no_host_copy,
+        )
+
+    def budget(self) -> dict:
+        from bapo.plan import make_plan
+
+        if self.learner is None:
+            return {"ok": False, "error": "needs the metaload section's learner, which did not load"}
+        out: dict[str, Any] = {"budgets": {}}
+        total = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else None
+        gpu_gib = total / GiB if total else self.rc.placement.gpu_memory_gib
+        warm = False
+        for tokens in self.args.budgets:
+            rc = self.run_config(*self.overrides(tokens))
+            plan = make_plan(rc, world=dist.get_world_size(), gpu_memory_gib=gpu_gib)
+            row: dict[str, Any] = {"tokens_per_micro_batch": tokens}
+            if total and plan.update_peak.total > total:
+                row["skipped"] = f"the plan's update peak {gib(plan.update_peak.total)} GiB exceeds this GPU's memory"
+                out["budgets"][str(tokens)] = row
+                continue
+            self.learner.cfg = rc.learner  # the budget is read at each update (micro_batches)
+            if not warm:  # AdamW's moments allocated, kernels chosen: the measured update is a steady one
+                self.learner.update(budget_batch(self.arch["vocab_size"], tokens, seed=0))
+                warm = True
+            row |= self._measured_update(rc, tokens, plan)
+            out["budgets"][str(tokens)] = row
+        rows = {t: r for t, r in out["budgets"].items() if "skipped" not in r}
+        return judge(out, some_budget_ran=bool(rows), **{f"budget_{t}": r for t, r in rows.items()})
+
+    def _measured_update(self, rc, tokens: int, plan) -> dict:
+        learner, device = self.learner, self.device
+        batch = budget_batch(self.arch["vocab_size"], tokens, seed=tokens)
+        micro = learner.micro_batches(batch, sync=False)
+        sync(device)
+        state = state_bytes(learner)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+            t0 = time.perf_counter()
+            metrics = learner.update(batch)
+            sync(device)
+            sec = time.perf_counter() - t0
+            peak = torch.cuda.max_memory_allocated(device) - before
+            how = "the learner's state + torch.cuda.max_memory_allocated over what was allocated before the update"
+            others = before - state  # what else this process holds on the GPU (none of the learner's)
+        else:
+            t0 = time.perf_counter()
+            metrics, peak = cpu_peak(lambda: learner.update(batch))
+            sec = time.perf_counter() - t0  # with the profiler's overhead
+            how = "CPU: the learner's state + the peak of the allocations during the update (torch's profiler)"
+            others = None
+        measured = state + peak
+        lengths = batch.attention_mask.sum(1).tolist()
+        flops = forward_flops(matmul_params(learner.model), self.arch, lengths) * (3 + int(learner.objective.prepass))
+        row = {
+            "micro_batches": len(micro),
+            "micro_batch_tokens": [int(mb.attention_mask.sum()) for mb in micro],
+            "seconds": round(sec, 3),
+            "tokens_per_s": round(sum(lengths) / sec, 1),
+            "tflops_per_s": round(flops / sec / 1e12, 2),
+            "grad_norm": metrics.get("learner/grad_norm"),
+            "measured": how,
+            "learner_state_gib": gib(state),
+            "other_allocations_gib": gib(others),
+        }
+        row |= against_plan(plan, measured)
+        return judge(row, within_plan=row["within_plan"], finite_grad_norm=math.isfinite(row["grad_norm"] or math.nan))
+
+
+def against_plan(plan, measured: int) -> dict:
+    """The plan's update peak beside a measured peak of torch's allocations: the plan less what it counts outside
+    them in this process (the CUDA context and NCCL's buffers, vLLM's CUDA graphs), and the ratio."""
+    from bapo import plan as P
+
+    st = P.learner_state(plan.setup)
+    outside = st["context"].bytes + st["graphs"].bytes
+    peak = plan.update_peak
+    planned = peak.total - outside
+    return {
+        "measured_peak_gib": gib(measured),
+        "plan_moment": peak.name,
+        "plan_peak_gib": gib(peak.total),
+        "plan_outside_torch_gib": gib(outside),
+        "plan_torch_gib": gib(planned),
+        "measured_over_plan": round(measured / planned, 3),
+        "within_plan": measured <= planned,
+        "plan_items_gib": {i.what: gib(i.bytes) for i in peak.items if i.bytes},
+        "plan_other_moments_gib": {m.name: gib(m.total) for m in plan.update if m is not peak},
+    }
