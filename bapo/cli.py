@@ -34,7 +34,7 @@ RUN_ROOTS = ("outputs", "multirun")  # Hydra's default roots: empty folders belo
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """Bad input: exit status 2. (A data-file error is a ``ConfigError``: it names the key that points at the file.)"""
-    from bapo.config import ConfigError
+    from bapo.checks import ConfigError
     from bapo.rundir import RunFolderBusy
 
     return (ConfigError, RunFolderBusy)
@@ -149,7 +149,7 @@ def override_hint(e: BaseException) -> str:
         return ""
     from omegaconf import OmegaConf
 
-    from bapo.config import did_you_mean
+    from bapo.checks import did_you_mean
 
     group = str(full_key)[: -len(key)].rstrip(".")
     try:

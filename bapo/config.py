@@ -19,258 +19,20 @@ math's own check, and reported here under the config key.
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+
+from bapo.algos.config import AlgoConfig, algo_config
+from bapo.checks import ConfigError, check_finite, choice, did_you_mean, require, to_plain, typed, variant
+
+__all__ = ["ConfigError", "RunConfig", "build", "check_combinations", "derive_sizes", "did_you_mean", "prompt_limit"]
 
 ROOT = Path(__file__).resolve().parents[1]
 EVAL_SETS_DIR = ROOT / "conf" / "evaluation" / "eval"  # eval.py's `eval` group; training runs them by name
-
-
-class ConfigError(ValueError):
-    """A config key has a bad value; the message names the key."""
-
-
-def _require(cond: bool, key: str, msg: str) -> None:
-    if not cond:
-        raise ConfigError(f"{key}: {msg}")
-
-
-def _choice(value: str, key: str, allowed: tuple[str, ...]) -> None:
-    _require(value in allowed, key, f"must be one of {list(allowed)}, got {value!r}")
-
-
-def _delegated(key: str, check, *args, **kwargs) -> None:
-    """Run a range check that lives with the math (``ValueError``) and report it under ``key``."""
-    try:
-        check(*args, **kwargs)
-    except ValueError as e:
-        raise ConfigError(f"{key}: {e}") from None
-
-
-# ----------------------------------------------------------------------------- algo
-
-
-@dataclass
-class BapoBoundsConfig:
-    """``algo/bounds: bapo`` (and ``recipe``): BAPO's search (Algorithm 1) for the clip bounds of each update."""
-
-    kind: str = MISSING
-    rho0: float = MISSING
-    low_range: list[float] = MISSING
-    high_range: list[float] = MISSING
-    low_step: float = MISSING
-    high_step: float = MISSING
-    contribution: str = MISSING  # loss_value (eq. 8) | gradient
-    weight: str = MISSING  # behavior_prob (eq. 8) | none
-    variant: str = MISSING  # paper | recipe (the authors' verl code)
-    scope: str = MISSING  # mini_batch: one search per update | micro_batch
-
-    def __post_init__(self) -> None:
-        from bapo.algos.bounds import check_bapo_params
-
-        _choice(self.scope, "algo.bounds.scope", ("mini_batch", "micro_batch"))
-        params = {k: v for k, v in vars(self).items() if k not in ("kind", "scope")}
-        _delegated("algo.bounds", check_bapo_params, params)
-
-
-@dataclass
-class FixedBoundsConfig:
-    """``algo/bounds: fixed``: the same clip window at every update (PPO-clip, GRPO, clip-higher)."""
-
-    kind: str = MISSING
-    ratio_low: float = MISSING
-    ratio_high: float = MISSING
-
-    def __post_init__(self) -> None:
-        # 0 = no lower bound (CISPO, TOPR); ratio_high = 1 is TOPR's [0, 1] taper of negative sequences
-        _require(
-            0 <= self.ratio_low <= 1 <= self.ratio_high and self.ratio_low < self.ratio_high,
-            "algo.bounds",
-            f"need 0 <= ratio_low <= 1 <= ratio_high, ratio_low < ratio_high (got {self.ratio_low}, {self.ratio_high})",
-        )
-
-
-BOUNDS: dict[str, type] = {"bapo": BapoBoundsConfig, "fixed": FixedBoundsConfig}
-
-
-@dataclass
-class SurrogateConfig:
-    """``algo.surrogate``: the loss's options for BAPO's rivals (bapo/algos/surrogate.py); absent = PPO's clip.
-
-    ``mask_threshold`` is the token mask's parameter (M2PO's tau, DPPO's delta): set exactly when
-    ``token_mask`` is not ``none``."""
-
-    ratio_level: str = MISSING  # token | sequence (TOPR) | sequence_mean (GSPO)
-    is_weight: str = MISSING  # clip (PPO) | stop_grad (CISPO, TOPR)
-    positive_weight: str = MISSING  # ratio | one (TOPR)
-    token_mask: str = MISSING  # none | second_moment (M2PO) | divergence (DPPO binary-TV)
-    mask_threshold: float | None = MISSING
-
-    def __post_init__(self) -> None:
-        from bapo.algos.objective import SURROGATE_OPTIONS
-
-        for key, allowed in SURROGATE_OPTIONS.items():
-            _choice(getattr(self, key), f"algo.surrogate.{key}", allowed)
-        _require(
-            (self.mask_threshold is None) == (self.token_mask == "none"),
-            "algo.surrogate.mask_threshold",
-            f"set exactly when token_mask is not none (token_mask={self.token_mask}, got {self.mask_threshold})",
-        )
-        _require(
-            self.mask_threshold is None or self.mask_threshold > 0,
-            "algo.surrogate.mask_threshold",
-            f"must be > 0, got {self.mask_threshold}",
-        )
-        _require(
-            self.positive_weight == "ratio" or self.is_weight == "stop_grad",
-            "algo.surrogate.positive_weight",
-            "one needs is_weight=stop_grad (a clipped ratio of 1 has no gradient)",
-        )
-
-
-@dataclass
-class NoCorrectionConfig:
-    """``algo/correction: none``."""
-
-    kind: str = MISSING
-
-
-@dataclass
-class ISCorrectionConfig:
-    """``algo/correction: tis | mis``: truncated or masked IS between the engine's and the learner's log-probs."""
-
-    kind: str = MISSING
-    level: str = MISSING  # token | sequence
-    cap: float = MISSING
-
-    def __post_init__(self) -> None:
-        from bapo.algos.correction import check_correction
-
-        _delegated("algo.correction", check_correction, self.kind, level=self.level, cap=self.cap)
-
-
-@dataclass
-class GeoRejectConfig:
-    """``algo/correction: geo_reject``: sequences whose geometric-mean weight leaves [1/cap, cap] are dropped."""
-
-    kind: str = MISSING
-    cap: float = MISSING
-
-    def __post_init__(self) -> None:
-        from bapo.algos.correction import check_correction
-
-        _delegated("algo.correction", check_correction, self.kind, cap=self.cap)
-
-
-@dataclass
-class DecoupledConfig:
-    """``algo/correction: decoupled``: decoupled PPO (AReaL), its proximal policy exact or log-linear."""
-
-    kind: str = MISSING
-    proximal: str = MISSING  # exact | loglinear
-    cap: float | None = MISSING
-
-    def __post_init__(self) -> None:
-        from bapo.algos.correction import PROXIMAL, check_correction
-
-        _choice(self.proximal, "algo.correction.proximal", PROXIMAL)
-        _delegated("algo.correction", check_correction, self.kind, cap=self.cap)
-
-
-CORRECTIONS: dict[str, type] = {
-    "none": NoCorrectionConfig,
-    "tis": ISCorrectionConfig,
-    "mis": ISCorrectionConfig,
-    "geo_reject": GeoRejectConfig,
-    "decoupled": DecoupledConfig,
-}
-
-
-@dataclass
-class CriticConfig:
-    """The value model of ``advantage: gae`` (PPO): GAE and the clipped value loss."""
-
-    lr: float = MISSING
-    gamma: float = MISSING
-    lam: float = MISSING
-    vf_clip: float | None = MISSING
-
-    def __post_init__(self) -> None:
-        _require(self.lr > 0, "algo.critic.lr", f"must be > 0, got {self.lr}")
-        _require(0 < self.gamma <= 1, "algo.critic.gamma", f"must be in (0, 1], got {self.gamma}")
-        _require(0 <= self.lam <= 1, "algo.critic.lam", f"must be in [0, 1], got {self.lam}")
-        _require(self.vf_clip is None or self.vf_clip > 0, "algo.critic.vf_clip", "must be null or > 0")
-
-
-@dataclass
-class EpsFeedbackConfig:
-    """``algo=eps_feedback``: a feedback heuristic on one clip epsilon, kept for comparison (NOT the paper's)."""
-
-    eps: float = MISSING
-    eps_min: float = MISSING
-    eps_max: float = MISSING
-    grow: float = MISSING
-    shrink: float = MISSING
-    g_high: float = MISSING
-    g_low: float = MISSING
-    widen: float = MISSING
-    scope: str = MISSING
-
-    def __post_init__(self) -> None:
-        from bapo.algos.eps_feedback import EpsFeedbackState
-
-        _choice(self.scope, "algo.eps_feedback.scope", ("mini_batch", "micro_batch"))
-        _delegated("algo.eps_feedback", EpsFeedbackState, **{k: v for k, v in vars(self).items() if k != "scope"})
-
-
-@dataclass
-class AlgoConfig:
-    """The objective: advantages, the clipped surrogate with its bound choice, and the regularisers.
-
-    Exactly one of ``bounds`` (the clipped surrogate) and ``eps_feedback`` (the heuristic's own loss) is set;
-    ``critic`` is set exactly when ``advantage`` is ``gae``.
-    """
-
-    name: str = MISSING
-    advantage: str = MISSING  # grpo | gae
-    norm_std: bool = MISSING
-    agg: str = MISSING
-    dual_clip: float | None = MISSING
-    entropy_coef: float = MISSING
-    kl_coef: float = MISSING
-    kl_estimator: str = MISSING
-    filter_groups: bool = MISSING  # DAPO dynamic sampling (judged by correctness), refilled with fresh groups
-    overlong_filter: bool = MISSING  # truncated responses carry no loss
-    bounds: Any = None  # BapoBoundsConfig | FixedBoundsConfig | None
-    correction: Any = None  # one of CORRECTIONS' schemas, or None (= none)
-    surrogate: Any = None  # SurrogateConfig | None (None: PPO's clipped surrogate)
-    critic: Any = None  # CriticConfig | None
-    eps_feedback: Any = None  # EpsFeedbackConfig | None
-
-    def __post_init__(self) -> None:
-        _choice(self.advantage, "algo.advantage", ("grpo", "gae"))
-        _require(self.dual_clip is None or self.dual_clip > 1, "algo.dual_clip", "must be null or > 1")
-        _choice(
-            self.agg,
-            "algo.agg",
-            ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
-        )
-        _require(self.entropy_coef >= 0, "algo.entropy_coef", f"must be >= 0, got {self.entropy_coef}")
-        _require(self.kl_coef >= 0, "algo.kl_coef", f"must be >= 0 (0 = no reference model), got {self.kl_coef}")
-        _choice(self.kl_estimator, "algo.kl_estimator", ("k1", "k2", "k3"))
-
-    @property
-    def scope(self) -> str:
-        """When an adaptive bound choice runs: once per update (mini_batch) or per micro-batch."""
-        sub = self.bounds if self.bounds is not None else self.eps_feedback
-        return getattr(sub, "scope", "mini_batch")
 
 
 # ----------------------------------------------------------------------------- model and data
@@ -298,15 +60,15 @@ class ModelConfig:
     gguf: GgufConfig | None = MISSING
 
     def __post_init__(self) -> None:
-        _choice(self.dtype, "model.dtype", ("float32", "bfloat16", "float16"))
-        _choice(self.attn_implementation, "model.attn_implementation", ATTENTION)
-        _choice(self.init, "model.init", ("pretrained", "random"))
-        _require(
+        choice(self.dtype, "model.dtype", ("float32", "bfloat16", "float16"))
+        choice(self.attn_implementation, "model.attn_implementation", ATTENTION)
+        choice(self.init, "model.init", ("pretrained", "random"))
+        require(
             self.init == "pretrained" or (isinstance(self.arch, dict) and "model_type" in self.arch),
             "model.arch",
             "model.init=random needs model.arch with at least model_type (config.json fields)",
         )
-        _require(self.max_new_tokens > 0, "model.max_new_tokens", "must be > 0")
+        require(self.max_new_tokens > 0, "model.max_new_tokens", "must be > 0")
 
 
 @dataclass
@@ -318,9 +80,9 @@ class ArithConfig:
     ops: str = MISSING
 
     def __post_init__(self) -> None:
-        _require(2 <= self.min_terms <= self.max_terms, "data.arith.min_terms", "need 2 <= min_terms <= max_terms")
-        _require(self.min_value <= self.max_value, "data.arith.min_value", "need min_value <= max_value")
-        _require(bool(self.ops) and set(self.ops) <= set("+-*"), "data.arith.ops", "use characters from '+-*'")
+        require(2 <= self.min_terms <= self.max_terms, "data.arith.min_terms", "need 2 <= min_terms <= max_terms")
+        require(self.min_value <= self.max_value, "data.arith.min_value", "need min_value <= max_value")
+        require(bool(self.ops) and set(self.ops) <= set("+-*"), "data.arith.ops", "use characters from '+-*'")
 
 
 @dataclass
@@ -336,9 +98,9 @@ class DataCommon:
     max_prompt_tokens: int = MISSING  # longer prompts are skipped and counted (data/skipped_rows)
 
     def __post_init__(self) -> None:
-        _require(0 < self.heldout_frac < 1, "data.heldout_frac", "must be in (0, 1)")
-        _require(self.heldout_size > 0, "data.heldout_size", "must be > 0")
-        _require(self.max_prompt_tokens > 0, "data.max_prompt_tokens", f"must be > 0, got {self.max_prompt_tokens}")
+        require(0 < self.heldout_frac < 1, "data.heldout_frac", "must be in (0, 1)")
+        require(self.heldout_size > 0, "data.heldout_size", "must be > 0")
+        require(self.max_prompt_tokens > 0, "data.max_prompt_tokens", f"must be > 0, got {self.max_prompt_tokens}")
 
 
 @dataclass
@@ -358,8 +120,8 @@ class FileDataConfig(DataCommon):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _choice(self.answer_format, "data.answer_format", ("plain", "gsm8k"))
-        _require(bool(self.path), "data.path", f"required for data.kind={self.kind} (a file or hub name)")
+        choice(self.answer_format, "data.answer_format", ("plain", "gsm8k"))
+        require(bool(self.path), "data.path", f"required for data.kind={self.kind} (a file or hub name)")
 
 
 @dataclass
@@ -385,9 +147,9 @@ class RolloutCommon:
     max_new_tokens: int = MISSING
 
     def __post_init__(self) -> None:
-        _require(self.n >= 1, "rollout.n", f"must be >= 1, got {self.n}")
-        _require(self.temperature > 0, "rollout.temperature", f"must be > 0, got {self.temperature}")
-        _require(self.max_new_tokens > 0, "rollout.max_new_tokens", "must be > 0")
+        require(self.n >= 1, "rollout.n", f"must be >= 1, got {self.n}")
+        require(self.temperature > 0, "rollout.temperature", f"must be > 0, got {self.temperature}")
+        require(self.max_new_tokens > 0, "rollout.max_new_tokens", "must be > 0")
 
 
 @dataclass
@@ -399,8 +161,8 @@ class HFRolloutConfig(RolloutCommon):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _require(self.batch_size > 0, "rollout.batch_size", "must be > 0")
-        _choice(self.decode, "rollout.decode", ("lean", "generate"))
+        require(self.batch_size > 0, "rollout.batch_size", "must be > 0")
+        choice(self.decode, "rollout.decode", ("lean", "generate"))
 
 
 @dataclass
@@ -415,9 +177,9 @@ class VLLMRolloutConfig(RolloutCommon):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _require(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "must be in (0, 1]")
-        _choice(self.sleep_level, "rollout.sleep_level", (1, 2))
-        _require(self.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", "must be >= 1")
+        require(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "must be in (0, 1]")
+        choice(self.sleep_level, "rollout.sleep_level", (1, 2))
+        require(self.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", "must be >= 1")
 
 
 ROLLOUT: dict[str, type] = {"hf": HFRolloutConfig, "vllm": VLLMRolloutConfig}
@@ -432,11 +194,11 @@ class RewardConfig:
     overlong_buffer: int = MISSING  # DAPO's soft overlong penalty zone, in tokens; 0 = off
 
     def __post_init__(self) -> None:
-        _require(self.num_workers >= 0, "reward.num_workers", "must be >= 0")
-        _require(self.timeout_s > 0, "reward.timeout_s", "must be > 0")
-        _choice(self.fallback, "reward.fallback", ("none", "last_number", "final_answer", "last_line"))
-        _require(-1 <= self.format_reward < 1, "reward.format_reward", f"must be in [-1, 1), got {self.format_reward}")
-        _require(self.overlong_buffer >= 0, "reward.overlong_buffer", f"must be >= 0, got {self.overlong_buffer}")
+        require(self.num_workers >= 0, "reward.num_workers", "must be >= 0")
+        require(self.timeout_s > 0, "reward.timeout_s", "must be > 0")
+        choice(self.fallback, "reward.fallback", ("none", "last_number", "final_answer", "last_line"))
+        require(-1 <= self.format_reward < 1, "reward.format_reward", f"must be in [-1, 1), got {self.format_reward}")
+        require(self.overlong_buffer >= 0, "reward.overlong_buffer", f"must be >= 0, got {self.overlong_buffer}")
 
 
 @dataclass
@@ -447,14 +209,14 @@ class BufferConfig:
     sampling: str = MISSING
 
     def __post_init__(self) -> None:
-        _require(
+        require(
             isinstance(self.max_staleness, int) and self.max_staleness >= 0,
             "buffer.max_staleness",
             f"must be an integer >= 0, got {self.max_staleness!r}",
         )
-        _choice(self.enforce, "buffer.enforce", ("admission", "drop"))
-        _require(self.capacity > 0, "buffer.capacity", "must be > 0")
-        _choice(self.sampling, "buffer.sampling", ("fifo", "uniform"))
+        choice(self.enforce, "buffer.enforce", ("admission", "drop"))
+        require(self.capacity > 0, "buffer.capacity", "must be > 0")
+        choice(self.sampling, "buffer.sampling", ("fifo", "uniform"))
 
 
 @dataclass
@@ -475,18 +237,18 @@ class LearnerCommon:
     max_consecutive_skips: int = MISSING  # stop after this many non-finite updates in a row
 
     def __post_init__(self) -> None:
-        _choice(self.old_logp, "learner.old_logp", ("rollout", "recompute"))
-        _require(self.max_consecutive_skips >= 1, "learner.max_consecutive_skips", "must be >= 1")
-        _require(self.lr > 0, "learner.lr", f"must be > 0, got {self.lr}")
-        _require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "learner.betas", "two values in [0, 1)")
-        _require(self.weight_decay >= 0, "learner.weight_decay", f"must be >= 0, got {self.weight_decay}")
-        _require(self.eps > 0, "learner.eps", f"must be > 0, got {self.eps}")
-        _require(self.warmup_steps >= 0, "learner.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
-        _require(self.grad_clip > 0, "learner.grad_clip", "must be > 0")
-        _require(self.ppo_epochs >= 1, "learner.ppo_epochs", "must be >= 1")
-        _require(self.mini_batches_per_rollout >= 1, "learner.mini_batches_per_rollout", "must be >= 1")
-        _require(self.micro_batch_size >= 1, "learner.micro_batch_size", "must be >= 1")
-        _require(
+        choice(self.old_logp, "learner.old_logp", ("rollout", "recompute"))
+        require(self.max_consecutive_skips >= 1, "learner.max_consecutive_skips", "must be >= 1")
+        require(self.lr > 0, "learner.lr", f"must be > 0, got {self.lr}")
+        require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "learner.betas", "two values in [0, 1)")
+        require(self.weight_decay >= 0, "learner.weight_decay", f"must be >= 0, got {self.weight_decay}")
+        require(self.eps > 0, "learner.eps", f"must be > 0, got {self.eps}")
+        require(self.warmup_steps >= 0, "learner.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        require(self.grad_clip > 0, "learner.grad_clip", "must be > 0")
+        require(self.ppo_epochs >= 1, "learner.ppo_epochs", "must be >= 1")
+        require(self.mini_batches_per_rollout >= 1, "learner.mini_batches_per_rollout", "must be >= 1")
+        require(self.micro_batch_size >= 1, "learner.micro_batch_size", "must be >= 1")
+        require(
             self.max_tokens_per_micro_batch is None or self.max_tokens_per_micro_batch >= 1,
             "learner.max_tokens_per_micro_batch",
             "must be null or >= 1",
@@ -514,7 +276,7 @@ class FSDPLearnerConfig(LearnerCommon):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _choice(self.mixed_precision, "learner.mixed_precision", ("auto", "bf16", "fp32"))
+        choice(self.mixed_precision, "learner.mixed_precision", ("auto", "bf16", "fp32"))
 
 
 LEARNER: dict[str, type] = {"single": SingleLearnerConfig, "fsdp": FSDPLearnerConfig}
@@ -527,10 +289,10 @@ def _check_device(device: str) -> None:
         dev = torch.device("cpu" if device == "auto" else device)
     except RuntimeError:
         raise ConfigError(f"learner.device: {device!r} is not a device (auto, cpu, cuda, cuda:N)") from None
-    _choice(dev.type, "learner.device", ("cpu", "cuda"))
+    choice(dev.type, "learner.device", ("cpu", "cuda"))
     if dev.type == "cuda":
-        _require(torch.cuda.is_available(), "learner.device", f"{device!r} but this torch build sees no CUDA device")
-        _require(
+        require(torch.cuda.is_available(), "learner.device", f"{device!r} but this torch build sees no CUDA device")
+        require(
             dev.index is None or dev.index < torch.cuda.device_count(),
             "learner.device",
             f"{device!r} but only {torch.cuda.device_count()} CUDA device(s)",
@@ -549,7 +311,7 @@ class LoggerConfig:
     progress: bool = MISSING
 
     def __post_init__(self) -> None:
-        _choice(self.mode, "logger.mode", ("offline", "online", "disabled"))
+        choice(self.mode, "logger.mode", ("offline", "online", "disabled"))
 
 
 @dataclass
@@ -563,19 +325,19 @@ class EvalConfig:
     sets_limit: int | None = MISSING
 
     def __post_init__(self) -> None:
-        _require(self.every >= 0, "eval.every", "must be >= 0 (0 = only at start and end)")
-        _require(self.n >= 1, "eval.n", "must be >= 1")
-        _require(self.temperature >= 0, "eval.temperature", "must be >= 0 (0 = greedy)")
+        require(self.every >= 0, "eval.every", "must be >= 0 (0 = only at start and end)")
+        require(self.n >= 1, "eval.n", "must be >= 1")
+        require(self.temperature >= 0, "eval.temperature", "must be >= 0 (0 = greedy)")
         known = sorted(p.stem for p in EVAL_SETS_DIR.glob("*.yaml"))
         for name in self.sets:
-            _require(name in known, "eval.sets", f"unknown set {name!r}; choose from {known}")
-        _require(self.sets_k >= 1, "eval.sets_k", f"must be >= 1, got {self.sets_k}")
-        _require(
+            require(name in known, "eval.sets", f"unknown set {name!r}; choose from {known}")
+        require(self.sets_k >= 1, "eval.sets_k", f"must be >= 1, got {self.sets_k}")
+        require(
             self.temperature > 0 or self.sets_k == 1 or not self.sets,
             "eval.sets_k",
             "greedy decoding (eval.temperature=0) gives sets_k equal samples; use eval.sets_k=1",
         )
-        _require(self.sets_limit is None or self.sets_limit >= 1, "eval.sets_limit", "must be null or >= 1")
+        require(self.sets_limit is None or self.sets_limit >= 1, "eval.sets_limit", "must be null or >= 1")
 
 
 @dataclass
@@ -586,9 +348,9 @@ class TrainConfig:
     async_rollout: bool = MISSING  # generate on a background thread, ahead of the learner (bapo/offpolicy.py)
 
     def __post_init__(self) -> None:
-        _require(self.steps >= 0, "train.steps", "must be >= 0")
-        _require(self.prompts_per_step >= 1, "train.prompts_per_step", "must be >= 1")
-        _require(self.sync_every >= 1, "train.sync_every", "must be >= 1")
+        require(self.steps >= 0, "train.steps", "must be >= 0")
+        require(self.prompts_per_step >= 1, "train.prompts_per_step", "must be >= 1")
+        require(self.sync_every >= 1, "train.sync_every", "must be >= 1")
 
 
 @dataclass
@@ -601,10 +363,10 @@ class MonitorConfig:
     clip_patience: int = MISSING
 
     def __post_init__(self) -> None:
-        _require(0 < self.entropy_frac < 1, "monitor.entropy_frac", f"must be in (0, 1), got {self.entropy_frac}")
-        _require(self.entropy_window >= 1, "monitor.entropy_window", "must be >= 1")
-        _require(0 <= self.clip_threshold < 1, "monitor.clip_threshold", "must be in [0, 1)")
-        _require(self.clip_patience >= 1, "monitor.clip_patience", "must be >= 1")
+        require(0 < self.entropy_frac < 1, "monitor.entropy_frac", f"must be in (0, 1), got {self.entropy_frac}")
+        require(self.entropy_window >= 1, "monitor.entropy_window", "must be >= 1")
+        require(0 <= self.clip_threshold < 1, "monitor.clip_threshold", "must be in [0, 1)")
+        require(self.clip_patience >= 1, "monitor.clip_patience", "must be >= 1")
 
 
 @dataclass
@@ -623,8 +385,8 @@ class PlacementConfig:
     cpu_offload: bool | None = None
 
     def __post_init__(self) -> None:
-        _require(self.gpus >= 1, "placement.gpus", f"must be >= 1, got {self.gpus}")
-        _require(0 < self.gpu_memory_gib < 1e6, "placement.gpu_memory_gib", f"must be > 0, got {self.gpu_memory_gib}")
+        require(self.gpus >= 1, "placement.gpus", f"must be >= 1, got {self.gpus}")
+        require(0 < self.gpu_memory_gib < 1e6, "placement.gpu_memory_gib", f"must be > 0, got {self.gpu_memory_gib}")
 
 
 @dataclass
@@ -633,8 +395,8 @@ class CheckpointConfig:
     keep: int = MISSING  # newest checkpoints of this run kept
 
     def __post_init__(self) -> None:
-        _require(self.every >= 0, "checkpoint.every", "must be >= 0")
-        _require(self.keep >= 1, "checkpoint.keep", "must be >= 1")
+        require(self.every >= 0, "checkpoint.every", "must be >= 0")
+        require(self.keep >= 1, "checkpoint.keep", "must be >= 1")
 
 
 # ----------------------------------------------------------------------------- the run
@@ -691,95 +453,11 @@ PLAIN: dict[str, type] = {
 TOP_LEVEL = set(PLAIN) | {"algo", "data", "rollout", "learner", "seed", "paths", "resume", "overwrite"}
 
 
-def did_you_mean(group: str, key: str, tree: Any) -> list[str]:
-    """The dotted keys below ``group`` (its plain dict ``tree``) that end in ``key`` one sub-group or more down:
-    where a user who wrote ``group.key`` meant to go (``algo.contribution`` -> ``algo.bounds.contribution``)."""
-    hits: list[str] = []
-
-    def walk(node: Any, path: str, depth: int) -> None:
-        if not isinstance(node, dict) or depth > 8:
-            return
-        for k, v in node.items():
-            here = f"{path}.{k}" if path else str(k)
-            if k == key and depth > 0:
-                hits.append(here)
-            walk(v, here, depth + 1)
-
-    walk(tree, group, 0)
-    return sorted(hits)
-
-
-def _typed(key: str, node: Any, schema: type, tree: Any = None) -> Any:
-    """``node`` (a plain dict) as an instance of ``schema``; errors name ``key`` and the offending field.
-
-    ``tree``: the whole group as composed (``node`` with its sub-groups), searched for a key that ``node``
-    does not have (:func:`did_you_mean`); default ``node``."""
-    if not isinstance(node, dict):
-        raise ConfigError(f"{key}: expected a group of keys, got {node!r}")
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(schema), node)
-        return OmegaConf.to_object(merged)
-    except OmegaConfBaseException as e:
-        full = f"{key}.{e.full_key}" if getattr(e, "full_key", None) else key
-        msg = str(e).split("\n")[0]
-        unknown = getattr(e, "key", None) if "not in" in msg else None
-        hits = did_you_mean(key, unknown, node if tree is None else tree) if isinstance(unknown, str) else []
-        hint = f"; did you mean {' or '.join(hits)}?" if hits else ""
-        raise ConfigError(f"{full}: {msg}{hint}") from None
-
-
-def _variant(key: str, node: Any, selector: str, schemas: dict[str, type]) -> Any:
-    """The schema of a group with variants, picked by ``node[selector]``."""
-    kind = node.get(selector) if isinstance(node, dict) else None
-    _require(kind in schemas, f"{key}.{selector}", f"must be one of {sorted(schemas)}, got {kind!r}")
-    return _typed(key, node, schemas[kind])
-
-
-def _algo(node: Any) -> AlgoConfig:
-    if not isinstance(node, dict):
-        raise ConfigError(f"algo: expected a group of keys, got {node!r}")
-    tree, node = node, dict(node)
-    subs = ("bounds", "surrogate", "critic", "eps_feedback", "correction")
-    bounds, surrogate, critic, eps_feedback, correction = (node.pop(k, None) for k in subs)
-    algo = _typed("algo", node, AlgoConfig, tree=tree)
-    algo.correction = None if correction is None else _variant("algo.correction", correction, "kind", CORRECTIONS)
-    _require(
-        algo.eps_feedback is None or algo.correction is None or algo.correction.kind == "none",
-        "algo.correction",
-        "the eps-feedback heuristic's loss takes no token weights: use algo/correction=none",
-    )
-    algo.bounds = None if bounds is None else _variant("algo.bounds", bounds, "kind", BOUNDS)
-    algo.surrogate = None if surrogate is None else _typed("algo.surrogate", surrogate, SurrogateConfig)
-    algo.critic = None if critic is None else _typed("algo.critic", critic, CriticConfig)
-    algo.eps_feedback = None if eps_feedback is None else _typed("algo.eps_feedback", eps_feedback, EpsFeedbackConfig)
-    _require(
-        (algo.bounds is None) != (algo.eps_feedback is None),
-        "algo.bounds",
-        "set exactly one of algo.bounds (the clipped surrogate) and algo.eps_feedback (the heuristic's loss)",
-    )
-    _require(
-        algo.surrogate is None or algo.bounds is not None,
-        "algo.surrogate",
-        "the surrogate's options need algo.bounds (the eps-feedback heuristic has its own loss)",
-    )
-    _require(
-        algo.surrogate is None or algo.dual_clip is None or algo.surrogate.is_weight == "clip",
-        "algo.dual_clip",
-        "applies to algo.surrogate.is_weight=clip only",
-    )
-    _require(
-        (algo.critic is not None) == (algo.advantage == "gae"),
-        "algo.critic",
-        f"needed exactly when algo.advantage=gae (got algo.advantage={algo.advantage})",
-    )
-    return algo
-
-
 def derive_sizes(train: TrainConfig, rollout: RolloutCommon, learner: LearnerCommon, buffer: BufferConfig) -> Sizes:
     """All batch arithmetic, once, with errors that name the keys involved."""
     samples = train.prompts_per_step * rollout.n
     mb = learner.mini_batches_per_rollout
-    _require(
+    require(
         train.prompts_per_step % mb == 0,
         "learner.mini_batches_per_rollout",
         f"train.prompts_per_step={train.prompts_per_step} must split into {mb} mini-batches of whole prompt groups",
@@ -787,7 +465,7 @@ def derive_sizes(train: TrainConfig, rollout: RolloutCommon, learner: LearnerCom
     updates = learner.ppo_epochs * mb
     reuse = updates - 1
     need = reuse + train.sync_every - 1  # = bapo.offpolicy.min_staleness
-    _require(
+    require(
         need <= buffer.max_staleness,
         "buffer.max_staleness",
         f"learner.ppo_epochs={learner.ppo_epochs} x learner.mini_batches_per_rollout={mb} means up to {reuse} "
@@ -807,7 +485,7 @@ def check_one_gpu(rc: RunConfig) -> None:
     """``learner=fsdp`` without torchrun on a GPU machine: one rank, one GPU. Refused unless the memory plan says the
     run fits there, naming the launch command that spreads it over the node instead."""
     verdict = _one_gpu_verdict(rc)
-    _require(
+    require(
         verdict is None,
         "learner.kind",
         f"fsdp without torchrun trains on one GPU, and {verdict}: launch it on every GPU of the node with "
@@ -848,7 +526,7 @@ def check_combinations(rc: RunConfig, world: int | None = None, launched: bool |
     if fsdp and not launched and cuda_available():
         # One GPU of our own (bapo.dist.init_one_rank) holds the whole learner: refuse what cannot fit there.
         check_one_gpu(rc)
-    _require(
+    require(
         not (rc.train.async_rollout and rc.rollout.engine == "vllm" and rc.rollout.enable_sleep_mode),
         "rollout.enable_sleep_mode",
         "train.async_rollout=true generates on the producer's thread while the learner updates, and a colocated "
@@ -856,53 +534,53 @@ def check_combinations(rc: RunConfig, world: int | None = None, launched: bool |
         "rollout.enable_sleep_mode=false (the engine then keeps its memory through updates: lower "
         "rollout.gpu_memory_utilization so the learner fits beside it) or train.async_rollout=false",
     )
-    _require(
+    require(
         world == 1 or fsdp,
         "learner.kind",
         f"torchrun started {world} ranks, but learner=single trains in one process: use learner=fsdp",
     )
-    _require(not (fsdp and rc.algo.critic is not None), "algo.advantage", "gae (the PPO critic) needs learner=single")
-    _require(
+    require(not (fsdp and rc.algo.critic is not None), "algo.advantage", "gae (the PPO critic) needs learner=single")
+    require(
         world == 1 or rc.mode != "drop",
         "buffer.enforce",
         "drop under torchrun: what is dropped depends on timing, so ranks would disagree; use buffer.enforce=admission",
     )
-    _require(
+    require(
         rc.train.prompts_per_step >= world,
         "train.prompts_per_step",
         f"{rc.train.prompts_per_step} < {world} ranks: each rank generates for at least one prompt",
     )
-    _require(
+    require(
         rc.sizes.mini_batch_size >= world,
         "learner.mini_batches_per_rollout",
         f"a mini-batch of {rc.sizes.mini_batch_size} samples (train.prompts_per_step x rollout.n / "
         f"learner.mini_batches_per_rollout) cannot be shared by {world} ranks",
     )
-    _require(
+    require(
         rc.algo.advantage != "grpo" or rc.rollout.n >= 2,
         "rollout.n",
         f"algo.advantage=grpo normalises rewards within a prompt's group of rollout.n responses; with "
         f"rollout.n={rc.rollout.n} every advantage is 0 and nothing is learned (use rollout.n >= 2)",
     )
-    _require(
+    require(
         not (rc.train.async_rollout and rc.reward.num_workers == 0),
         "reward.num_workers",
         "0 grades in-process, where the time limit only works on the main thread; train.async_rollout=true "
         "grades on the producer's thread, so use reward.num_workers >= 1",
     )
-    _require(
+    require(
         world == 1 or not rc.algo.filter_groups,
         "algo.filter_groups",
         "under torchrun each rank makes only its share of a batch, so ranks would disagree on the refills",
     )
     corr = rc.algo.correction.kind if rc.algo.correction is not None else "none"
-    _require(
+    require(
         corr not in ("tis", "mis", "geo_reject") or rc.learner.old_logp == "recompute",
         "algo.correction",
         f"{corr} weighs the engine's log-probs against the learner's at the generating version: it needs "
         f"learner.old_logp=recompute (got {rc.learner.old_logp})",
     )
-    _require(
+    require(
         rc.reward.overlong_buffer < rc.rollout.max_new_tokens,
         "reward.overlong_buffer",
         f"must be < rollout.max_new_tokens ({rc.rollout.max_new_tokens}), got {rc.reward.overlong_buffer}",
@@ -951,44 +629,27 @@ def prompt_limit(
     return min(max_prompt_tokens, context - max_new_tokens)
 
 
-def check_finite(node: Any, prefix: str = "") -> None:
-    """Refuse a NaN or an infinity anywhere in the plain config ``node``: no key of this project means anything
-    by them (``learner.lr=inf`` would pass ``> 0`` and diverge after the model load; ``nan`` fails every
-    comparison in its own way). Checked once, before any group's range checks see the value."""
-    if isinstance(node, dict):
-        for k, v in node.items():
-            check_finite(v, f"{prefix}.{k}" if prefix else str(k))
-    elif isinstance(node, list):
-        for i, v in enumerate(node):
-            check_finite(v, f"{prefix}[{i}]")
-    elif isinstance(node, float) and not math.isfinite(node):
-        raise ConfigError(f"{prefix}: must be a finite number, got {node}")
-
-
 def build(cfg: DictConfig, run_dir: str | Path) -> RunConfig:
     """Validate the composed config and return typed stage configs."""
-    try:
-        plain = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"{e.full_key or 'config'}: {str(e).splitlines()[0]}") from None
+    plain = to_plain(cfg)
     extra = sorted(set(plain) - TOP_LEVEL)
-    _require(not extra, extra[0] if extra else "", f"unknown top-level key(s) {extra}")
+    require(not extra, extra[0] if extra else "", f"unknown top-level key(s) {extra}")
     check_finite(plain)
     seed = plain.get("seed")
-    _require(isinstance(seed, int) and not isinstance(seed, bool), "seed", f"must be an integer, got {seed!r}")
+    require(isinstance(seed, int) and not isinstance(seed, bool), "seed", f"must be an integer, got {seed!r}")
     resume = plain.get("resume")
-    _require(resume is None or isinstance(resume, str), "resume", f"must be null, auto or a path, got {resume!r}")
+    require(resume is None or isinstance(resume, str), "resume", f"must be null, auto or a path, got {resume!r}")
     overwrite = plain.get("overwrite", False)
-    _require(isinstance(overwrite, bool), "overwrite", f"must be true or false, got {overwrite!r}")
-    typed = {g: _typed(g, plain.get(g), s) for g, s in PLAIN.items()}
-    typed["algo"] = _algo(plain.get("algo"))
-    typed["data"] = _variant("data", plain.get("data"), "kind", DATA)
-    typed["rollout"] = _variant("rollout", plain.get("rollout"), "engine", ROLLOUT)
-    typed["learner"] = _variant("learner", plain.get("learner"), "kind", LEARNER)
-    sizes = derive_sizes(typed["train"], typed["rollout"], typed["learner"], typed["buffer"])
+    require(isinstance(overwrite, bool), "overwrite", f"must be true or false, got {overwrite!r}")
+    groups = {g: typed(g, plain.get(g), s) for g, s in PLAIN.items()}
+    groups["algo"] = algo_config(plain.get("algo"))
+    groups["data"] = variant("data", plain.get("data"), "kind", DATA)
+    groups["rollout"] = variant("rollout", plain.get("rollout"), "engine", ROLLOUT)
+    groups["learner"] = variant("learner", plain.get("learner"), "kind", LEARNER)
+    sizes = derive_sizes(groups["train"], groups["rollout"], groups["learner"], groups["buffer"])
     data_dir = str((plain.get("paths") or {}).get("data_dir", ""))
     rc = RunConfig(
-        seed=seed, run_dir=Path(run_dir), data_dir=data_dir, sizes=sizes, resume=resume, overwrite=overwrite, **typed
+        seed=seed, run_dir=Path(run_dir), data_dir=data_dir, sizes=sizes, resume=resume, overwrite=overwrite, **groups
     )
     check_combinations(rc)
     return rc
@@ -1002,7 +663,3 @@ def resolve_path(p: str) -> str:
     if (ROOT / path).exists():
         return str(ROOT / path)
     return p
-
-
-def as_dict(obj: Any) -> dict:
-    return dataclasses.asdict(obj)

@@ -38,12 +38,10 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from bapo import checkpoint, dist, offpolicy, rundir, scoring
-from bapo.algos import Objective, eps_feedback_objective, surrogate_objective
-from bapo.algos.eps_feedback import EpsFeedbackState
-from bapo.algos.objective import proximal_fn
+from bapo.algos import build_objective
 from bapo.batches import RolloutMaker
 from bapo.buffer import ReplayBuffer
-from bapo.config import AlgoConfig, RunConfig, build, prompt_limit
+from bapo.config import RunConfig, build, prompt_limit
 from bapo.data import LoadReport, PromptStream, check_files, problem_sources, render_prompts
 from bapo.evaluate import evaluate, evaluate_sets, load_evalset, named_set, prepare_set
 from bapo.groupfilter import GroupFilter
@@ -194,30 +192,6 @@ def plan_start(rc: RunConfig, cfg: DictConfig) -> tuple[rundir.StartPlan, list]:
     return dist.broadcast_object((plan, changes))
 
 
-def make_objective(a: AlgoConfig) -> Objective:
-    """The learner's objective from the algo config: the one clipped surrogate with its bound choice
-    (BAPO's search or fixed bounds), or the eps-feedback heuristic (NOT the paper's method)."""
-    loss_kw = dict(dual_clip=a.dual_clip, agg=a.agg, entropy_coef=a.entropy_coef, kl_coef=a.kl_coef)
-    loss_kw["kl_estimator"] = a.kl_estimator
-    if a.eps_feedback is not None:
-        e = a.eps_feedback
-        state = EpsFeedbackState(**{k: v for k, v in vars(e).items() if k != "scope"})
-        return eps_feedback_objective(state, scope=e.scope, **loss_kw)
-    if a.surrogate is not None:
-        loss_kw |= vars(a.surrogate)  # the rivals' loss options (ratio_level, is_weight, token_mask, ...)
-    b = a.bounds
-    if b.kind == "fixed":
-        obj = surrogate_objective("fixed", ratio_low=b.ratio_low, ratio_high=b.ratio_high, **loss_kw)
-    else:
-        search = dict(low_range=tuple(b.low_range), high_range=tuple(b.high_range), low_step=b.low_step)
-        search |= dict(high_step=b.high_step, rho0=b.rho0, contribution=b.contribution, weight=b.weight)
-        obj = surrogate_objective("bapo", scope=b.scope, variant=b.variant, **search, **loss_kw)
-    c = a.correction
-    if c is not None and c.kind == "decoupled" and c.proximal == "loglinear":
-        obj.proximal = proximal_fn(c.cap)  # decoupled PPO: the proximal policy interpolated at each update
-    return obj
-
-
 def build_stages(rc: RunConfig) -> Stages:
     """Load the model once, and build every stage from its typed config group."""
     m = rc.model
@@ -246,7 +220,7 @@ def build_stages(rc: RunConfig) -> Stages:
     learner = Learner(
         policy,
         rc.learner,
-        objective=make_objective(rc.algo),
+        objective=build_objective(rc.algo),
         pad_id=tok.pad_token_id,
         temperature=rc.rollout.temperature,
         max_response_len=rc.rollout.max_new_tokens,

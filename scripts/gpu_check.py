@@ -200,8 +200,8 @@ def check_models(configs: dict[str, dict], device: torch.device, dry: bool) -> d
 
 def check_learner(arch: dict, device: torch.device, args) -> dict:
     """learner: the real Learner on an FSDP2-sharded model; tokens/s and MFU."""
+    from bapo.algos import build_objective
     from bapo.learner import Learner
-    from bapo.loop import make_objective
     from bapo.modeling import load_model
 
     torch.manual_seed(0)
@@ -210,7 +210,7 @@ def check_learner(arch: dict, device: torch.device, args) -> dict:
     rc = run_config("algo=bapo", "learner=fsdp", "learner.lr=1e-6", f"learner.micro_batch_size={args.micro_batch}",
                     "learner.packing=false", "logger=none")  # fmt: skip
     # the learner shards the model itself (its FSDP2 strategy: every decoder layer, then the root)
-    objective = make_objective(rc.algo)
+    objective = build_objective(rc.algo)
     learner = Learner(model, rc.learner, objective=objective, pad_id=0, max_response_len=args.response_len)
     model = learner.model
     p = next(model.parameters())

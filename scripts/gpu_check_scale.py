@@ -183,8 +183,8 @@ def arch_overrides(arch: dict) -> list[str]:
 def build_learner(rc, path: str):
     """The policy learner as ``bapo.loop.build_stages`` builds it for ``learner=fsdp rollout=vllm``: the policy on
     the meta device, FSDP2 reading each rank's shard of the checkpoint at ``path``. Returns (learner, tokenizer)."""
+    from bapo.algos import build_objective
     from bapo.learner import Learner, master_dtype
-    from bapo.loop import make_objective
     from bapo.modeling import DTYPES, attention_kernel, load_model, load_tokenizer
 
     m = rc.model
@@ -196,7 +196,7 @@ def build_learner(rc, path: str):
     learner = Learner(
         policy,
         rc.learner,
-        objective=make_objective(rc.algo),
+        objective=build_objective(rc.algo),
         pad_id=tok.pad_token_id,
         temperature=rc.rollout.temperature,
         max_response_len=rc.rollout.max_new_tokens,

@@ -34,11 +34,16 @@ def test_stages_do_not_import_each_other():
 
 
 def test_algos_is_pure_math():
+    """bapo/algos/ imports only itself and bapo/checks.py (ConfigError and the checks its schema uses)."""
     for path in (PKG / "algos").rglob("*.py"):
-        mods = imported_bapo_modules(path) - {"algos"}
+        mods = imported_bapo_modules(path) - {"algos", "checks"}
         assert not mods, f"{path.name} imports {mods}"
         src = path.read_text()
         assert "torch.distributed" not in src and "open(" not in src, path.name
+
+
+def test_checks_imports_nothing_of_bapo():
+    assert not imported_bapo_modules(PKG / "checks.py")
 
 
 def test_no_eval_of_model_output():

@@ -11,7 +11,9 @@
 - ``eps_feedback``: the eps-feedback heuristic (NOT the paper's method): its own loss and eps state.
 - ``correction``: rollout corrections (TIS, MIS, geometric rejection) and decoupled PPO's
   behaviour->proximal weights, between the engine's and the learner's log-probs.
-- ``objective``: what the learner runs: a parameter chooser plus a loss, with flags.
+- ``objective``: what the learner runs: a parameter chooser plus a loss, with flags; the registry of
+  objectives (``build_objective``, ``register_objective``), the one seam where a new loss plugs in.
+- ``config``: the ``algo`` group's schema (typed, range-checked), read by the objectives' factories.
 - ``stats``: how loss stats combine over micro-batches, ranks and updates.
 """
 
@@ -27,7 +29,14 @@ from bapo.algos.bounds import (
 )
 from bapo.algos.correction import correction_weights, loglinear_proximal
 from bapo.algos.eps_feedback import EpsFeedbackState, eps_feedback_g, eps_feedback_loss, eps_feedback_sums
-from bapo.algos.objective import Objective, eps_feedback_objective, surrogate_objective
+from bapo.algos.objective import (
+    OBJECTIVES,
+    Objective,
+    build_objective,
+    eps_feedback_objective,
+    register_objective,
+    surrogate_objective,
+)
 from bapo.algos.surrogate import (
     AGG_MODES,
     KL_ESTIMATORS,
@@ -54,7 +63,10 @@ __all__ = [
     "BOUND_KINDS",
     "KL_ESTIMATORS",
     "EpsFeedbackState",
+    "OBJECTIVES",
     "Objective",
+    "build_objective",
+    "register_objective",
     "agg_normalisers",
     "aggregate",
     "bapo_bounds",

@@ -52,6 +52,8 @@ from typing import Any
 
 import torch
 
+from bapo.algos.surrogate import open_bounds
+
 ReduceSum = Callable[[torch.Tensor], torch.Tensor | None]
 BoundFn = Callable[..., tuple[float, float, dict[str, float]]]
 
@@ -98,12 +100,13 @@ def positive_contribution(
     mask: torch.Tensor,
     old_logp: torch.Tensor,
     *,
-    ratio_low: float,
-    ratio_high: float,
+    ratio_low: float | None,
+    ratio_high: float | None,
     contribution: str = "loss_value",
     weight: str = "behavior_prob",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(P, N) of eq. 8 at one pair of bounds, as float64 0-dim tensors (local, no reduce)."""
+    """(P, N) of eq. 8 at one pair of bounds (``None``: no bound), as float64 0-dim tensors (local, no reduce)."""
+    ratio_low, ratio_high = open_bounds(ratio_low, ratio_high)
     _check_choice("contribution", contribution, CONTRIBUTIONS)
     _check_choice("weight", weight, WEIGHTS)
     (r_pos, v_pos), (r_neg, v_neg) = _token_scalars(ratio, adv, mask, old_logp, weight)
@@ -264,13 +267,14 @@ def fixed_bounds(
     mask: torch.Tensor,
     old_logp: torch.Tensor,
     *,
-    ratio_low: float,
-    ratio_high: float,
+    ratio_low: float | None,
+    ratio_high: float | None,
     reduce_sum: ReduceSum | None = None,
     contribution: str = "loss_value",
     weight: str = "behavior_prob",
-) -> tuple[float, float, dict[str, float]]:
-    """Fixed bounds (PPO-clip, GRPO, clip-higher), with rho logged at those bounds.
+) -> tuple[float | None, float | None, dict[str, float]]:
+    """Fixed bounds (PPO-clip, GRPO, clip-higher; ``None``: no bound on that side, returned as it is), with rho
+    logged at those bounds.
 
     ``reduce_sum`` is called once, on the stacked [P, N]. Stats: rho_before ==
     rho_after, steps = 0, P, N (no target, hence no ``target_met``).
@@ -290,11 +294,14 @@ def fixed_bounds(
         p, n = _reduce(reduce_sum, torch.stack([p, n])).to(torch.float64)
         rho, p_val, n_val = torch.stack([_rho(p, n), p, n]).tolist()
     stats = {"rho_before": rho, "rho_after": rho, "steps": 0.0, "P": p_val, "N": n_val}
-    return float(ratio_low), float(ratio_high), stats
+    lo, hi = (None if b is None else float(b) for b in (ratio_low, ratio_high))
+    return lo, hi, stats
 
 
-def _check_fixed_args(ratio_low: float, ratio_high: float) -> None:
-    if not (0.0 <= ratio_low <= ratio_high and math.isfinite(ratio_high)):
+def _check_fixed_args(ratio_low: float | None, ratio_high: float | None) -> None:
+    """Bounds are finite numbers with 0 <= ratio_low <= ratio_high, or None (no bound; "no clip" is null)."""
+    lo, hi = open_bounds(ratio_low, ratio_high)
+    if not (0.0 <= lo <= hi and (ratio_high is None or math.isfinite(ratio_high))):
         raise ValueError(f"need 0 <= ratio_low <= ratio_high, got ratio_low={ratio_low}, ratio_high={ratio_high}")
 
 
@@ -314,8 +321,11 @@ def _check_fixed_params(params: dict[str, Any]) -> None:
     _check_choice("weight", params.get("weight", "behavior_prob"), WEIGHTS)
 
 
-# kind -> (bound function, check of its configured keyword arguments)
-_BOUND_KINDS = {"bapo": (bapo_bounds, check_bapo_params), "fixed": (fixed_bounds, _check_fixed_params)}
+def _bound_kind(kind: str) -> tuple[Callable, Callable[[dict[str, Any]], None]]:
+    """(bound function, check of its configured keyword arguments) of ``kind``, looked up when called."""
+    return {"bapo": (bapo_bounds, check_bapo_params), "fixed": (fixed_bounds, _check_fixed_params)}[kind]
+
+
 # kind -> whether the bounds depend on the current ratios (then scope=mini_batch needs a pre-pass)
 ADAPTIVE = {"bapo": True, "fixed": False}
 
@@ -328,7 +338,7 @@ def make_bound_fn(kind: str, **params: Any) -> BoundFn:
     are checked here, so a bad configuration fails at startup.
     """
     _check_choice("kind", kind, BOUND_KINDS)
-    fn, check = _BOUND_KINDS[kind]
+    fn, check = _bound_kind(kind)
     signature = inspect.signature(fn).parameters
     allowed = {k for k, p in signature.items() if p.kind is p.KEYWORD_ONLY and k != "reduce_sum"}
     unknown = sorted(set(params) - allowed)

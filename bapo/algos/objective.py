@@ -28,10 +28,18 @@ clipped surrogate ``policy_loss`` with its bound choice (BAPO's search, its reci
 variant, or fixed bounds for GRPO / PPO / clip-higher) as the pluggable part. The
 eps-feedback heuristic (NOT the paper's method; ``eps_feedback.py``) is
 :func:`eps_feedback_objective`: its own loss and an eps state.
+
+The seam: :func:`build_objective` turns the typed ``algo`` group into an Objective by the
+factory that ``algo.objective`` names, a name registered with :func:`register_objective`
+(``surrogate``, ``eps_feedback``) or an import path ``package.module:factory`` to a
+function outside the repository. A factory takes the typed group (``bapo.algos.config.
+AlgoConfig``, its own keys under ``algo.options``), checks what it reads (a ``ConfigError``
+naming the key) and returns an :class:`Objective`; docs/extending.md has a worked example.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,15 +49,8 @@ import torch
 from bapo.algos.bounds import ADAPTIVE, ReduceSum, _reduce, make_bound_fn, positive_contribution
 from bapo.algos.correction import check_correction, correction_weights, loglinear_proximal
 from bapo.algos.eps_feedback import EpsFeedbackState, eps_feedback_g, eps_feedback_loss, eps_feedback_sums
-from bapo.algos.surrogate import (
-    IS_WEIGHTS,
-    POSITIVE_WEIGHTS,
-    RATIO_LEVELS,
-    TOKEN_MASKS,
-    check_surrogate_options,
-    policy_loss,
-    second_moment_cutoff,
-)
+from bapo.algos.surrogate import MAX_RATIO, check_surrogate_options, policy_loss, second_moment_cutoff
+from bapo.checks import ConfigError, delegated, require
 
 ChooseFn = Callable[..., tuple[dict[str, float], dict[str, float]]]
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
@@ -139,7 +140,7 @@ def surrogate_objective(
 
     def choose(ratio, adv, mask, old_logp, *, reduce_sum: ReduceSum | None = None):
         lo, hi, raw = bound_fn(ratio, adv, mask, old_logp, reduce_sum=reduce_sum)
-        stats = {"clip/low": lo, "clip/high": hi}
+        stats = {"clip/low": 0.0 if lo is None else lo, "clip/high": MAX_RATIO if hi is None else hi}
         stats |= {BAPO_NAMES[k]: v for k, v in raw.items() if bounds == "bapo" or BAPO_NAMES[k].startswith("clip/")}
         params = {"ratio_low": lo, "ratio_high": hi}
         if m2:
@@ -166,14 +167,6 @@ def proximal_fn(cap: float | None) -> Callable[..., tuple[torch.Tensor, torch.Te
         return prox, weight
 
     return proximal
-
-
-SURROGATE_OPTIONS = {
-    "ratio_level": RATIO_LEVELS,
-    "is_weight": IS_WEIGHTS,
-    "positive_weight": POSITIVE_WEIGHTS,
-    "token_mask": TOKEN_MASKS,
-}
 
 
 def eps_feedback_objective(
@@ -219,3 +212,116 @@ def eps_feedback_objective(
         kl_estimator=kl_estimator,
     )
     return Objective(choose, eps_feedback_loss, loss_kw, adaptive=True, scope=scope, state=state)
+
+
+# ----------------------------------------------------------------------------- the registry
+
+ObjectiveFactory = Callable[[Any], Objective]
+OBJECTIVES: dict[str, ObjectiveFactory] = {}
+
+
+def register_objective(name: str) -> Callable[[ObjectiveFactory], ObjectiveFactory]:
+    """Register ``factory(algo_cfg) -> Objective`` under ``name``, the value of ``algo.objective`` that picks it."""
+
+    def register(factory: ObjectiveFactory) -> ObjectiveFactory:
+        if name in OBJECTIVES:
+            raise ValueError(f"objective {name!r} is already registered ({OBJECTIVES[name].__qualname__})")
+        OBJECTIVES[name] = factory
+        return factory
+
+    return register
+
+
+def objective_factory(name: str) -> ObjectiveFactory:
+    """The factory ``algo.objective`` names: a registered name, or ``package.module:function`` imported."""
+    if name in OBJECTIVES:
+        return OBJECTIVES[name]
+    require(
+        ":" in name,
+        "algo.objective",
+        f"unknown objective {name!r}; choose from {sorted(OBJECTIVES)} or give an import path package.module:factory",
+    )
+    module, _, attr = name.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module), attr)
+    except Exception as e:  # not importable, no such attribute, or the module failed while importing
+        raise ConfigError(f"algo.objective: cannot import {name!r} ({type(e).__name__}: {e})") from None
+    require(callable(factory), "algo.objective", f"{name!r} is not a function (got {type(factory).__name__})")
+    return factory
+
+
+def build_objective(algo: Any) -> Objective:
+    """The learner's :class:`Objective` from the typed ``algo`` group, by the factory ``algo.objective`` names."""
+    obj = objective_factory(algo.objective)(algo)
+    require(
+        isinstance(obj, Objective),
+        "algo.objective",
+        f"{algo.objective!r} returned {type(obj).__name__}, not a bapo.algos.Objective",
+    )
+    return obj
+
+
+def shared_loss_kw(algo: Any) -> dict[str, Any]:
+    """The loss keywords every objective of the ``algo`` group shares (aggregation and regularisers); an
+    Objective's ``loss_kw`` holds them, since the learner reads ``entropy_coef`` there too."""
+    keys = ("dual_clip", "agg", "entropy_coef", "kl_coef", "kl_estimator")
+    return {k: getattr(algo, k) for k in keys}
+
+
+def _no_options(algo: Any) -> None:
+    require(not algo.options, "algo.options", f"{algo.objective} reads no options, got {sorted(algo.options)}")
+
+
+@register_objective("surrogate")
+def build_surrogate(algo: Any) -> Objective:
+    """The clipped surrogate with the bound choice of ``algo.bounds`` and the options of ``algo.surrogate``;
+    decoupled PPO's log-linear proximal policy when ``algo.correction`` asks for it."""
+    b, s, c = algo.bounds, algo.surrogate, algo.correction
+    require(b is not None, "algo.bounds", "the clipped surrogate needs its bound choice (algo/bounds=bapo|fixed)")
+    require(s is not None, "algo.surrogate", "the clipped surrogate needs its options (conf/algo/base/surrogate.yaml)")
+    require(
+        algo.eps_feedback is None,
+        "algo.eps_feedback",
+        "is the eps-feedback heuristic's state: set algo.objective=eps_feedback (algo=eps_feedback)",
+    )
+    _no_options(algo)
+    require(
+        algo.dual_clip is None or s.is_weight == "clip",
+        "algo.dual_clip",
+        "applies to algo.surrogate.is_weight=clip only",
+    )
+    if b.kind == "fixed":
+        bound_kw = dict(ratio_low=b.ratio_low, ratio_high=b.ratio_high)
+    else:
+        bound_kw = dict(low_range=tuple(b.low_range), high_range=tuple(b.high_range), low_step=b.low_step)
+        bound_kw |= dict(high_step=b.high_step, rho0=b.rho0, contribution=b.contribution, weight=b.weight)
+        bound_kw |= dict(scope=b.scope, variant=b.variant)
+    search_kw = {k: v for k, v in bound_kw.items() if k != "scope"}
+    delegated("algo.bounds", make_bound_fn, b.kind, **search_kw)  # the search's ranges, under the group's key
+    try:
+        obj = surrogate_objective(b.kind, **bound_kw, **shared_loss_kw(algo), **vars(s))
+    except ValueError as e:
+        raise ConfigError(f"algo.surrogate: {e}") from None
+    if c is not None and c.kind == "decoupled" and c.proximal == "loglinear":
+        obj.proximal = proximal_fn(c.cap)  # decoupled PPO: the proximal policy interpolated at each update
+    return obj
+
+
+@register_objective("eps_feedback")
+def build_eps_feedback(algo: Any) -> Objective:
+    """The eps-feedback heuristic (NOT the paper's method): its own loss and the eps state of ``algo.eps_feedback``."""
+    e = algo.eps_feedback
+    require(e is not None, "algo.eps_feedback", "algo.objective=eps_feedback needs its eps state (algo=eps_feedback)")
+    require(
+        algo.bounds is None and algo.surrogate is None,
+        "algo.bounds" if algo.bounds is not None else "algo.surrogate",
+        "belongs to the clipped surrogate (algo.objective=surrogate); the eps-feedback heuristic has its own loss",
+    )
+    require(
+        algo.correction is None or algo.correction.kind == "none",
+        "algo.correction",
+        "the eps-feedback heuristic's loss takes no token weights: use algo/correction=none",
+    )
+    _no_options(algo)
+    state = EpsFeedbackState(**{k: v for k, v in vars(e).items() if k != "scope"})
+    return eps_feedback_objective(state, scope=e.scope, **shared_loss_kw(algo))

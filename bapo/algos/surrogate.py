@@ -59,6 +59,7 @@ Implementation notes (none of them changes the math for ordinary inputs):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -66,6 +67,13 @@ import torch
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOG_RATIO_CLAMP = 20.0
+# The widest ratio the loss can see (the clamp's), logged as clip/high when there is no upper bound.
+MAX_RATIO = math.exp(LOG_RATIO_CLAMP)
+
+
+def open_bounds(ratio_low: float | None, ratio_high: float | None) -> tuple[float, float]:
+    """The ratio bounds with ``None`` (no bound on that side) as 0 and inf: a ratio is never below 0."""
+    return (0.0 if ratio_low is None else ratio_low), (math.inf if ratio_high is None else ratio_high)
 
 
 def _count(mask: torch.Tensor) -> tuple[int, int, int]:
@@ -149,8 +157,8 @@ def policy_loss(
     adv: torch.Tensor,
     mask: torch.Tensor,
     *,
-    ratio_low: float,
-    ratio_high: float,
+    ratio_low: float | None,
+    ratio_high: float | None,
     dual_clip: float | None = None,
     agg: str = "token-mean",
     num_tokens: float | None = None,
@@ -171,7 +179,7 @@ def policy_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The surrogate loss over [B, T] tokens with explicit ratio bounds (module docstring).
 
-    ``ratio_low``/``ratio_high`` are ratio bounds (0.8 / 1.2), not epsilons.
+    ``ratio_low``/``ratio_high`` are ratio bounds (0.8 / 1.2), not epsilons; ``None`` is no bound on that side.
     ``dual_clip`` (c > 1) caps the loss of each negative-advantage token at -c * A.
     ``num_tokens``/``num_seqs``/``max_len``: mini-batch normalisers, see ``aggregate``.
     ``ratio_level``, ``is_weight``, ``positive_weight``, ``token_mask`` (with
@@ -195,6 +203,7 @@ def policy_loss(
     calls by them), entropy when given, kl_ref (token mean of the KL estimate) when
     ``ref_logp`` is given.
     """
+    ratio_low, ratio_high = open_bounds(ratio_low, ratio_high)
     _check_loss_args(logp, old_logp, adv, mask, ratio_low, ratio_high, dual_clip)
     check_surrogate_options(
         logp, ratio_level, is_weight, positive_weight, token_mask, mask_threshold, m2_cutoff, dual_clip

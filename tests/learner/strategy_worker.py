@@ -238,13 +238,13 @@ def check_export_bf16(src: Path, device, out: Path) -> str:
 
 
 def _fsdp_learner(src: Path, **kw):
+    from bapo.algos import build_objective
     from bapo.learner import Learner
-    from bapo.loop import make_objective
     from tests.conftest import run_config
 
     rc = run_config("learner=fsdp", "learner.micro_batch_size=2", "debug=smoke")
     model = load_model(str(src / "fp32"), device="meta")
-    return Learner(model, rc.learner, objective=make_objective(rc.algo), pad_id=0, **kw), rc
+    return Learner(model, rc.learner, objective=build_objective(rc.algo), pad_id=0, **kw), rc
 
 
 def _samples(count: int):
