@@ -18,7 +18,11 @@ from __future__ import annotations
 import random
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+from omegaconf import MISSING
+
+from bapo.checks import choice, require
 from bapo.types import ScoredSample
 
 
@@ -138,3 +142,24 @@ class ReplayBuffer:
         st = state["rng"]
         self.rng.setstate((st[0], tuple(st[1]), st[2]))
         self.dropped_stale, self.dropped_capacity, self.served = state["counters"]
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclass
+class BufferConfig:
+    max_staleness: int = MISSING
+    enforce: str = MISSING  # admission (producer waits) | drop (stale samples are dropped)
+    capacity: int = MISSING
+    sampling: str = MISSING
+
+    def __post_init__(self) -> None:
+        require(
+            isinstance(self.max_staleness, int) and self.max_staleness >= 0,
+            "buffer.max_staleness",
+            f"must be an integer >= 0, got {self.max_staleness!r}",
+        )
+        choice(self.enforce, "buffer.enforce", ("admission", "drop"))
+        require(self.capacity > 0, "buffer.capacity", "must be > 0")
+        choice(self.sampling, "buffer.sampling", ("fifo", "uniform"))

@@ -39,6 +39,7 @@ import shutil
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,7 @@ import numpy as np
 import torch
 
 from bapo import dist
+from bapo.checks import require, resumable
 from bapo.types import Problem, Prompt, RolloutBatch, Sample, ScoredSample
 
 log = logging.getLogger(__name__)
@@ -684,3 +686,16 @@ def _producer_state(ckpt: Path, rank: int) -> dict:
             "rollout producer had batches queued (async): resume it with the world size that wrote it"
         )
     return state
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = resumable()  # steps; 0 = only on SIGTERM / Ctrl-C and at the end
+    keep: int = resumable()  # newest checkpoints of this run kept
+
+    def __post_init__(self) -> None:
+        require(self.every >= 0, "checkpoint.every", "must be >= 0")
+        require(self.keep >= 1, "checkpoint.keep", "must be >= 1")

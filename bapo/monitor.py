@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+from bapo.checks import require, resumable
 
 log = logging.getLogger(__name__)
 
@@ -94,3 +97,22 @@ class Monitor:
         self.clip_run = state["clip_run"]
         self.entropy_collapse = state["entropy_collapse"]
         self.clip_saturation = state["clip_saturation"]
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclass
+class MonitorConfig:
+    """Training-health warnings (bapo/monitor.py)."""
+
+    entropy_frac: float = resumable()
+    entropy_window: int = resumable()
+    clip_threshold: float = resumable()
+    clip_patience: int = resumable()
+
+    def __post_init__(self) -> None:
+        require(0 < self.entropy_frac < 1, "monitor.entropy_frac", f"must be in (0, 1), got {self.entropy_frac}")
+        require(self.entropy_window >= 1, "monitor.entropy_window", "must be >= 1")
+        require(0 <= self.clip_threshold < 1, "monitor.clip_threshold", "must be in [0, 1)")
+        require(self.clip_patience >= 1, "monitor.clip_patience", "must be >= 1")

@@ -35,7 +35,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from bapo.config import ConfigError
+from bapo.config import ConfigError, resumable_keys
 
 log = logging.getLogger(__name__)
 
@@ -55,41 +55,16 @@ RUN_FILES = (
 # Any of these means another run's results are in the folder: a fresh start must not silently reuse it.
 EVIDENCE = ("checkpoints", "metrics.jsonl", "final_metrics.json", "export")
 
-# Keys a resume may change: none of them changes what the checkpoint means or what the run computes.
-# A key ending in ".*" covers its whole group. Beyond the brief's list: memory and speed knobs whose
-# result is the same loss up to float rounding (micro-batching, packing, activation checkpointing, CPU
-# offload, the HF generation batch, vLLM's memory/eager/sleep/tensor-parallel settings), the device, and
-# the divergence guard. Everything else (model, algo, data, buffer, seed, learner.kind and optimiser,
-# rollout.n and sampling, train.prompts_per_step / sync_every / async_rollout, reward shaping) is refused.
-# data.path is refused even when only paths.data_dir moved it: the data cursor belongs to that file.
-RESUMABLE = (
-    "train.steps",
-    "eval.*",
-    "logger.*",
-    "checkpoint.*",
-    "monitor.*",
-    "reward.num_workers",
-    "reward.timeout_s",
-    "resume",
-    "overwrite",
-    "paths.*",
-    "hydra.*",
-    "learner.device",
-    "learner.micro_batch_size",
-    "learner.max_tokens_per_micro_batch",
-    "learner.packing",
-    "learner.activation_checkpointing",
-    "learner.cpu_offload",
-    "learner.max_consecutive_skips",
-    "rollout.batch_size",
-    "rollout.gpu_memory_utilization",
-    "rollout.tensor_parallel_size",
-    "rollout.enable_sleep_mode",
-    "rollout.sleep_level",
-    "rollout.enforce_eager",
-    "placement.*",  # hardware and memory knobs; the stage keys they set are checked on their own
-    "model.attn_implementation",
-)
+# Keys a resume may change: none of them changes what the checkpoint means or what the run computes. A key
+# ending in ".*" covers its whole group. The stage groups' keys are the schema fields marked ``resumable``
+# (bapo.config.resumable_keys): memory and speed knobs whose result is the same loss up to float rounding
+# (micro-batching, packing, activation checkpointing, CPU offload, the HF generation batch, vLLM's memory,
+# eager, sleep and tensor-parallel settings, the attention kernel), the device, the divergence guard, the
+# hardware placement, the reward pool's size and time limit, and the reporting groups. Everything else
+# (model, algo, data, buffer, seed, learner.kind and optimiser, rollout.n and sampling, train.prompts_per_step
+# / sync_every / async_rollout, reward shaping) is refused. data.path is refused even when only
+# paths.data_dir moved it: the data cursor belongs to that file.
+RESUMABLE = (*resumable_keys(), "resume", "overwrite", "paths.*", "hydra.*")
 
 
 class RunFolderBusy(RuntimeError):

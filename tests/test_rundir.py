@@ -408,3 +408,34 @@ def test_record_changes_appends_one_line_per_resume(tmp_path):
         {"key": "overwrite", "old": "<absent>", "new": False},
     ]
     assert all("time" in r for r in rows)
+
+
+# What a resume could change when the list was kept by hand; the schemas' ``resumable`` marks must give it back.
+HAND_KEPT = {
+    *("train.steps", "eval.*", "logger.*", "checkpoint.*", "monitor.*", "reward.num_workers", "reward.timeout_s"),
+    *("resume", "overwrite", "paths.*", "hydra.*", "learner.device", "learner.micro_batch_size"),
+    *("learner.max_tokens_per_micro_batch", "learner.packing", "learner.activation_checkpointing"),
+    *("learner.cpu_offload", "learner.max_consecutive_skips", "rollout.batch_size", "rollout.gpu_memory_utilization"),
+    *("rollout.tensor_parallel_size", "rollout.enable_sleep_mode", "rollout.sleep_level", "rollout.enforce_eager"),
+    *("placement.*", "model.attn_implementation"),
+}
+
+
+def test_resumable_keys_come_from_the_schema_marks():
+    from bapo import rundir
+
+    assert set(rundir.RESUMABLE) == HAND_KEPT
+    assert len(rundir.RESUMABLE) == len(HAND_KEPT)
+
+
+def test_an_unmarked_field_is_not_resumable(monkeypatch):
+    """Unmark one field of a group that was all resumable: the group is listed key by key, without it."""
+    from bapo import checks, config
+    from bapo.checkpoint import CheckpointConfig
+
+    def marked(schema):
+        return checks.resumable_fields(schema) - ({"keep"} if schema is CheckpointConfig else set())
+
+    monkeypatch.setattr(config, "resumable_fields", marked)
+    keys = config.resumable_keys()
+    assert "checkpoint.every" in keys and "checkpoint.*" not in keys and "checkpoint.keep" not in keys

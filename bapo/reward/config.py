@@ -1,0 +1,26 @@
+"""The ``reward`` group's schema (conf/reward/): the grader's pool and the reward's shaping."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import MISSING
+
+from bapo.checks import choice, require, resumable
+from bapo.reward.extract import FALLBACKS
+
+
+@dataclass
+class RewardConfig:
+    num_workers: int = resumable()
+    timeout_s: float = resumable()
+    fallback: str = MISSING
+    format_reward: float = MISSING  # for an extracted but wrong answer
+    overlong_buffer: int = MISSING  # DAPO's soft overlong penalty zone, in tokens; 0 = off
+
+    def __post_init__(self) -> None:
+        require(self.num_workers >= 0, "reward.num_workers", "must be >= 0")
+        require(self.timeout_s > 0, "reward.timeout_s", "must be > 0")
+        choice(self.fallback, "reward.fallback", FALLBACKS)
+        require(-1 <= self.format_reward < 1, "reward.format_reward", f"must be in [-1, 1), got {self.format_reward}")
+        require(self.overlong_buffer >= 0, "reward.overlong_buffer", f"must be >= 0, got {self.overlong_buffer}")
