@@ -94,7 +94,7 @@ def typed(key: str, node: Any, schema: type, tree: Any = None) -> Any:
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         sub = getattr(e, "full_key", None)
-        full = f"{key}.{sub}" if sub and key else (sub or key)
+        full = (f"{key}.{sub}" if sub and key else (sub or key)) or "config"
         msg = str(e).split("\n")[0]
         unknown = getattr(e, "key", None) if "not in" in msg else None
         hits = did_you_mean(key, unknown, node if tree is None else tree) if isinstance(unknown, str) else []

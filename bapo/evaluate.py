@@ -43,9 +43,13 @@ from omegaconf.errors import OmegaConfBaseException
 
 from bapo import dist
 from bapo import metrics as M
+from bapo.checks import choice, require, to_plain, typed
 from bapo.config import (
+    DATA,
     EVAL_SETS_DIR,
+    ROLLOUT,
     ROOT,
+    ArithConfig,
     ConfigError,
     EvalConfig,
     ModelConfig,
@@ -63,6 +67,7 @@ from bapo.data import (
     load_jsonl,
     render_prompts,
 )
+from bapo.data_config import ANSWER_FORMATS, check_arith
 from bapo.reward import normalize_answer
 from bapo.seeding import derive_seed
 from bapo.types import Problem, Prompt, Sample
@@ -341,17 +346,15 @@ def evaluate_sets(
 
 
 @dataclass
-class ArithSetConfig:
+class ArithSetConfig(ArithConfig):
     """The synthetic held-out set: the spec of conf/data/arith.yaml, its seed, split fraction and size."""
 
-    min_terms: int = MISSING
-    max_terms: int = MISSING
-    min_value: int = MISSING
-    max_value: int = MISSING
-    ops: str = MISSING
     seed: int = MISSING
     heldout_frac: float = MISSING
     size: int = MISSING
+
+    def __post_init__(self) -> None:
+        pass  # checked by its set, which knows its key (eval.<name>.arith)
 
 
 @dataclass
@@ -370,18 +373,16 @@ class EvalSetConfig:
 
     def __post_init__(self) -> None:
         key = f"eval.{self.name}"
-        _choice(self.kind, f"{key}.kind", ("jsonl", "hub", "arith"))
-        _choice(self.answer_format, f"{key}.answer_format", ("plain", "gsm8k"))
+        choice(self.kind, f"{key}.kind", tuple(DATA))
+        choice(self.answer_format, f"{key}.answer_format", ANSWER_FORMATS)
         if self.kind == "arith":
             a = self.arith
-            _require(a is not None, f"{key}.arith", "required for kind=arith")
-            _require(2 <= a.min_terms <= a.max_terms, f"{key}.arith.min_terms", "need 2 <= min_terms <= max_terms")
-            _require(a.min_value <= a.max_value, f"{key}.arith.min_value", "need min_value <= max_value")
-            _require(bool(a.ops) and set(a.ops) <= set("+-*"), f"{key}.arith.ops", "use characters from '+-*'")
-            _require(0 < a.heldout_frac < 1, f"{key}.arith.heldout_frac", "must be in (0, 1)")
-            _require(a.size >= 1, f"{key}.arith.size", f"must be >= 1, got {a.size}")
+            require(a is not None, f"{key}.arith", "required for kind=arith")
+            check_arith(a, f"{key}.arith")
+            require(0 < a.heldout_frac < 1, f"{key}.arith.heldout_frac", "must be in (0, 1)")
+            require(a.size >= 1, f"{key}.arith.size", f"must be >= 1, got {a.size}")
         else:
-            _require(bool(self.path), f"{key}.path", f"required for kind={self.kind} (a file or hub name)")
+            require(bool(self.path), f"{key}.path", f"required for kind={self.kind} (a file or hub name)")
 
 
 @dataclass
@@ -401,18 +402,18 @@ class EvalRunConfig:
     maj_max_distinct: int = MISSING
 
     def __post_init__(self) -> None:
-        _require(self.k >= 1, "k", f"must be >= 1, got {self.k}")
-        _require(self.temperature >= 0, "temperature", f"must be >= 0 (0 = greedy), got {self.temperature}")
-        _require(self.temperature > 0 or self.k == 1, "k", "greedy decoding (temperature=0) gives k equal samples")
-        _require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
-        _require(self.max_new_tokens > 0, "max_new_tokens", f"must be > 0, got {self.max_new_tokens}")
-        _require(
+        require(self.k >= 1, "k", f"must be >= 1, got {self.k}")
+        require(self.temperature >= 0, "temperature", f"must be >= 0 (0 = greedy), got {self.temperature}")
+        require(self.temperature > 0 or self.k == 1, "k", "greedy decoding (temperature=0) gives k equal samples")
+        require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        require(self.max_new_tokens > 0, "max_new_tokens", f"must be > 0, got {self.max_new_tokens}")
+        require(
             self.max_prompt_tokens is None or self.max_prompt_tokens > 0,
             "max_prompt_tokens",
             f"must be null or > 0, got {self.max_prompt_tokens}",
         )
-        _require(self.limit is None or self.limit >= 1, "eval.limit", f"must be null or >= 1, got {self.limit}")
-        _require(self.maj_max_distinct >= 1, "maj_max_distinct", f"must be >= 1, got {self.maj_max_distinct}")
+        require(self.limit is None or self.limit >= 1, "eval.limit", f"must be null or >= 1, got {self.limit}")
+        require(self.maj_max_distinct >= 1, "maj_max_distinct", f"must be >= 1, got {self.maj_max_distinct}")
 
 
 @dataclass(frozen=True)
@@ -438,7 +439,7 @@ def _not_a_set(chosen: Mapping[str, Any]) -> None:
             f"train.py), not an eval set; choose eval=<set> or eval=[<set>,...] from {sets}"
         )
     for name, node in chosen.items():
-        _require(
+        require(
             isinstance(node, dict) and "kind" in node,
             f"eval.{name}",
             f"not an eval set (conf/evaluation/eval/); choose from {sets}",
@@ -447,26 +448,23 @@ def _not_a_set(chosen: Mapping[str, Any]) -> None:
 
 def build_job(cfg: DictConfig) -> EvalJob:
     """Validate the composed eval config; errors name the key."""
-    try:
-        plain = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"{e.full_key or 'config'}: {str(e).splitlines()[0]}") from None
+    plain = to_plain(cfg)
     chosen = dict(plain["eval"])
     limit = chosen.pop("limit")
-    run = _typed(
+    run = typed(
         "", {f: plain[f] for f in EvalRunConfig.__dataclass_fields__ if f != "limit"} | {"limit": limit}, EvalRunConfig
     )
-    _require(bool(chosen), "eval", "choose at least one set, e.g. eval=[aime24,math500]")
+    require(bool(chosen), "eval", "choose at least one set, e.g. eval=[aime24,math500]")
     _not_a_set(chosen)
     rollout = plain["rollout"]
-    _choice(rollout["engine"], "rollout.engine", ("hf", "vllm"))
+    choice(rollout["engine"], "rollout.engine", tuple(ROLLOUT))
     if rollout["engine"] == "hf":
-        _require(rollout["batch_size"] > 0, "rollout.batch_size", "must be > 0")
-    sets = {name: _typed(f"eval.{name}", node | {"name": name}, EvalSetConfig) for name, node in chosen.items()}
+        require(rollout["batch_size"] > 0, "rollout.batch_size", "must be > 0")
+    sets = {name: typed(f"eval.{name}", node | {"name": name}, EvalSetConfig) for name, node in chosen.items()}
     return EvalJob(
         run=run,
-        model=_typed("model", plain["model"], ModelConfig),
-        reward=_typed("reward", plain["reward"], RewardConfig),
+        model=typed("model", plain["model"], ModelConfig),
+        reward=typed("reward", plain["reward"], RewardConfig),
         engine=rollout["engine"],
         batch_size=rollout.get("batch_size"),  # hf only
         sets=sets,
@@ -483,7 +481,7 @@ def named_set(name: str, *, data_dir: str) -> EvalSetConfig:
         plain = OmegaConf.to_container(node, resolve=True)["eval"][name]
     except OmegaConfBaseException as e:
         raise ConfigError(f"eval.{name}: {str(e).splitlines()[0]}") from None
-    return _typed(f"eval.{name}", plain | {"name": name}, EvalSetConfig)
+    return typed(f"eval.{name}", plain | {"name": name}, EvalSetConfig)
 
 
 def load_evalset(s: EvalSetConfig, *, limit: int | None = None) -> list[Problem]:
@@ -541,7 +539,7 @@ def find_checkpoint(path: str) -> tuple[Path, Path | None]:
     A training run folder holds its weights in ``export/`` and its config in ``config.yaml``; an
     export folder may carry the run's config as ``bapo_config.yaml``; a bare HF folder has neither."""
     p = Path(resolve_path(path))
-    _require(p.exists(), "checkpoint", f"{p.absolute()} does not exist")
+    require(p.exists(), "checkpoint", f"{p.absolute()} does not exist")
     export = p / "export"
     if (export / "config.json").is_file():
         for cfg in (p / RUN_CONFIG, export / EXPORT_CONFIG):
@@ -550,7 +548,7 @@ def find_checkpoint(path: str) -> tuple[Path, Path | None]:
         return export, None
     if (p / "config.json").is_file():
         return p, (p / EXPORT_CONFIG) if (p / EXPORT_CONFIG).is_file() else None
-    _require(
+    require(
         not (p / RUN_CONFIG).is_file(),
         "checkpoint",
         f"{p} is a training run without an export (export/config.json): a run writes it when it completes; "
@@ -685,7 +683,7 @@ def check_model_folder(path: str, key: str) -> None:
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise ConfigError(f"{key}: {index} is damaged ({e})") from None
         missing = sorted(s for s in shards if not (folder / s).is_file())
-        _require(not missing, key, f"{folder} lacks the weight files its index names: {missing}")
+        require(not missing, key, f"{folder} lacks the weight files its index names: {missing}")
     for file in sorted(folder.glob("*.safetensors")):
         try:
             with safe_open(str(file), "pt"):
@@ -706,7 +704,7 @@ def eval_prompt_limit(max_prompt_tokens: int | None, max_new_tokens: int, contex
     """The longest prompt evaluated: training's limit (``bapo.config.prompt_limit``) with eval.py's keys;
     ``max_prompt_tokens=None`` leaves only the context's (None: no limit at all)."""
     if context is not None:
-        _require(
+        require(
             max_new_tokens < context,
             "max_new_tokens",
             f"{max_new_tokens} leaves no room for a prompt in the model's context of {context} tokens",
@@ -754,23 +752,3 @@ def results_table(results: Mapping[str, SetResult], *, k: int) -> str:
             f"| {100 * m['truncated']:.1f} |"
         )
     return "\n".join(lines) + "\n"
-
-
-# ----------------------------------------------------------------------------- helpers
-
-
-def _require(cond: bool, key: str, msg: str) -> None:
-    if not cond:
-        raise ConfigError(f"{key}: {msg}")
-
-
-def _choice(value: str, key: str, allowed: tuple[str, ...]) -> None:
-    _require(value in allowed, key, f"must be one of {list(allowed)}, got {value!r}")
-
-
-def _typed(key: str, node: Any, schema: type) -> Any:
-    try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), node))
-    except OmegaConfBaseException as e:
-        full = ".".join(x for x in (key, getattr(e, "full_key", None)) if x) or "config"
-        raise ConfigError(f"{full}: {str(e).splitlines()[0]}") from None

@@ -161,6 +161,7 @@ def test_arith_set_is_the_training_heldout_set():
         (["rollout.batch_size=0"], "rollout.batch_size"),
         (["eval.arith.kind=csv"], "eval.arith.kind"),
         (["eval.arith.arith.size=0"], "eval.arith.arith.size"),
+        (["eval.arith.arith.min_terms=1"], "eval.arith.arith.min_terms"),  # training's arith check, under this key
         (["eval=aime24", "eval.aime24.path=null"], "eval.aime24.path"),
         (["max_prompt_tokens=0"], "max_prompt_tokens"),
         (["eval=heldout"], "eval"),  # training's held-out config, not a set

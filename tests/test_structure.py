@@ -92,3 +92,14 @@ def test_nothing_reaches_into_the_producer_or_the_mailbox():
         src = path.read_text()
         for private in ("._queue", "._snaps", "._next", "._consumed", ".mailbox."):
             assert private not in src, f"{path.relative_to(PKG)} touches {private}"
+
+
+def test_one_config_system():
+    """ConfigError and the check helpers are defined once, in bapo/checks.py; training and evaluation use them."""
+    helpers = {"ConfigError", "require", "_require", "choice", "_choice", "typed", "_typed", "variant", "_variant"}
+    for path in PKG.rglob("*.py"):
+        if path.name == "checks.py":
+            continue
+        tree = ast.parse(path.read_text())
+        defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef | ast.ClassDef)}
+        assert not defined & helpers, f"{path.relative_to(PKG)} defines {sorted(defined & helpers)}"
