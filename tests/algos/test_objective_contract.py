@@ -207,3 +207,18 @@ def test_a_loss_plugged_in_from_an_import_path_trains_a_step(tmp_path):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
     assert rows[1]["clip/high"] == 1.25 and rows[1]["clip/low"] == 0.75
+
+
+def test_decoupled_ppos_loglinear_proximal_is_hooked_by_the_factory():
+    exact = build_objective(algo_of("grpo", "algo/correction=decoupled"))
+    loglinear = build_objective(algo_of("grpo", "algo/correction=decoupled", "algo.correction.proximal=loglinear"))
+    assert exact.proximal is None and callable(loglinear.proximal)
+
+
+def test_every_algo_config_starts_from_a_base_not_from_another_algorithm():
+    """A variant lists conf/algo/base/common (its own loss) or base/surrogate first, never another algorithm."""
+    import yaml
+
+    for name in SHIPPED:
+        defaults = yaml.safe_load((ROOT / "conf" / "algo" / f"{name}.yaml").read_text())["defaults"]
+        assert defaults[0] in ("base/common@_here_", "base/surrogate@_here_"), (name, defaults)
