@@ -8,13 +8,14 @@ sub-group further down. :func:`variant` picks a group's schema by its selector k
 :func:`resumable` may change when a run is resumed (``bapo.rundir`` derives its list from the marks).
 
 Why OmegaConf structured dataclasses and not pydantic models: Hydra composes the config as OmegaConf
-nodes, and merging into a structured schema already gives the type checks, ``extra="forbid"`` and the
-full dotted key of an error (``e.full_key``) with no translation layer; pydantic would add a second
-validation system beside Hydra's, whose error locations (``('bounds', 'bapo', 'rho0')``, a discriminated
-union's tag in the path) and multi-line reports must be mapped back to config keys, and whose unions
-pick a variant by trying them, which loses the "key set in the wrong variant" message. Bounds that
-pydantic would state on the field (``Field(gt=0)``) are one :func:`require` line here, with the same
-wording for every key.
+nodes and refuses an unknown override itself (struct mode), with the exception fields (``full_key``,
+``key``, ``parent_node``) that ``bapo/cli.py`` reads for its ``did you mean`` hint; merging a group into
+its structured schema gives the type checks, unknown keys and the full dotted key of the first error
+with no translation. pydantic would be a second validation system beside Hydra's: its ValidationError
+lists every error over several lines, with locations that carry a discriminated union's tag
+(``('bounds', 'fixed', 'ratio_low')``), all of which must be mapped back to one line per config key;
+and the bounds it states on the field (``Field(gt=0)``) are one :func:`require` line here, worded the
+same for every key. A variant is picked by its selector key (:func:`variant`) as a discriminator would.
 
 This module imports nothing else of bapo, so ``bapo/algos/`` (the pure math) can use it.
 """
