@@ -45,6 +45,7 @@ from bapo import dist
 from bapo import metrics as M
 from bapo.config import (
     EVAL_SETS_DIR,
+    ROLLOUT,
     ROOT,
     ConfigError,
     EvalConfig,
@@ -423,7 +424,7 @@ class EvalJob:
     model: ModelConfig
     reward: RewardConfig
     engine: str
-    batch_size: int | None
+    rollout: Any  # the engine's typed rollout config (bapo.config.ROLLOUT), what build_rollout takes
     sets: dict[str, EvalSetConfig]
 
 
@@ -459,16 +460,18 @@ def build_job(cfg: DictConfig) -> EvalJob:
     _require(bool(chosen), "eval", "choose at least one set, e.g. eval=[aime24,math500]")
     _not_a_set(chosen)
     rollout = plain["rollout"]
-    _choice(rollout["engine"], "rollout.engine", ("hf", "vllm"))
-    if rollout["engine"] == "hf":
-        _require(rollout["batch_size"] > 0, "rollout.batch_size", "must be > 0")
+    _choice(rollout["engine"], "rollout.engine", tuple(ROLLOUT))
+    # The engine's knobs through training's schema. Its sampling keys are eval's own (k, temperature,
+    # max_new_tokens: checked above, where greedy is allowed), so they go in after the schema's check.
+    engine = _typed("rollout", rollout | {"temperature": 1.0}, ROLLOUT[rollout["engine"]])
+    engine.temperature = rollout["temperature"]
     sets = {name: _typed(f"eval.{name}", node | {"name": name}, EvalSetConfig) for name, node in chosen.items()}
     return EvalJob(
         run=run,
         model=_typed("model", plain["model"], ModelConfig),
         reward=_typed("reward", plain["reward"], RewardConfig),
         engine=rollout["engine"],
-        batch_size=rollout.get("batch_size"),  # hf only
+        rollout=engine,
         sets=sets,
     )
 

@@ -52,7 +52,7 @@ from bapo.logging import MetricsLogger, NullLogger, check_wandb, truncate_metric
 from bapo.modeling import attention_kernel, load_model, load_tokenizer, model_path
 from bapo.monitor import Monitor
 from bapo.reward import MathVerifier
-from bapo.rollout import build_rollout
+from bapo.rollout import build_rollout, engine_traits
 from bapo.seeding import derive_seed, seed_everything
 
 log = logging.getLogger(__name__)
@@ -226,14 +226,15 @@ def build_stages(rc: RunConfig) -> Stages:
     on_cuda = torch.cuda.is_available() and getattr(rc.learner, "device", "auto") != "cpu"
     kernel = attention_kernel(m.attn_implementation, on_cuda)
     load = dict(trust_remote_code=m.trust_remote_code, init=m.init, arch=m.arch, attn_implementation=kernel)
-    # The learner's master weights; the HF engine gets its own copy in model.dtype. A sharded learner with
-    # nothing to copy them into starts from the meta device and reads each rank's shard of the checkpoint,
-    # and so does a KL reference (sharded too, in the dtype the policy computes in).
-    lazy = rc.learner.kind != "single" and rc.rollout.engine != "hf" and m.init != "random"
+    # The learner's master weights; an engine that samples with a model of this process gets its own copy in
+    # model.dtype. A sharded learner with nothing to copy them into starts from the meta device and reads each
+    # rank's shard of the checkpoint, and so does a KL reference (sharded too, in the dtype the policy computes in).
+    needs_copy = engine_traits(rc.rollout.engine).needs_model_copy
+    lazy = rc.learner.kind != "single" and not needs_copy and m.init != "random"
     device = "meta" if lazy else "cpu"
     policy = load_model(path, dtype=master_dtype(rc.learner, m.dtype), **load, device=device)
     engine_model = None
-    if rc.rollout.engine == "hf":
+    if needs_copy:
         engine_model = copy.deepcopy(policy).to(DTYPE_OF[m.dtype])
     ref_model = None
     if rc.algo.kl_coef > 0:
