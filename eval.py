@@ -32,7 +32,6 @@ verifier) and hands them to bapo/evaluate.py.
 
 from collections.abc import Sequence
 from pathlib import Path
-from types import SimpleNamespace
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -72,7 +71,7 @@ def _evaluate(cfg: DictConfig, run_dir, job, source, problems: dict, log) -> dic
     from bapo.config import ConfigError
     from bapo.modeling import attention_kernel, load_model, load_tokenizer, model_path, pick_device
     from bapo.reward import MathVerifier
-    from bapo.rollout import build_rollout
+    from bapo.rollout import build_rollout, engine_traits
 
     m, r = job.model, job.run
     run_dir = dist.shared_path(run_dir)  # torchrun: joins the process group (a hub id resolves rank by rank)
@@ -99,17 +98,16 @@ def _evaluate(cfg: DictConfig, run_dir, job, source, problems: dict, log) -> dic
     main = dist.is_main()
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
-    model = None  # vLLM loads the checkpoint itself
-    if job.engine == "hf":
+    model = None  # an engine that needs no model of this process loads the checkpoint itself
+    if engine_traits(job.engine).needs_model_copy:
         device = dist.init() if dist.launched() else pick_device(r.device)  # torchrun: this rank's device
         kernel = attention_kernel(m.attn_implementation, device.type == "cuda")
         model = load_model(
             path, dtype=m.dtype, device=device, trust_remote_code=m.trust_remote_code, attn_implementation=kernel
         )
     # evaluation records no log-probs, so nucleus sampling (top_p < 1) is allowed here
-    engine_cfg = SimpleNamespace(**OmegaConf.to_container(cfg.rollout, resolve=True))
     rollout = build_rollout(
-        engine_cfg, path=path, tokenizer=tok, model=model, dtype=m.dtype, seed=r.seed, top_p=r.top_p, logprobs=False,
+        job.rollout, path=path, tokenizer=tok, model=model, dtype=m.dtype, seed=r.seed, top_p=r.top_p, logprobs=False,
         max_model_len=None if limit is None else limit + r.max_new_tokens,
     )  # fmt: skip
     config = OmegaConf.to_container(cfg, resolve=True) | (source.record() if source else {"model_path": path})

@@ -598,7 +598,7 @@ def save_run(
     step: int,
     *,
     learner: Any,
-    producer: Any,
+    source: Any,
     keep: int,
     lineage: str,
     loop_rng: random.Random,
@@ -608,7 +608,8 @@ def save_run(
 
     - ``state.pt`` (rank 0): the step, every object of ``shared`` by name (their ``state_dict()``: the buffer,
       the monitor) and the RNG states (:func:`capture_rng`);
-    - ``producer_rank<r>.pt`` (each rank): the producer's queue and data cursor; rank 0's also holds the weight
+    - ``producer_rank<r>.pt`` (each rank): the rollout source's state (``bapo.rollout_source``: its queue and data
+      cursor); rank 0's also holds the weight
       snapshots (full copies, the same on every rank: written once, read by every rank), without the snapshot of
       the learner's current version (restored from the model);
     - ``learner/`` (the learner's ``save``): weights, AdamW, schedule, version; DCP shards under FSDP;
@@ -626,7 +627,7 @@ def save_run(
         err = e
     raise_together(err, doing, cleanup=tmp)
     try:
-        state = producer.state_dict(live=learner.version, snapshots=dist.is_main())
+        state = source.state_dict(live=learner.version, snapshots=dist.is_main())
         write(tmp / f"producer_rank{dist.rank()}.pt", state)
     except Exception as e:
         err = e
@@ -648,7 +649,7 @@ def save_run(
     return path
 
 
-def restore_run(path: Path, *, learner: Any, producer: Any, loop_rng: random.Random, **shared: Any) -> int:
+def restore_run(path: Path, *, learner: Any, source: Any, loop_rng: random.Random, **shared: Any) -> int:
     """Restore what :func:`save_run` wrote; returns the checkpoint's step (a collective under torchrun).
 
     Rank 0 verifies every file against the manifest first; every rank gets the verdict."""
@@ -662,7 +663,7 @@ def restore_run(path: Path, *, learner: Any, producer: Any, loop_rng: random.Ran
     raise_together(err, f"reading {path}")
     state = load(path)
     learner.load(path / "learner")
-    producer.load_state_dict(_producer_state(path, dist.rank()))
+    source.load_state_dict(_producer_state(path, dist.rank()))
     for k, obj in shared.items():
         obj.load_state_dict(state[k])
     restore_rng(state["rng"], loop_rng)

