@@ -251,8 +251,11 @@ def check_combinations(rc: RunConfig, world: int | None = None, launched: bool |
     if fsdp and not launched and cuda_available():
         # One GPU of our own (bapo.dist.init_one_rank) holds the whole learner: refuse what cannot fit there.
         check_one_gpu(rc)
+    from bapo.rollout.registry import engine_traits  # the registry imports no engine library
+
+    sleeps = engine_traits(rc.rollout.engine).can_sleep and getattr(rc.rollout, "enable_sleep_mode", False)
     require(
-        not (rc.train.async_rollout and rc.rollout.engine == "vllm" and rc.rollout.enable_sleep_mode),
+        not (rc.train.async_rollout and sleeps),
         "rollout.enable_sleep_mode",
         "train.async_rollout=true generates on the producer's thread while the learner updates, and a colocated "
         "vLLM engine can only sleep (free its memory for the update) with no request in flight: set "

@@ -23,7 +23,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from bapo.config import ConfigError
+from bapo.checks import ConfigError
 from bapo.types import Prompt, Sample
 
 

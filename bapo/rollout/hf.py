@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from bapo.config import ConfigError
+from bapo.checks import ConfigError
 from bapo.rollout.base import EngineBase, check_top_p, make_sample, pad_id_of, stop_ids_of
 from bapo.rollout.decode import generate_decode, lean_decode
 from bapo.rollout.registry import EngineTraits

@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-from bapo.config import ConfigError
+from bapo.checks import ConfigError
 
 ENGINES: dict[str, str] = {
     "hf": "bapo.rollout.hf:HFRollout",

@@ -55,7 +55,7 @@ from pathlib import Path
 import torch
 
 from bapo import dist
-from bapo.config import ConfigError
+from bapo.checks import ConfigError
 from bapo.rollout.base import EngineBase, check_top_p, make_sample, pad_id_of, stop_ids_of
 from bapo.rollout.registry import EngineTraits
 from bapo.types import Prompt, Sample
