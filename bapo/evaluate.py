@@ -68,6 +68,7 @@ from bapo.data import (
     render_prompts,
 )
 from bapo.data_config import ANSWER_FORMATS, check_arith
+from bapo.paths import compose_option
 from bapo.reward import normalize_answer
 from bapo.seeding import derive_seed
 from bapo.types import Problem, Prompt, Sample
@@ -596,7 +597,7 @@ def _from_run(cfg: DictConfig, run: dict, engine: str) -> dict[str, Any]:
 def _switch_engine(cfg: DictConfig, engine: str) -> None:
     """Replace ``cfg.rollout`` with the ``engine`` group's defaults, keeping eval.py's sampling keys."""
     sampling = {k: v for k, v in OmegaConf.to_container(cfg.rollout).items() if k in SAMPLING}
-    node = OmegaConf.merge(OmegaConf.load(ROOT / "conf" / "rollout" / f"{engine}.yaml"), sampling | {"engine": engine})
+    node = OmegaConf.merge(compose_option("rollout", engine), sampling | {"engine": engine})
     with open_dict(cfg):
         cfg.rollout = node
 

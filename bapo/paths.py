@@ -16,3 +16,16 @@ def resolve_path(p: str) -> str:
     if (ROOT / path).exists():
         return str(ROOT / path)
     return p
+
+
+def compose_option(group: str, option: str):
+    """``conf/<group>/<option>.yaml`` as Hydra composes it (its defaults list applied, interpolations kept), for
+    code that needs one option's keys outside the run's own composition. Inside a Hydra app (or an initialized
+    compose context) it uses that context; otherwise it opens one on the repository's ``conf/``."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    if GlobalHydra.instance().is_initialized():
+        return compose(config_name=f"{group}/{option}")[group]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        return compose(config_name=f"{group}/{option}")[group]

@@ -24,6 +24,7 @@ from bapo.algos import surrogate_objective
 from bapo.config import ROLLOUT
 from bapo.data import ArithSpec, arith_heldout, render_prompt
 from bapo.learner import Learner
+from bapo.paths import compose_option
 from bapo.rollout import ENGINES, RolloutEngine, build_rollout, engine_class, engine_traits
 from bapo.rollout.registry import EngineTraits
 from tests.conftest import learner_cfg
@@ -47,7 +48,7 @@ def _rollout_cfg(name: str):
     """``conf/rollout/<name>.yaml`` with the test's sampling settings, typed by the training schema."""
     assert name in TEST_KNOBS, f"engine {name!r}: add its quick-test knobs to TEST_KNOBS"
     node = OmegaConf.merge(
-        OmegaConf.load(ROOT / "conf" / "rollout" / f"{name}.yaml"),
+        compose_option("rollout", name),
         {"n": N, "temperature": T, "max_new_tokens": NEW} | TEST_KNOBS[name],
     )
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ROLLOUT[name]), node))
