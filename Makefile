@@ -37,10 +37,10 @@ demo: install ## run the default job: BAPO on the tiny model (about 5 minutes on
 	$(PY) train.py
 
 test: install ## the whole suite, as CI runs it: about 15 minutes on 2 idle CPU cores, 18 with the vLLM tests (.venv-vllm)
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadfile
 	@if [ -x $(VLLM_VENV)/bin/python ]; then \
 		echo "== vLLM engine and loop (transformers $$($(VLLM_VENV)/bin/python -c 'import transformers as t; print(t.__version__)'), $(VLLM_VENV))"; \
-		$(VLLM_VENV)/bin/python -m pytest tests/rollout; \
+		$(VLLM_VENV)/bin/python -m pytest tests/rollout -k vllm; \
 	fi
 
 test-fast: install ## the unit tests only (pytest -m "not slow", 2 xdist workers): under 90 s on 2 idle cores
