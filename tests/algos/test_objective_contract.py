@@ -151,29 +151,14 @@ def test_a_registered_factory_is_picked_by_name(monkeypatch):
         register_objective("halved")(halved)
 
 
-PLUGIN = '''
-"""A loss outside the repository: PPO-clip with its own symmetric window ``eps`` (algo.options.eps)."""
+def _plugin_from_docs() -> str:
+    """The plugin of docs/extending.md, as a reader copies it: the python block after its marker."""
+    text = (ROOT / "docs" / "extending.md").read_text()
+    after = text.split("<!-- my_loss.py: read by tests/algos/test_objective_contract.py -->", 1)[1]
+    return after.split("```python\n", 1)[1].split("```", 1)[0]
 
-from bapo.algos import Objective, policy_loss, positive_contribution
-from bapo.algos.objective import shared_loss_kw
-from bapo.checks import require
 
-
-def build(algo):
-    eps = algo.options.get("eps")
-    require(isinstance(eps, float) and 0 < eps < 1, "algo.options.eps", f"must be in (0, 1), got {eps!r}")
-    unknown = sorted(set(algo.options) - {"eps"})
-    require(not unknown, "algo.options", f"unknown option(s) {unknown}")
-
-    def choose(ratio, adv, mask, old_logp, *, reduce_sum=None):
-        p, n = positive_contribution(ratio, adv, mask, old_logp, ratio_low=1 - eps, ratio_high=1 + eps)
-        p, n = float(p), float(n)
-        stats = {"clip/low": 1 - eps, "clip/high": 1 + eps, "clip/rho": p / (p + n) if p + n > 0 else 1.0}
-        return {"ratio_low": 1 - eps, "ratio_high": 1 + eps}, stats
-
-    # the group's aggregation and regularisers (agg, entropy_coef, kl_coef, ...), which the learner reads too
-    return Objective(choose, policy_loss, shared_loss_kw(algo), adaptive=False)
-'''
+PLUGIN = _plugin_from_docs()
 
 
 @pytest.mark.slow  # one step of train.py in a subprocess
