@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from omegaconf import MISSING
 
 from bapo.checks import choice, require
-from bapo.types import ScoredSample
+from bapo.samples import ScoredSample
 
 
 class StalenessError(RuntimeError):

@@ -48,7 +48,7 @@ import torch
 
 from bapo import dist
 from bapo.checks import require, resumable
-from bapo.types import Problem, Prompt, RolloutBatch, Sample, ScoredSample
+from bapo.samples import Problem, Prompt, RolloutBatch, Sample, ScoredSample
 
 log = logging.getLogger(__name__)
 

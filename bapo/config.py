@@ -35,12 +35,12 @@ from bapo.checks import (
 )
 from bapo.data_config import DATA, ArithConfig, ArithDataConfig, FileDataConfig, HubDataConfig
 from bapo.learner.config import LEARNER, FSDPLearnerConfig, LearnerCommon, SingleLearnerConfig
-from bapo.logging import LoggerConfig
 from bapo.modeling import ModelConfig
 from bapo.monitor import MonitorConfig
 from bapo.paths import EVAL_SETS_DIR, ROOT, resolve_path
 from bapo.reward.config import RewardConfig
 from bapo.rollout.config import ROLLOUT, HFRolloutConfig, RolloutCommon, VLLMRolloutConfig
+from bapo.tracking import LoggerConfig
 
 # Re-exported: the names the stages, scripts and tests import from this module.
 __all__ = ["ROOT", "ArithConfig", "ConfigError", "FSDPLearnerConfig", "ModelConfig", "RunConfig", "SingleLearnerConfig"]

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bapo.config import ROOT, ConfigError, resolve_path
-from bapo.types import Problem, Prompt
+from bapo.samples import Problem, Prompt
 
 log = logging.getLogger(__name__)
 

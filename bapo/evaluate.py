@@ -24,7 +24,7 @@ rerun with the same seed, world size and engine reproduces every sample, and so 
 maj@k groups answers written differently (``\\frac{1}{2}`` and ``0.5``): answers
 are normalised first, then the most frequent distinct ones of each problem are compared
 in pairs with the verifier's equivalence, run in its worker pool like any grade
-(see bapo/metrics.py for the cap and the tie-break).
+(see bapo/passk.py for the cap and the tie-break).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from bapo import dist
-from bapo import metrics as M
+from bapo import passk as M
 from bapo.checks import choice, require, to_plain, typed
 from bapo.config import (
     DATA,
@@ -70,8 +70,8 @@ from bapo.data import (
 from bapo.data_config import ANSWER_FORMATS, check_arith
 from bapo.paths import compose_option
 from bapo.reward import normalize_answer
+from bapo.samples import Problem, Prompt, Sample
 from bapo.seeding import derive_seed
-from bapo.types import Problem, Prompt, Sample
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 A prompt group whose responses are all correct or all wrong has identical rewards, hence zero GRPO
 advantages: it costs a forward and backward pass and teaches nothing. :class:`GroupFilter` wraps the
-producer's batch maker (``bapo.batches.RolloutMaker``). It makes rollout batch ``t`` as usual, drops
+producer's batch maker (``bapo.rollout_maker.RolloutMaker``). It makes rollout batch ``t`` as usual, drops
 the groups whose verdicts are all equal (judged by **correctness**, the verifier's verdict, not by the
 shaped reward, so the overlong penalty or a format bonus cannot make a group look informative), and
 refills the batch with fresh groups, generated with the same weights and version, until it again holds
@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from bapo.types import RolloutBatch
+from bapo.samples import RolloutBatch
 
 MAX_EXTRA_ROUNDS = 4  # extra generation rounds per batch at most (DAPO's max_num_gen_batches bounds the same)
 REFILL_STRIDE = 1 << 40  # refill round r of batch t uses batch index t + r * REFILL_STRIDE for its seed

@@ -13,7 +13,7 @@ receives the learner's weights every ``train.sync_every`` updates.
 Who owns what: the learner its version, weights, checkpoint and export (sharding is a
 strategy inside it); the rollout source (``bapo.rollout_source``; in this process the
 producer of ``bapo.offpolicy``) its engine, weight snapshots, queue and, through its batch
-maker (``bapo.batches``), the data cursor and the cross-rank gather; ``bapo.scoring``
+maker (``bapo.rollout_maker``), the data cursor and the cross-rank gather; ``bapo.advantages``
 recompute, critic values and advantages; ``bapo.checkpoint`` the checkpoint layout and RNG
 state; ``bapo.rundir`` the run folder (lock, fresh/resume decision, config changes). :func:`run` only wires them.
 """
@@ -37,22 +37,22 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from bapo import checkpoint, dist, offpolicy, rundir, scoring
+from bapo import advantages, checkpoint, dist, offpolicy, rundir
 from bapo.algos import build_objective
-from bapo.batches import RolloutMaker
 from bapo.buffer import ReplayBuffer
 from bapo.config import RunConfig, build, prompt_limit
 from bapo.data import LoadReport, PromptStream, check_files, problem_sources, render_prompts
 from bapo.evaluate import evaluate, evaluate_sets, load_evalset, named_set, prepare_set
 from bapo.groupfilter import GroupFilter
 from bapo.learner import Learner, TrainingDiverged, frozen_dtype, master_dtype
-from bapo.logging import MetricsLogger, NullLogger, check_wandb, truncate_metrics
 from bapo.modeling import attention_kernel, load_model, load_tokenizer, model_path
 from bapo.monitor import Monitor
 from bapo.reward import MathVerifier
 from bapo.rollout import build_rollout, engine_traits
+from bapo.rollout_maker import RolloutMaker
 from bapo.rollout_source import Interrupted, RolloutSource
 from bapo.seeding import derive_seed, seed_everything
+from bapo.tracking import MetricsLogger, NullLogger, check_wandb, truncate_metrics
 
 log = logging.getLogger(__name__)
 
@@ -351,7 +351,7 @@ def fill(rc: RunConfig, s: Stages, batch) -> tuple[list, list[dict], float]:
         rows.append(put(rc, s, more))
         samples += s.buffer.get(n - len(samples), s.learner.version, horizon=U - 1)
     if rc.algo.correction is not None and rc.algo.correction.kind == "decoupled":  # the step's proximal policy
-        samples, prox_stats = scoring.proximal(samples, s.learner, rc.algo.correction)
+        samples, prox_stats = advantages.proximal(samples, s.learner, rc.algo.correction)
         rows.append(prox_stats)
     return samples, rows, waited
 
@@ -363,7 +363,7 @@ def put(rc: RunConfig, s: Stages, batch) -> dict:
     # A batch the buffer will drop as stale is not recomputed: its snapshot may already be released.
     if rc.learner.old_logp == "recompute" and s.buffer.admissible(batch.version, v, horizon=horizon):
         behaviour = {"weights": None if batch.version == v else s.source.snapshot(batch.version)}
-    scored, stats = scoring.score(
+    scored, stats = advantages.score(
         batch,
         s.learner,
         algo=rc.algo,

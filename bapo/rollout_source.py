@@ -20,7 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from bapo.types import RolloutBatch
+from bapo.samples import RolloutBatch
 
 
 class Interrupted(Exception):

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from bapo.algos import surrogate_objective  # noqa: E402
 from bapo.learner import Learner, collate  # noqa: E402
-from bapo.types import Problem, Prompt, Sample, ScoredSample  # noqa: E402
+from bapo.samples import Problem, Prompt, Sample, ScoredSample  # noqa: E402
 
 MODELS = {  # name: (max prompt length, max response length)
     "tiny": (48, 200),

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from bapo.algos import surrogate_objective, token_logp  # noqa: E402
 from bapo.learner import Learner, collate  # noqa: E402
 from bapo.modeling import load_model, load_tokenizer  # noqa: E402
-from bapo.types import Problem, Prompt, Sample, ScoredSample  # noqa: E402
+from bapo.samples import Problem, Prompt, Sample, ScoredSample  # noqa: E402
 
 
 def make_batch(model, tok, n: int, seed: int = 0):

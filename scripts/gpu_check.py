@@ -277,7 +277,7 @@ def check_rollout(arch: dict, device: torch.device, args) -> dict:
     """rollout: HF generate with the KV cache on the device (a random model seldom samples EOS: rows run full)."""
     from bapo.modeling import load_model
     from bapo.rollout import HFRollout
-    from bapo.types import Problem, Prompt
+    from bapo.samples import Problem, Prompt
 
     torch.manual_seed(0)
     dtype = "bfloat16" if device.type == "cuda" else "float32"
@@ -331,7 +331,7 @@ def check_vllm(arch: dict, device: torch.device, args) -> dict:
     from bapo.learner.strategy import StreamedWeights
     from bapo.modeling import load_model
     from bapo.rollout.vllm import VLLMRollout
-    from bapo.types import Problem, Prompt
+    from bapo.samples import Problem, Prompt
 
     torch.manual_seed(0)
     dtype = "bfloat16" if device.type == "cuda" else "float32"

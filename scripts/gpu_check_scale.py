@@ -90,7 +90,7 @@ def forward_flops(n_matmul: int, arch: dict, lengths: list[int]) -> float:
 
 def synthetic_batch(vocab: int, rows: int, prompt_len: int, response_len: int, seed: int):
     """Full-length rows (no padding): random prompt+response ids, one advantage per sequence."""
-    from bapo.types import TrainBatch
+    from bapo.samples import TrainBatch
 
     g = torch.Generator().manual_seed(seed)
     L = prompt_len + response_len

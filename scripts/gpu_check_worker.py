@@ -60,7 +60,7 @@ def engine_for(rc, path: str, tok, learner):
 
 def prompts(tok, k: int):
     from bapo.data import render_prompts
-    from bapo.types import Problem
+    from bapo.samples import Problem
 
     problems = [Problem(f"p{i}", f"What is {i} + {i + 1}?", str(2 * i + 1)) for i in range(k)]
     return render_prompts(problems, tok, max_prompt_tokens=256)

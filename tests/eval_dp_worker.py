@@ -17,7 +17,7 @@ import torch
 
 from bapo.evaluate import EvalSet, evaluate, evaluate_set
 from bapo.reward import MathVerifier
-from bapo.types import Problem, Prompt, Sample
+from bapo.samples import Problem, Prompt, Sample
 
 # Problem i's two responses. Each rank's share is every other problem, so rank 0 (problems 0, 2, 4)
 # has 6 samples and one pair of distinct answers to compare (problem 4: 0.5 and 1/2), rank 1 4 samples.

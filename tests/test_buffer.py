@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from bapo.buffer import ReplayBuffer, StalenessError
-from bapo.types import Problem, Prompt, Sample, ScoredSample
+from bapo.samples import Problem, Prompt, Sample, ScoredSample
 
 
 def make(group: int, version: int, k: int = 2) -> list[ScoredSample]:

@@ -489,7 +489,7 @@ def test_fsdp_load_refuses_non_finite_weights(tmp_path):
 
 
 def test_plain_encoding_round_trips_known_dataclasses_and_refuses_unknown_ones():
-    from bapo.types import Problem
+    from bapo.samples import Problem
 
     p = Problem("7", "q", "1")
     assert checkpoint.from_plain(checkpoint.to_plain({"x": [p, (p,)]})) == {"x": [p, (p,)]}

@@ -20,7 +20,7 @@ from bapo.data import (
     problem_sources,
     render_prompt,
 )
-from bapo.types import Problem
+from bapo.samples import Problem
 from tests.conftest import run_config
 
 
@@ -136,7 +136,7 @@ def test_shared_math_sets_load(shared_data):
 
 
 def test_list_source_epochs_and_state():
-    from bapo.types import Problem
+    from bapo.samples import Problem
 
     probs = [Problem(str(i), f"p{i}", str(i)) for i in range(5)]
     src = ListSource(probs, seed=0)
@@ -150,7 +150,7 @@ def test_list_source_epochs_and_state():
 
 
 def test_render_prompt_uses_chat_template(tiny_tok):
-    from bapo.types import Problem
+    from bapo.samples import Problem
 
     p = render_prompt(Problem("x", "What is 2 + 3?", "5"), tiny_tok)
     assert p.text.startswith("<|im_start|>user\nWhat is 2 + 3?\nPut the final answer in \\boxed{}.")

@@ -28,7 +28,7 @@ from bapo.evaluate import (
     prepare_set,
 )
 from bapo.reward import MathVerifier
-from bapo.types import Problem, Sample
+from bapo.samples import Problem, Sample
 from eval import run as eval_run
 
 ROOT = Path(__file__).resolve().parents[1]

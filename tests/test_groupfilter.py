@@ -3,7 +3,7 @@
 import torch
 
 from bapo.groupfilter import REFILL_STRIDE, GroupFilter, groups_of
-from bapo.types import Problem, Prompt, RolloutBatch, Sample
+from bapo.samples import Problem, Prompt, RolloutBatch, Sample
 
 
 class FakeMaker:

@@ -204,7 +204,7 @@ def test_online_logging_without_an_api_key_fails_before_anything_is_written(tmp_
 
 
 def test_online_logging_with_a_netrc_entry_passes_the_check(tmp_path, monkeypatch):
-    from bapo.logging import check_wandb
+    from bapo.tracking import check_wandb
 
     netrc = tmp_path / "netrc"
     netrc.write_text("machine api.wandb.ai\n  login user\n  password " + "x" * 40 + "\n")
@@ -223,7 +223,7 @@ def test_a_failing_wandb_init_leaves_no_metrics_file(tmp_path, monkeypatch):
     """Whatever makes wandb.init fail, metrics.jsonl is not created first: the folder holds no run to refuse."""
     import wandb
 
-    from bapo.logging import MetricsLogger
+    from bapo.tracking import MetricsLogger
 
     def broken(**kw):
         raise wandb.errors.UsageError("no network")

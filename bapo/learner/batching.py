@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bapo.types import Sample, ScoredSample, TrainBatch
+from bapo.samples import Sample, ScoredSample, TrainBatch
 
 # optional per-token fields of ScoredSample -> TrainBatch.extras (``proximal_version``, one int per sample, is
 # broadcast over the sample's response tokens)

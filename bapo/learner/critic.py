@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from bapo.algos import explained_variance, value_loss
-from bapo.types import TrainBatch
+from bapo.samples import TrainBatch
 
 
 class ValueModel(nn.Module):

@@ -67,7 +67,7 @@ from bapo.learner.batching import (
 from bapo.learner.critic import Critic
 from bapo.learner.logprobs import logp_entropy
 from bapo.learner.strategy import make_strategy
-from bapo.types import ScoredSample, TrainBatch
+from bapo.samples import ScoredSample, TrainBatch
 
 
 class TrainingDiverged(RuntimeError):

@@ -4,7 +4,7 @@ every engine shares.
 - :class:`RolloutEngine` is the written interface (a ``typing.Protocol``): ``version``,
   ``pad_id``, ``generate``, ``load_weights``, ``sleep`` and ``wake``.
 - :class:`EngineBase` gives engines the no-op ``sleep``/``wake``.
-- :func:`make_sample` is the one place a :class:`~bapo.types.Sample` is built from an
+- :func:`make_sample` is the one place a :class:`~bapo.samples.Sample` is built from an
   engine's raw output, so both engines cut responses, flag truncation and decode text alike.
 - :func:`stop_ids_of` and :func:`pad_id_of` derive the token ids every engine needs from the
   tokenizer and the checkpoint, once.
@@ -24,7 +24,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from bapo.checks import ConfigError
-from bapo.types import Prompt, Sample
+from bapo.samples import Prompt, Sample
 
 
 @runtime_checkable
@@ -36,7 +36,7 @@ class RolloutEngine(Protocol):
     uses the same id).
 
     Optional: ``tensor_parallel_size`` (1 when absent), the number of torchrun ranks one engine
-    spans; those ranks must generate the same prompts with the same seed (``bapo.batches``,
+    spans; those ranks must generate the same prompts with the same seed (``bapo.rollout_maker``,
     ``bapo.evaluate``). ``load_weights`` reads ``weights`` once, in its own order: under FSDP it is
     a streamed mapping whose reads are collectives, so every rank loads at the same time.
     """

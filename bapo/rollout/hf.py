@@ -35,7 +35,7 @@ from bapo.checks import ConfigError
 from bapo.rollout.base import EngineBase, check_top_p, make_sample, pad_id_of, stop_ids_of
 from bapo.rollout.decode import generate_decode, lean_decode
 from bapo.rollout.registry import EngineTraits
-from bapo.types import Prompt, Sample
+from bapo.samples import Prompt, Sample
 
 DECODERS = {"lean": lean_decode, "generate": generate_decode}
 

@@ -1,6 +1,6 @@
 """vLLM generation engine (``rollout=vllm``), colocated with the learner.
 
-Same interface and the same :class:`~bapo.types.Sample` as :class:`bapo.rollout.hf.HFRollout`,
+Same interface and the same :class:`~bapo.samples.Sample` as :class:`bapo.rollout.hf.HFRollout`,
 so the loop cannot tell the two apart. vLLM's offline ``LLM`` runs in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); on a GPU it can sleep (free its weights and KV cache)
 while the learner updates.
@@ -33,7 +33,7 @@ rank builds its own engine with ``distributed_executor_backend="external_launche
 runs in the rank's process, on the rank's device, inside torchrun's process group. With
 ``tensor_parallel_size = t`` (which must divide the world size) ranks ``[g*t, (g+1)*t)`` form one
 tensor-parallel engine: they must submit the same prompts with the same seeds, which
-:class:`bapo.batches.RolloutMaker` does from :attr:`VLLMRollout.tensor_parallel_size`. On a GPU
+:class:`bapo.rollout_maker.RolloutMaker` does from :attr:`VLLMRollout.tensor_parallel_size`. On a GPU
 with ``enable_sleep_mode`` the engines sleep while the learner updates (weights offloaded, KV cache
 freed), wake their weights to load new ones and their KV cache to generate.
 
@@ -58,7 +58,7 @@ from bapo import dist
 from bapo.checks import ConfigError
 from bapo.rollout.base import EngineBase, check_top_p, make_sample, pad_id_of, stop_ids_of
 from bapo.rollout.registry import EngineTraits
-from bapo.types import Prompt, Sample
+from bapo.samples import Prompt, Sample
 
 # Read by vLLM at import time. In-process engine core: start-up drops from ~17 s to ~3 s on
 # CPU, and collective_rpc reaches the workers without pickling. The CPU backend's default

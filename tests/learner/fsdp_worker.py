@@ -25,7 +25,7 @@ from bapo import checkpoint, dist
 from bapo.algos import surrogate_objective, token_logp
 from bapo.learner import Learner, collate
 from bapo.modeling import load_model
-from bapo.types import Problem, Prompt, Sample, ScoredSample
+from bapo.samples import Problem, Prompt, Sample, ScoredSample
 
 TINY = Path(__file__).resolve().parents[2] / "assets" / "tiny-math"
 LEARNER_KW = dict(lr=1e-3, micro_batch_size=3)

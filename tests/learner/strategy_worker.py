@@ -131,7 +131,7 @@ class FakeEngine:
         self.calls: list[tuple[int, int | None]] = []
 
     def generate(self, prompts, *, n=None, temperature=None, seed=None):
-        from bapo.types import Sample
+        from bapo.samples import Sample
 
         n = 2 if n is None else n
         self.calls.append((len(prompts), seed))
@@ -147,7 +147,7 @@ class FakeEngine:
 
 
 def prompts(count: int):
-    from bapo.types import Problem, Prompt
+    from bapo.samples import Problem, Prompt
 
     return [Prompt(Problem(str(i), f"q{i}", str(i)), f"q{i}", (5, 6, i + 7)) for i in range(count)]
 
@@ -174,8 +174,8 @@ def check_eval_shared() -> str:
 
 
 def check_maker_tp() -> str:
-    from bapo.batches import RolloutMaker
     from bapo.reward import MathVerifier
+    from bapo.rollout_maker import RolloutMaker
 
     engine = FakeEngine(tp=2)
     with MathVerifier(num_workers=0) as verifier:
@@ -248,7 +248,7 @@ def _fsdp_learner(src: Path, **kw):
 
 
 def _samples(count: int):
-    from bapo.types import Problem, Prompt, Sample
+    from bapo.samples import Problem, Prompt, Sample
 
     g = torch.Generator().manual_seed(5)
     out = []
@@ -307,7 +307,7 @@ def check_kl_reference(src: Path, device) -> str:
     local = sum(p.to_local().numel() for p in params)
     total = sum(p.numel() for p in params)
     from bapo.learner import collate
-    from bapo.types import ScoredSample
+    from bapo.samples import ScoredSample
 
     batch = collate([ScoredSample(s, 0.0, 0.0, False) for s in _samples(4)], pad_id=0)
     got = lrn._ref_logp(batch)

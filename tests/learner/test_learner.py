@@ -15,7 +15,7 @@ from bapo.algos import (
     token_logp,
 )
 from bapo.learner import Learner, collate, split
-from bapo.types import Problem, Prompt, Sample, ScoredSample
+from bapo.samples import Problem, Prompt, Sample, ScoredSample
 from tests.conftest import learner_cfg
 
 

@@ -11,7 +11,7 @@ from bapo.algos import surrogate_objective
 from bapo.algos.correction import correction_weights, loglinear_proximal
 from bapo.algos.objective import proximal_fn
 from bapo.learner import collate
-from bapo.types import ScoredSample
+from bapo.samples import ScoredSample
 from tests.learner.test_learner import fake_batch, grads, make_learner
 
 
@@ -77,7 +77,7 @@ def test_collate_carries_the_engines_log_probs_weights_and_proximal_version(tiny
 
 
 def _sample(batch, i, tok):
-    from bapo.types import Problem, Prompt, Sample
+    from bapo.samples import Problem, Prompt, Sample
 
     am = batch.attention_mask[i].bool()
     ids = batch.input_ids[i][am]

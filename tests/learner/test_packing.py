@@ -17,7 +17,7 @@ import torch
 from bapo.algos import surrogate_objective
 from bapo.learner import Learner, collate
 from bapo.learner.batching import pack, pack_shared, split_by_tokens, unpack
-from bapo.types import Problem, Prompt, Sample, ScoredSample
+from bapo.samples import Problem, Prompt, Sample, ScoredSample
 
 HERE = Path(__file__).resolve().parent
 spec = importlib.util.spec_from_file_location("fsdp_worker", HERE / "fsdp_worker.py")

@@ -20,7 +20,7 @@ from bapo.algos import token_logp
 from bapo.config import ConfigError
 from bapo.data import ArithSpec, arith_heldout, render_prompt
 from bapo.learner import collate
-from bapo.types import ScoredSample
+from bapo.samples import ScoredSample
 
 TINY = Path(__file__).resolve().parents[2] / "assets" / "tiny-math"
 ENGINE_KW = dict(

@@ -7,7 +7,7 @@ wires them together.
 Per-token data travels as 1-D tensors (token ids as int64, log-probs, advantages,
 values and returns as float32), never as Python tuples of floats: a paper-sized
 step holds tens of millions of tokens, which is what crosses ranks
-(``bapo.batches``) and what a checkpoint stores. Samples hold tensors, so they
+(``bapo.rollout_maker``) and what a checkpoint stores. Samples hold tensors, so they
 compare by identity (``eq=False``), not by value.
 """
 

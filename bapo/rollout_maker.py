@@ -27,8 +27,8 @@ import numpy as np
 import torch
 
 from bapo import dist
+from bapo.samples import Prompt, RolloutBatch, Sample
 from bapo.seeding import derive_seed
-from bapo.types import Prompt, RolloutBatch, Sample
 
 
 class RolloutMaker:

@@ -4,9 +4,9 @@ from types import SimpleNamespace
 
 import torch
 
-from bapo.batches import RolloutMaker, decode_share, encode_share, merge_stats
+from bapo.rollout_maker import RolloutMaker, decode_share, encode_share, merge_stats
+from bapo.samples import Problem, Prompt, RolloutBatch, Sample
 from bapo.seeding import derive_seed
-from bapo.types import Problem, Prompt, RolloutBatch, Sample
 
 
 def prompt(i: int) -> Prompt:

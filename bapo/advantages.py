@@ -26,7 +26,7 @@ import torch
 
 from bapo import algos
 from bapo.reward import overlong_penalty
-from bapo.types import RolloutBatch, Sample, ScoredSample
+from bapo.samples import RolloutBatch, Sample, ScoredSample
 
 
 def recompute_logp(batch: RolloutBatch, learner: Any, weights: dict | None) -> tuple[RolloutBatch, dict]:
