@@ -173,7 +173,7 @@ def main() -> None:
         "--base-overrides",
         default="",
         help="extra Hydra overrides for the baseline only, comma-separated "
-        "(rollout.decode=generate on 1eb02e8: HF generate and the padded learner, issue 16's 'today')",
+        "(rollout.decode=generate on 1eb02e8: HF generate and the padded learner)",
     )
     ap.add_argument("--tree", default=str(ROOT), help="source tree of the new code (default: this one)")
     ap.add_argument("--overrides", default=EQUAL, help="Hydra overrides for every variant, comma-separated")

@@ -1,4 +1,4 @@
-"""Weight sync and loading under torchrun, before and after issue 15: seconds and peak RSS per rank.
+"""Weight sync and loading under torchrun, the streamed path against the full-copy one: seconds and peak RSS per rank.
 
     torchrun --nproc_per_node=2 scripts/bench_weight_sync.py MODEL_DIR --load new   # (.venv-vllm for the sync part)
 

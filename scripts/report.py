@@ -66,7 +66,7 @@ SKIP_DIRS = {".hydra", ".submitit", "checkpoints", "export", "wandb"}
 DASH = "—"
 
 
-# Metrics of runs written before the clip window moved to clip/* (issue 12): read under their new names.
+# Metrics of runs written before the clip window moved to clip/*: read under their new names.
 RENAMED = {"bapo/ratio_low": "clip/low", "bapo/ratio_high": "clip/high", "bapo/rho": "clip/rho"}
 
 

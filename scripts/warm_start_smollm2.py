@@ -1,4 +1,4 @@
-"""Warm-start SmolLM2-135M-Instruct on the mixops task (issue 14, item 4: the testbed on a real pretrained LM).
+"""Warm-start SmolLM2-135M-Instruct on the mixops task (the study's testbed on a real pretrained LM).
 
 Out of the box SmolLM2-135M-Instruct scores 1.6% on mixops (``model=smollm2_135m data=mixops``): it seldom
 boxes an answer and half its responses run past 64 tokens, so a GRPO group of 4 holds a right answer about

@@ -158,8 +158,8 @@ def test_render_prompt_uses_chat_template(tiny_tok):
     assert tiny_tok.decode(list(p.ids)) == p.text
 
 
-# ----------------------------------------------------------------------------- issue 11: hardening
-# The new API is reached through the module (``data.X``) so that, on the code before the fix,
+# ----------------------------------------------------------------------------- hardening
+# The new API is reached through the module (``data.X``) so that, on code without it,
 # each test fails on its own instead of the whole file failing to import.
 
 

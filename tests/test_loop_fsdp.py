@@ -36,7 +36,7 @@ def torchrun(run_dir: Path, *extra: str, launcher=TORCHRUN) -> str:
 MODES = {
     "sync": [],
     "async": ["train.async_rollout=true", "buffer.max_staleness=3"],
-    # issue 11 item 9: this crashed (no scratch model under FSDP); recompute needs the weights of an older version
+    # recompute under FSDP (no scratch model): needs the weights of an older version
     "sync_every2_recompute": ["train.sync_every=2", "learner.mini_batches_per_rollout=1", "learner.old_logp=recompute"],
 }
 

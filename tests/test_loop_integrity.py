@@ -1,6 +1,6 @@
-"""Issue 11 in the real loop: every mode does what it says, no run loses or mixes results, no checkpoint runs code.
+"""The real loop's integrity: every mode does what it says, no run loses or mixes results, no checkpoint runs code.
 
-Each test reproduces a failure a user hit on the code before the fix (the docstrings say what it was)."""
+Each test reproduces a failure a user could hit (the docstrings say which)."""
 
 import json
 import os

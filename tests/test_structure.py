@@ -73,7 +73,7 @@ def test_loop_is_the_only_wiring():
 
 
 def test_run_reads_top_to_bottom():
-    """Issue 12: `run` fits in 150 lines, defines no nested function, and the loop never names the learner's
+    """`run` fits in 150 lines, defines no nested function, and the loop never names the learner's
     placement: FSDP is a strategy inside the learner."""
     src = (PKG / "loop.py").read_text()
     tree = ast.parse(src)

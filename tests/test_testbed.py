@@ -1,7 +1,7 @@
 """The exploration testbeds (model=tiny_explore and model=tiny_longcot, data=mixops): what ships, and the
 step-0 bands they promise.
 
-Bands (issue 14): held-out accuracy 10-25% (avg@8 at T = 1), pass@8 at least twice avg@8, and at least
+Bands: held-out accuracy 10-25% (avg@8 at T = 1), pass@8 at least twice avg@8, and at least
 0.3 nats of entropy per response token at step 0. tiny_longcot also promises what study v3 needs: its wrong
 responses are longer than its right ones (docs/study/README.md).
 """
@@ -73,7 +73,7 @@ def test_testbed_config_composes_with_every_staleness_of_the_study():
     assert rc.model.name_or_path == "assets/tiny-longcot" and rc.train.steps == 80 and rc.learner.lr == 5e-4
     assert not rc.train.async_rollout and (rc.learner.ppo_epochs, rc.learner.mini_batches_per_rollout) == (5, 1)
     assert rc.buffer.max_staleness == 4 and rc.train.prompts_per_step == 20  # the other cells' sample budget
-    rc = run_config("experiment=study_smollm2", "algo=bapo")  # item 4: the warm-started SmolLM2, async k = 8
+    rc = run_config("experiment=study_smollm2", "algo=bapo")  # the warm-started SmolLM2, async k = 8
     assert rc.model.name_or_path.endswith("/smollm2-135m-mixops") and rc.model.answer_fallback == "none"
     assert rc.train.async_rollout and rc.buffer.max_staleness == 8 and rc.learner.mini_batches_per_rollout == 1
 

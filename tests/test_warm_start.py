@@ -1,5 +1,5 @@
 """scripts/warm_start_smollm2.py: the supervised warm start that brings a pretrained LM into the study's band
-on mixops (issue 14, item 4). SmolLM2 itself is not in CI, so the script is run end to end on the shipped
+on mixops. SmolLM2 itself is not in CI, so the script is run end to end on the shipped
 tiny-explore model as its base: the same code path (the product's prompt renderer, the loss mask, the early
 stop, the atomic write, build_info.json and --measure)."""
 

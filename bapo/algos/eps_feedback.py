@@ -139,7 +139,7 @@ def eps_feedback_loss(
 
     ``g``: the update's g (from ``eps_feedback_sums`` over all of its tokens); None computes it
     from this call's tokens. Stats: pg_loss, g, eps, eps_neg, clip_frac_high (A > 0,
-    r > 1 + eps), clip_frac_low (A < 0, r < 1 - eps; not clipped by the card),
+    r > 1 + eps), clip_frac_low (A < 0, r < 1 - eps; not clipped by this heuristic),
     neg_clip_frac (A < 0 tokens with r > 1 + eps_neg: they get no gradient),
     clip_frac, ratio_mean, ratio_max, approx_kl, pos_token_frac, tokens, entropy, kl_ref.
     """

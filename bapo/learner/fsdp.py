@@ -23,7 +23,7 @@ and a load reshards, so a run can resume at another world size. DCP itself would
 unpickle on load (its ``.metadata`` with ``pickle.load``, non-tensor entries with
 ``torch.load(weights_only=False)``), so a checkpoint could run code. Here DCP holds
 tensors only; the learner's small non-tensor state (optimizer hyper-parameters, LR
-schedule, skip count, the card's eps) goes to ``plain.pt`` beside it, read with
+schedule, skip count, eps_feedback's eps) goes to ``plain.pt`` beside it, read with
 ``weights_only=True``; and ``.metadata`` is read by :class:`MetadataUnpickler`, which
 admits DCP's own metadata classes and nothing else, then checked (file names, no
 transforms, no non-tensor entries) before DCP sees it. Inside a checkpoint folder the

@@ -283,7 +283,7 @@ def test_save_load_round_trip_restores_eps_feedback_and_critic(tiny_model, tiny_
     assert out_a["learner/value_loss"] == pytest.approx(out_b["learner/value_loss"], rel=1e-6)
 
 
-# ---------------------------------------------------------------- issue 11: dropout, and stats that mean what they say
+# ---------------------------------------------------------------- dropout, and stats that mean what they say
 
 
 def test_dropout_is_off_so_on_policy_ratios_are_exactly_one(tiny_tok):
