@@ -57,21 +57,13 @@ from bapo.config import (
     prompt_limit,
     resolve_path,
 )
-from bapo.data import (
-    ArithSpec,
-    DataFileError,
-    LoadReport,
-    arith_heldout,
-    gsm8k_answer,
-    load_hub,
-    load_jsonl,
-    render_prompts,
-)
+from bapo.data import DataFileError, LoadReport, gsm8k_answer, load_hub, load_jsonl, render_prompts
 from bapo.data_config import ANSWER_FORMATS, check_arith
 from bapo.paths import compose_option
 from bapo.reward import normalize_answer
 from bapo.samples import Problem, Prompt, Sample
 from bapo.seeding import derive_seed
+from bapo.tasks import ArithSpec, arith_heldout
 
 log = logging.getLogger(__name__)
 

@@ -27,9 +27,10 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from bapo.data import ArithSpec, arith_heldout, render_prompt  # noqa: E402
+from bapo.data import render_prompt  # noqa: E402
 from bapo.modeling import load_model, load_tokenizer, model_path  # noqa: E402
 from bapo.rollout import HFRollout  # noqa: E402
+from bapo.tasks import ArithSpec, arith_heldout  # noqa: E402
 
 PATHS = ("lean", "generate")
 

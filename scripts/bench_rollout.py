@@ -26,9 +26,10 @@ sys.path.insert(0, str(ROOT))
 
 from omegaconf import OmegaConf  # noqa: E402
 
-from bapo.data import ArithSpec, arith_heldout, render_prompt  # noqa: E402
+from bapo.data import render_prompt  # noqa: E402
 from bapo.modeling import load_model, load_tokenizer, model_path  # noqa: E402
 from bapo.rollout import HFRollout, VLLMRollout  # noqa: E402
+from bapo.tasks import ArithSpec, arith_heldout  # noqa: E402
 
 
 def resolve_model(name: str) -> str | None:

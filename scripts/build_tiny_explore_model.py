@@ -5,7 +5,7 @@ The shipped tiny model (``scripts/build_tiny_model.py``) is near-deterministic p
 and there is no entropy to lose (docs/study/v1/README.md). This testbed is built to start where
 off-policy RL on LLMs starts: mostly wrong, uncertain, with room to learn.
 
-The task (``bapo.data.mixed_problem``): expressions of 3-5 operands with ``+``, ``-`` and ``*``
+The task (``bapo.tasks.mixed_problem``): expressions of 3-5 operands with ``+``, ``-`` and ``*``
 and the usual precedence ("What is 12 + 8 * 7 - 20?"). The worked solutions do the products
 first, in a random order, then either go left to right or add the positive and the negative
 terms apart and take the difference: every solution is correct, but length and order vary.
@@ -13,7 +13,7 @@ The gold answer is an integer, graded by the ordinary reward stage (``reward=mat
 
 Steps, all deterministic under ``--seed``:
 1. Write the task's problem sets: ``train.jsonl`` and ``heldout.jsonl``, split by a hash
-   of the problem text (``bapo.data.is_heldout``), so they never overlap.
+   of the problem text (``bapo.tasks.is_heldout``), so they never overlap.
 2. Train a byte-level BPE tokenizer (digits one per token) with a ChatML template.
 3. Build a small Llama (untied embeddings, for vLLM's weight reload).
 4. Supervised warm start on correct worked solutions, stopped early: as soon as the
@@ -26,7 +26,7 @@ Steps, all deterministic under ``--seed``:
    ``build_info.json``.
 
 The long-chain-of-thought testbed, ``assets/tiny-longcot`` (study v3), is the same build with half the
-solutions in a long, slip-prone style (products by repeated addition, ``bapo.data.mixed_long_lines``)
+solutions in a long, slip-prone style (products by repeated addition, ``bapo.tasks.mixed_long_lines``)
 and every ``a+b`` / ``a*b`` step written in either order at random (``commute``). Long solutions fail
 more often, so the model's wrong responses are longer than its right ones (about 1.7x), and the
 commuted steps keep it uncertain per token (0.30 nats) at the same accuracy. Without ``--commute`` the
@@ -60,15 +60,8 @@ from build_tiny_model import CHAT_TEMPLATE, SPECIALS, encode_batch, write_model_
 
 from bapo.algos import grpo_advantages, positive_contribution  # noqa: E402
 from bapo.checkpoint import staged_folder  # noqa: E402
-from bapo.data import (  # noqa: E402
-    DEFAULT_INSTRUCTION,
-    MixedSpec,
-    is_heldout,
-    mixed_long_lines,
-    mixed_problem,
-    mixed_solution,
-    mixed_split,
-)
+from bapo.data import DEFAULT_INSTRUCTION  # noqa: E402
+from bapo.tasks import MixedSpec, is_heldout, mixed_long_lines, mixed_problem, mixed_solution, mixed_split  # noqa: E402
 
 SPEC = MixedSpec(min_terms=3, max_terms=5, max_value=20, max_factor=9, p_mul=0.35)
 HELDOUT_FRAC = 0.1  # as conf/data/mixops.yaml
@@ -105,7 +98,7 @@ def sft_problem(
     """A training-split problem's text (never one that hashes into the held-out split) and a worked solution.
 
     With ``long_share`` > 0, that share of the solutions is the long, slip-prone style
-    (``bapo.data.mixed_long_lines``); at 0 no extra random draw is made, so the tiny-explore build
+    (``bapo.tasks.mixed_long_lines``); at 0 no extra random draw is made, so the tiny-explore build
     is unchanged.
     """
     while True:

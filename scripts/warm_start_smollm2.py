@@ -7,7 +7,7 @@ supervised warm start stopped early (``scripts/build_tiny_explore_model.py``); t
 pretrained model, so the study's comparison can be repeated on weights that were not built here:
 
 1. Supervised steps on correct worked solutions of training-split mixops problems (the short style of
-   ``bapo.data.mixed_problem``, the same generator the tiny testbeds learn from), rendered with the
+   ``bapo.tasks.mixed_problem``, the same generator the tiny testbeds learn from), rendered with the
    product's own prompt (``bapo.data.render_prompt``: SmolLM2's chat template, its system turn, the
    boxing instruction), the loss on the solution tokens and the end token only.
 2. Every ``--eval-every`` steps the sampled held-out accuracy (T = 1) is probed; the warm start stops at
@@ -48,7 +48,8 @@ from build_tiny_explore_model import HELDOUT_FRAC, N_HELDOUT, SPEC, SPLIT_SEED, 
 from build_tiny_model import encode_batch, write_model_folder  # noqa: E402
 
 from bapo.checkpoint import staged_folder  # noqa: E402
-from bapo.data import Problem, mixed_split, render_prompt  # noqa: E402
+from bapo.data import Problem, render_prompt  # noqa: E402
+from bapo.tasks import mixed_split  # noqa: E402
 
 CACHE = Path(os.environ.get("BAPO_CACHE", Path.home() / ".cache" / "bapo"))
 BUILT_BY = "scripts/warm_start_smollm2.py"

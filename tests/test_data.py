@@ -5,22 +5,10 @@ import signal
 
 import pytest
 
-from bapo import data
-from bapo.data import (
-    ArithSource,
-    ArithSpec,
-    ListSource,
-    LoadReport,
-    arith_heldout,
-    arith_problem,
-    careless,
-    is_heldout,
-    load_hub,
-    load_jsonl,
-    problem_sources,
-    render_prompt,
-)
+from bapo import data, tasks
+from bapo.data import ListSource, LoadReport, load_hub, load_jsonl, problem_sources, render_prompt
 from bapo.samples import Problem
+from bapo.tasks import ArithSource, ArithSpec, arith_heldout, arith_problem, careless, is_heldout
 from tests.conftest import run_config
 
 
@@ -388,16 +376,16 @@ def test_mixed_answers_follow_precedence_and_every_step_is_right():
     import random
 
     rng = random.Random(0)
-    spec = data.MixedSpec()
+    spec = tasks.MixedSpec()
     for _ in range(500):
-        expr, lines, value = data.mixed_problem(rng, spec)
+        expr, lines, value = tasks.mixed_problem(rng, spec)
         assert _precedence_value(expr) == value, expr
         n = len(expr.split()) // 2 + 1
         assert spec.min_terms <= n <= spec.max_terms
         steps = _replay(lines)
         if steps:  # the last step produces the answer
             assert steps[-1][3] == value, (expr, lines)
-        assert data.mixed_solution(lines, value).endswith(f"\\boxed{{{value}}}")
+        assert tasks.mixed_solution(lines, value).endswith(f"\\boxed{{{value}}}")
 
 
 def test_mixed_precedence_hand_computed():
@@ -410,10 +398,10 @@ def test_mixed_solutions_vary_in_strategy_and_length():
     import random
 
     rng = random.Random(1)
-    spec = data.MixedSpec(min_terms=4, max_terms=4, p_mul=0.0)
+    spec = tasks.MixedSpec(min_terms=4, max_terms=4, p_mul=0.0)
     lengths, orders = set(), set()
     for _ in range(300):
-        expr, lines, value = data.mixed_problem(rng, spec)
+        expr, lines, value = tasks.mixed_problem(rng, spec)
         lengths.add(len(lines))
         toks = expr.split()
         # the left-to-right solution, by hand: each step combines the running value with the next operand
@@ -426,23 +414,23 @@ def test_mixed_solutions_vary_in_strategy_and_length():
     assert orders == {True, False}  # both strategies occur
     assert lengths == {3}  # n - 1 combining steps either way: strategy changes the order, not the count
     rng = random.Random(2)
-    lengths = {len(data.mixed_problem(rng, data.MixedSpec())[1]) for _ in range(300)}
+    lengths = {len(tasks.mixed_problem(rng, tasks.MixedSpec())[1]) for _ in range(300)}
     assert lengths == {2, 3, 4}  # 3-5 operands: 2-4 steps (a product is one step as a sum is)
 
 
 def test_mixed_split_is_disjoint_deterministic_and_named():
-    spec = data.MixedSpec()
-    held = data.mixed_split(100, seed=3, split="heldout", heldout_frac=0.1, spec=spec)
-    train = data.mixed_split(300, seed=3, split="train", heldout_frac=0.1, spec=spec)
+    spec = tasks.MixedSpec()
+    held = tasks.mixed_split(100, seed=3, split="heldout", heldout_frac=0.1, spec=spec)
+    train = tasks.mixed_split(300, seed=3, split="train", heldout_frac=0.1, spec=spec)
     assert len({p.problem for p in held}) == 100 and len({p.problem for p in train}) == 300
     assert not {p.problem for p in held} & {p.problem for p in train}
     assert all(is_heldout(p.problem, 0.1) for p in held)
     assert [p.problem for p in held] == [
-        p.problem for p in data.mixed_split(100, seed=3, split="heldout", heldout_frac=0.1, spec=spec)
+        p.problem for p in tasks.mixed_split(100, seed=3, split="heldout", heldout_frac=0.1, spec=spec)
     ]
     assert all(p.answer == str(_precedence_value(p.problem[len("What is ") : -1])) for p in held)
     with pytest.raises(ValueError, match="split"):
-        data.mixed_split(1, seed=0, split="test", heldout_frac=0.1, spec=spec)
+        tasks.mixed_split(1, seed=0, split="test", heldout_frac=0.1, spec=spec)
 
 
 def test_jsonl_relative_path_is_found_from_the_repo_root(tmp_path, monkeypatch):
@@ -456,26 +444,26 @@ def test_jsonl_relative_path_is_found_from_the_repo_root(tmp_path, monkeypatch):
 
 def test_mixed_long_lines_hand_computed():
     # 13 - 6 * 9 - 12: 9 added 6 times (5 additions), then left to right
-    lines, value = data.mixed_long_lines("13 - 6 * 9 - 12")
+    lines, value = tasks.mixed_long_lines("13 - 6 * 9 - 12")
     assert lines == ["9+9=18", "18+9=27", "27+9=36", "36+9=45", "45+9=54", "13-54=-41", "-41-12=-53"]
     assert value == 13 - 6 * 9 - 12
     # a chained product: 2 * 3 = 3+3, then 6 * 4 = 6+6+6+6
-    assert data.mixed_long_lines("2 * 3 * 4") == (["3+3=6", "6+6=12", "12+6=18", "18+6=24"], 24)
+    assert tasks.mixed_long_lines("2 * 3 * 4") == (["3+3=6", "6+6=12", "12+6=18", "18+6=24"], 24)
     with pytest.raises(ValueError, match="not a mixops expression"):
-        data.mixed_long_lines("2 / 3")
+        tasks.mixed_long_lines("2 / 3")
 
 
 def test_mixed_long_lines_agree_with_precedence_and_are_longer():
     import random
 
     rng = random.Random(2)
-    spec = data.MixedSpec()
+    spec = tasks.MixedSpec()
     longer = 0
     for _ in range(500):
-        expr, short, value = data.mixed_problem(rng, spec)
-        lines, got = data.mixed_long_lines(expr)
+        expr, short, value = tasks.mixed_problem(rng, spec)
+        lines, got = tasks.mixed_long_lines(expr)
         assert got == value == _precedence_value(expr), expr
-        assert data.mixed_long_lines(expr, rng)[1] == value  # either factor as the base: the same answer
+        assert tasks.mixed_long_lines(expr, rng)[1] == value  # either factor as the base: the same answer
         steps = _replay(lines)  # every line is true arithmetic
         assert all(op in "+-" for _, op, _, _ in steps)  # products are repeated additions
         if steps:

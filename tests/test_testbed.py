@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from bapo.data import is_heldout
+from bapo.tasks import is_heldout
 from tests.conftest import ROOT, run_config
 
 ASSET = ROOT / "assets" / "tiny-explore"

@@ -22,11 +22,12 @@ from omegaconf import OmegaConf
 
 from bapo.algos import surrogate_objective
 from bapo.config import ROLLOUT
-from bapo.data import ArithSpec, arith_heldout, render_prompt
+from bapo.data import render_prompt
 from bapo.learner import Learner
 from bapo.paths import compose_option
 from bapo.rollout import ENGINES, RolloutEngine, build_rollout, engine_class, engine_traits
 from bapo.rollout.registry import EngineTraits
+from bapo.tasks import ArithSpec, arith_heldout
 from tests.conftest import learner_cfg
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from bapo.config import ConfigError
-from bapo.data import ArithSpec, arith_heldout, render_prompt
+from bapo.data import render_prompt
 from bapo.modeling import load_model
 from bapo.rollout import HFRollout, RolloutEngine, build_rollout, make_sample, pad_id_of, stop_ids_of
 from bapo.rollout.decode import _pick
+from bapo.tasks import ArithSpec, arith_heldout
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "assets" / "tiny-math"

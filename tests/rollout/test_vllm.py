@@ -18,9 +18,10 @@ import torch
 
 from bapo.algos import token_logp
 from bapo.config import ConfigError
-from bapo.data import ArithSpec, arith_heldout, render_prompt
+from bapo.data import render_prompt
 from bapo.learner import collate
 from bapo.samples import ScoredSample
+from bapo.tasks import ArithSpec, arith_heldout
 
 TINY = Path(__file__).resolve().parents[2] / "assets" / "tiny-math"
 ENGINE_KW = dict(
