@@ -279,7 +279,7 @@ def test_build_rollout_makes_a_vllm_engine_for_evaluation(tiny_tok):
 
     cfg = SimpleNamespace(
         engine="vllm", n=2, temperature=1.0, max_new_tokens=16, gpu_memory_utilization=0.5,
-        tensor_parallel_size=1, enable_sleep_mode=False, enforce_eager=True,
+        tensor_parallel_size=1, enable_sleep_mode=False, sleep_level=1, enforce_eager=True,
     )  # fmt: skip
     eng = build_rollout(cfg, path=str(TINY), tokenizer=tiny_tok, seed=0, top_p=0.9, logprobs=False)
     assert isinstance(eng, VLLMRollout) and eng.top_p == 0.9
