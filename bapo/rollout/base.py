@@ -4,6 +4,7 @@ every engine shares.
 - :class:`RolloutEngine` is the written interface (a ``typing.Protocol``): ``version``,
   ``pad_id``, ``generate``, ``load_weights``, ``sleep`` and ``wake``.
 - :class:`EngineBase` gives engines the no-op ``sleep``/``wake``.
+- :class:`EngineContext` is what every engine's ``from_config(cfg, ctx)`` gets beside its typed config.
 - :func:`make_sample` is the one place a :class:`~bapo.samples.Sample` is built from an
   engine's raw output, so both engines cut responses, flag truncation and decode text alike.
 - :func:`stop_ids_of` and :func:`pad_id_of` derive the token ids every engine needs from the
@@ -19,7 +20,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -85,6 +87,28 @@ class EngineBase:
 
     def wake(self) -> None:
         """Nothing to restore by default."""
+
+
+@dataclass(frozen=True)
+class EngineContext:
+    """What an engine is built with beside its typed rollout config: the run's model and how it is used.
+
+    ``path``: the checkpoint an engine that loads its own weights reads; ``model``: the engine's own copy
+    of the weights, for an engine whose traits say it needs one (loaded from ``path`` in ``dtype`` when
+    None). ``seed`` seeds an engine's sampler where it has one of its own. ``max_model_len``: the longest
+    prompt + response the engine must hold, which sizes a KV cache (None: the model's whole context).
+    ``logprobs=False`` (evaluation) allows ``top_p < 1``; training engines record the log-probs the
+    learner needs and sample the full distribution.
+    """
+
+    path: str
+    tokenizer: Any
+    model: Any = None
+    dtype: str = "float32"
+    seed: int = 0
+    max_model_len: int | None = None
+    logprobs: bool = True
+    top_p: float = 1.0
 
 
 def pad_id_of(tokenizer) -> int:

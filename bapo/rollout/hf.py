@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from bapo.checks import ConfigError
-from bapo.rollout.base import EngineBase, check_top_p, make_sample, pad_id_of, stop_ids_of
+from bapo.rollout.base import EngineBase, EngineContext, check_top_p, make_sample, pad_id_of, stop_ids_of
 from bapo.rollout.decode import generate_decode, lean_decode
 from bapo.rollout.registry import EngineTraits
 from bapo.samples import Prompt, Sample
@@ -48,36 +48,26 @@ class HFRollout(EngineBase):
     )
 
     @classmethod
-    def from_config(
-        cls,
-        cfg,
-        *,
-        path: str,
-        tokenizer,
-        model: torch.nn.Module | None = None,
-        dtype: str = "float32",
-        seed: int = 0,
-        max_model_len: int | None = None,
-        logprobs: bool = True,
-        top_p: float = 1.0,
-    ) -> HFRollout:
+    def from_config(cls, cfg, ctx: EngineContext) -> HFRollout:
         """The engine of ``rollout=hf`` (``cfg``: n, temperature, max_new_tokens, batch_size, decode), sampling
-        with ``model`` (loaded from ``path`` in ``dtype`` when None). ``seed`` and ``max_model_len`` are
-        unused: each ``generate`` call is seeded, and the model's context bounds a sequence."""
+        with ``ctx.model`` (loaded from ``ctx.path`` in ``ctx.dtype`` when None). ``ctx.seed`` and
+        ``ctx.max_model_len`` are unused: each ``generate`` call is seeded, and the model's context bounds a
+        sequence."""
+        model = ctx.model
         if model is None:
             from bapo.modeling import load_model, pick_device
 
-            model = load_model(path, dtype=dtype, device=pick_device("auto"))
+            model = load_model(ctx.path, dtype=ctx.dtype, device=pick_device("auto"))
         return cls(
             model,
-            tokenizer,
+            ctx.tokenizer,
             n=cfg.n,
             temperature=cfg.temperature,
             max_new_tokens=cfg.max_new_tokens,
             batch_size=cfg.batch_size,
             decode=cfg.decode,
-            top_p=top_p,
-            logprobs=logprobs,
+            top_p=ctx.top_p,
+            logprobs=ctx.logprobs,
         )
 
     def __init__(

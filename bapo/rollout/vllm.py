@@ -56,7 +56,7 @@ import torch
 
 from bapo import dist
 from bapo.checks import ConfigError
-from bapo.rollout.base import EngineBase, check_top_p, make_sample, pad_id_of, stop_ids_of
+from bapo.rollout.base import EngineBase, EngineContext, check_top_p, make_sample, pad_id_of, stop_ids_of
 from bapo.rollout.registry import EngineTraits
 from bapo.samples import Prompt, Sample
 
@@ -117,26 +117,14 @@ class VLLMRollout(EngineBase):
     )
 
     @classmethod
-    def from_config(
-        cls,
-        cfg,
-        *,
-        path: str,
-        tokenizer,
-        model=None,
-        dtype: str = "float32",
-        seed: int = 0,
-        max_model_len: int | None = None,
-        logprobs: bool = True,
-        top_p: float = 1.0,
-    ) -> VLLMRollout:
+    def from_config(cls, cfg, ctx: EngineContext) -> VLLMRollout:
         """The engine of ``rollout=vllm`` (``cfg``: n, temperature, max_new_tokens, gpu_memory_utilization,
-        tensor_parallel_size, enable_sleep_mode, sleep_level, enforce_eager). It loads ``path`` itself
-        (``model`` is unused), seeds its engine with ``seed`` and sizes its KV cache for ``max_model_len``
-        tokens (None: the model's whole context)."""
+        tensor_parallel_size, enable_sleep_mode, sleep_level, enforce_eager). It loads ``ctx.path`` itself
+        (``ctx.model`` is unused), seeds its engine with ``ctx.seed`` and sizes its KV cache for
+        ``ctx.max_model_len`` tokens (None: the model's whole context)."""
         return cls(
-            path,
-            tokenizer,
+            ctx.path,
+            ctx.tokenizer,
             n=cfg.n,
             temperature=cfg.temperature,
             max_new_tokens=cfg.max_new_tokens,
@@ -145,11 +133,11 @@ class VLLMRollout(EngineBase):
             enable_sleep_mode=cfg.enable_sleep_mode,
             enforce_eager=cfg.enforce_eager,
             sleep_level=cfg.sleep_level,
-            dtype=dtype,
-            seed=seed,
-            top_p=top_p,
-            logprobs=logprobs,
-            max_model_len=max_model_len,
+            dtype=ctx.dtype,
+            seed=ctx.seed,
+            top_p=ctx.top_p,
+            logprobs=ctx.logprobs,
+            max_model_len=ctx.max_model_len,
         )
 
     def __init__(
