@@ -3,7 +3,7 @@ every engine shares.
 
 - :class:`RolloutEngine` is the written interface (a ``typing.Protocol``): ``version``,
   ``pad_id``, ``generate``, ``load_weights``, ``sleep`` and ``wake``.
-- :class:`EngineBase` gives engines the no-op ``sleep``/``wake``.
+- :class:`EngineBase` gives engines the no-op ``sleep``/``wake`` and the sampling defaults they all hold.
 - :class:`EngineContext` is what every engine's ``from_config(cfg, ctx)`` gets beside its typed config.
 - :func:`make_sample` is the one place a :class:`~bapo.samples.Sample` is built from an
   engine's raw output, so both engines cut responses, flag truncation and decode text alike.
@@ -74,12 +74,52 @@ class RolloutEngine(Protocol):
 
 
 class EngineBase:
-    """The parts of :class:`RolloutEngine` most engines share: no-op sleep/wake."""
+    """The parts of :class:`RolloutEngine` most engines share: no-op sleep/wake, the sampling defaults, and
+    ``generate`` filling them in before the engine's own ``_generate``."""
 
     version: int = 0
     tensor_parallel_size: int = 1  # ranks per engine (vLLM under torchrun may span several)
 
     def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> float:
+        raise NotImplementedError
+
+    def _hold_sampling(
+        self,
+        tokenizer,
+        generation_config,
+        *,
+        n: int,
+        temperature: float,
+        max_new_tokens: int,
+        top_p: float,
+        logprobs: bool,
+    ) -> None:
+        """Keep the sampling defaults every engine has and derive its pad and stop ids (from ``tokenizer`` and
+        the checkpoint's ``generation_config``, which may be None); the engine starts at version 0."""
+        self.tokenizer = tokenizer
+        self.n = n
+        self.temperature = temperature
+        self.max_new_tokens = max_new_tokens
+        self.top_p = top_p
+        self.logprobs = logprobs
+        self.version = 0
+        self.pad_id = pad_id_of(tokenizer)
+        self.stop_ids = stop_ids_of(tokenizer, generation_config)
+
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        n: int | None = None,
+        temperature: float | None = None,
+        seed: int | None = None,
+    ) -> list[Sample]:
+        """:meth:`RolloutEngine.generate`, with the engine's own ``n`` and ``temperature`` where a call gives none."""
+        n = self.n if n is None else n
+        temperature = self.temperature if temperature is None else temperature
+        return self._generate(prompts, n, temperature, seed)
+
+    def _generate(self, prompts: Sequence[Prompt], n: int, temperature: float, seed: int | None) -> list[Sample]:
         raise NotImplementedError
 
     def sleep(self) -> None:

@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from bapo.checks import ConfigError
-from bapo.rollout.base import EngineBase, EngineContext, check_top_p, make_sample, pad_id_of, stop_ids_of
+from bapo.rollout.base import EngineBase, EngineContext, check_top_p, make_sample
 from bapo.rollout.decode import generate_decode, lean_decode
 from bapo.rollout.registry import EngineTraits
 from bapo.samples import Prompt, Sample
@@ -87,17 +87,17 @@ class HFRollout(EngineBase):
         if decode not in DECODERS:
             raise ConfigError(f"rollout.decode: must be one of {list(DECODERS)}, got {decode!r}")
         self.model = model.eval()
-        self.tokenizer = tokenizer
-        self.n = n
-        self.temperature = temperature
-        self.top_p = top_p
-        self.max_new_tokens = max_new_tokens
+        self._hold_sampling(
+            tokenizer,
+            getattr(model, "generation_config", None),
+            n=n,
+            temperature=temperature,
+            max_new_tokens=max_new_tokens,
+            top_p=top_p,
+            logprobs=logprobs,
+        )
         self.batch_size = batch_size
         self.decode = decode
-        self.logprobs = logprobs
-        self.version = 0
-        self.pad_id = pad_id_of(tokenizer)
-        self.stop_ids = stop_ids_of(tokenizer, getattr(model, "generation_config", None))
         self.device = next(model.parameters()).device
 
     @torch.no_grad()
@@ -108,19 +108,10 @@ class HFRollout(EngineBase):
         self.version = version
         return time.perf_counter() - t0
 
-    def generate(
-        self,
-        prompts: Sequence[Prompt],
-        *,
-        n: int | None = None,
-        temperature: float | None = None,
-        seed: int | None = None,
-    ) -> list[Sample]:
+    def _generate(self, prompts: Sequence[Prompt], n: int, temperature: float, seed: int | None) -> list[Sample]:
         """Sample ``n`` responses per prompt; ``temperature=0`` means greedy; ``seed`` makes it reproducible."""
         if seed is not None:
             torch.manual_seed(seed)
-        n = self.n if n is None else n
-        temperature = self.temperature if temperature is None else temperature
         per_call = max(1, self.batch_size // n)
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i].ids))  # stable: ties keep prompt order
         out: list[Sample | None] = [None] * (len(prompts) * n)

@@ -56,7 +56,7 @@ import torch
 
 from bapo import dist
 from bapo.checks import ConfigError
-from bapo.rollout.base import EngineBase, EngineContext, check_top_p, make_sample, pad_id_of, stop_ids_of
+from bapo.rollout.base import EngineBase, EngineContext, check_top_p, make_sample
 from bapo.rollout.registry import EngineTraits
 from bapo.samples import Prompt, Sample
 
@@ -172,19 +172,19 @@ class VLLMRollout(EngineBase):
         from vllm.platforms import current_platform
 
         self.on_cpu = current_platform.is_cpu()
-        self.tokenizer = tokenizer
-        self.n = n
-        self.temperature = temperature
-        self.top_p = top_p
-        self.logprobs = logprobs
-        self.max_new_tokens = max_new_tokens
-        self.version = 0
+        self._hold_sampling(
+            tokenizer,
+            checkpoint_generation_config(str(model_path_or_dir)),
+            n=n,
+            temperature=temperature,
+            max_new_tokens=max_new_tokens,
+            top_p=top_p,
+            logprobs=logprobs,
+        )
         self.tensor_parallel_size = tensor_parallel_size
         self.colocated = world > 1  # one engine per torchrun rank, in its process group
         # the workers run in this process (their model is reachable): one engine per rank, or one worker
         self.in_process = self.colocated or tensor_parallel_size == 1
-        self.pad_id = pad_id_of(tokenizer)
-        self.stop_ids = stop_ids_of(tokenizer, checkpoint_generation_config(str(model_path_or_dir)))
         self.sleep_mode = enable_sleep_mode and not self.on_cpu  # vLLM's sleep mode needs CUDA
         self.sleep_level = sleep_level
         self.asleep: set[str] = set()  # the parts put to sleep and not woken: "weights", "kv_cache"
@@ -282,14 +282,7 @@ class VLLMRollout(EngineBase):
             "reload_weights", kwargs={"weights_path": str(self._weights_dir), "is_checkpoint_format": True}
         )
 
-    def generate(
-        self,
-        prompts: Sequence[Prompt],
-        *,
-        n: int | None = None,
-        temperature: float | None = None,
-        seed: int | None = None,
-    ) -> list[Sample]:
+    def _generate(self, prompts: Sequence[Prompt], n: int, temperature: float, seed: int | None) -> list[Sample]:
         """Sample ``n`` responses per prompt; ``temperature=0`` means greedy.
 
         With ``seed`` the result is reproducible: response i of this call gets its own seed.
@@ -299,8 +292,6 @@ class VLLMRollout(EngineBase):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        n = self.n if n is None else n
-        temperature = self.temperature if temperature is None else temperature
         self.wake()  # weights and KV cache
         # vLLM 0.32's CPU runner crashes when a seeded request's prefill is chunked (it rewinds the
         # generator with set_offset, which CPU generators lack). Its CPU sampler draws from the
