@@ -9,13 +9,14 @@ ConfigError with an install hint when vLLM is missing).
 
 from __future__ import annotations
 
-from bapo.rollout.base import EngineBase, RolloutEngine, make_sample, pad_id_of, stop_ids_of
+from bapo.rollout.base import EngineBase, EngineContext, RolloutEngine, make_sample, pad_id_of, stop_ids_of
 from bapo.rollout.hf import HFRollout
 from bapo.rollout.registry import ENGINES, EngineTraits, engine_class, engine_traits
 
 __all__ = [
     "ENGINES",
     "EngineBase",
+    "EngineContext",
     "EngineTraits",
     "HFRollout",
     "RolloutEngine",
@@ -29,38 +30,13 @@ __all__ = [
 ]
 
 
-def build_rollout(
-    cfg,
-    *,
-    path: str,
-    tokenizer,
-    model=None,
-    dtype: str = "float32",
-    seed: int = 0,
-    logprobs: bool = True,
-    top_p: float = 1.0,
-    max_model_len: int | None = None,
-) -> RolloutEngine:
+def build_rollout(cfg, **context) -> RolloutEngine:
     """The engine ``cfg.engine`` names (:data:`~bapo.rollout.registry.ENGINES`), built by its ``from_config``
-    from the typed rollout config ``cfg``.
-
-    ``model``: the engine's own copy of the weights, for an engine whose traits say it needs one (loaded
-    from ``path`` in ``dtype`` when None); the others load ``path`` themselves and seed their sampler with
-    ``seed``. ``logprobs=False`` (evaluation) allows ``top_p < 1``; training engines record the log-probs
-    the learner needs and sample the full distribution. ``max_model_len``: the longest prompt + response
-    the engine must hold, which sizes a KV cache (None: the model's whole context).
+    from the typed rollout config ``cfg`` and an :class:`~bapo.rollout.base.EngineContext` of the keyword
+    arguments (``path``, ``tokenizer``, ``model``, ``dtype``, ``seed``, ``max_model_len``, ``logprobs``,
+    ``top_p``; see there).
     """
-    return engine_class(cfg.engine).from_config(
-        cfg,
-        path=path,
-        tokenizer=tokenizer,
-        model=model,
-        dtype=dtype,
-        seed=seed,
-        max_model_len=max_model_len,
-        logprobs=logprobs,
-        top_p=top_p,
-    )
+    return engine_class(cfg.engine).from_config(cfg, EngineContext(**context))
 
 
 def __getattr__(name: str):

@@ -3,7 +3,8 @@ every engine shares.
 
 - :class:`RolloutEngine` is the written interface (a ``typing.Protocol``): ``version``,
   ``pad_id``, ``generate``, ``load_weights``, ``sleep`` and ``wake``.
-- :class:`EngineBase` gives engines the no-op ``sleep``/``wake``.
+- :class:`EngineBase` gives engines the no-op ``sleep``/``wake`` and the sampling defaults they all hold.
+- :class:`EngineContext` is what every engine's ``from_config(cfg, ctx)`` gets beside its typed config.
 - :func:`make_sample` is the one place a :class:`~bapo.samples.Sample` is built from an
   engine's raw output, so both engines cut responses, flag truncation and decode text alike.
 - :func:`stop_ids_of` and :func:`pad_id_of` derive the token ids every engine needs from the
@@ -19,7 +20,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -72,7 +74,8 @@ class RolloutEngine(Protocol):
 
 
 class EngineBase:
-    """The parts of :class:`RolloutEngine` most engines share: no-op sleep/wake."""
+    """The parts of :class:`RolloutEngine` most engines share: no-op sleep/wake, the sampling defaults, and
+    ``generate`` filling them in before the engine's own ``_generate``."""
 
     version: int = 0
     tensor_parallel_size: int = 1  # ranks per engine (vLLM under torchrun may span several)
@@ -80,11 +83,72 @@ class EngineBase:
     def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> float:
         raise NotImplementedError
 
+    def _hold_sampling(
+        self,
+        tokenizer,
+        generation_config,
+        *,
+        n: int,
+        temperature: float,
+        max_new_tokens: int,
+        top_p: float,
+        logprobs: bool,
+    ) -> None:
+        """Keep the sampling defaults every engine has and derive its pad and stop ids (from ``tokenizer`` and
+        the checkpoint's ``generation_config``, which may be None); the engine starts at version 0."""
+        self.tokenizer = tokenizer
+        self.n = n
+        self.temperature = temperature
+        self.max_new_tokens = max_new_tokens
+        self.top_p = top_p
+        self.logprobs = logprobs
+        self.version = 0
+        self.pad_id = pad_id_of(tokenizer)
+        self.stop_ids = stop_ids_of(tokenizer, generation_config)
+
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        n: int | None = None,
+        temperature: float | None = None,
+        seed: int | None = None,
+    ) -> list[Sample]:
+        """:meth:`RolloutEngine.generate`, with the engine's own ``n`` and ``temperature`` where a call gives none."""
+        n = self.n if n is None else n
+        temperature = self.temperature if temperature is None else temperature
+        return self._generate(prompts, n, temperature, seed)
+
+    def _generate(self, prompts: Sequence[Prompt], n: int, temperature: float, seed: int | None) -> list[Sample]:
+        raise NotImplementedError
+
     def sleep(self) -> None:
         """Nothing to free by default."""
 
     def wake(self) -> None:
         """Nothing to restore by default."""
+
+
+@dataclass(frozen=True)
+class EngineContext:
+    """What an engine is built with beside its typed rollout config: the run's model and how it is used.
+
+    ``path``: the checkpoint an engine that loads its own weights reads; ``model``: the engine's own copy
+    of the weights, for an engine whose traits say it needs one (loaded from ``path`` in ``dtype`` when
+    None). ``seed`` seeds an engine's sampler where it has one of its own. ``max_model_len``: the longest
+    prompt + response the engine must hold, which sizes a KV cache (None: the model's whole context).
+    ``logprobs=False`` (evaluation) allows ``top_p < 1``; training engines record the log-probs the
+    learner needs and sample the full distribution.
+    """
+
+    path: str
+    tokenizer: Any
+    model: Any = None
+    dtype: str = "float32"
+    seed: int = 0
+    max_model_len: int | None = None
+    logprobs: bool = True
+    top_p: float = 1.0
 
 
 def pad_id_of(tokenizer) -> int:

@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from bapo.checks import ConfigError
-from bapo.rollout.base import EngineBase, check_top_p, make_sample, pad_id_of, stop_ids_of
+from bapo.rollout.base import EngineBase, EngineContext, check_top_p, make_sample
 from bapo.rollout.decode import generate_decode, lean_decode
 from bapo.rollout.registry import EngineTraits
 from bapo.samples import Prompt, Sample
@@ -48,36 +48,26 @@ class HFRollout(EngineBase):
     )
 
     @classmethod
-    def from_config(
-        cls,
-        cfg,
-        *,
-        path: str,
-        tokenizer,
-        model: torch.nn.Module | None = None,
-        dtype: str = "float32",
-        seed: int = 0,
-        max_model_len: int | None = None,
-        logprobs: bool = True,
-        top_p: float = 1.0,
-    ) -> HFRollout:
+    def from_config(cls, cfg, ctx: EngineContext) -> HFRollout:
         """The engine of ``rollout=hf`` (``cfg``: n, temperature, max_new_tokens, batch_size, decode), sampling
-        with ``model`` (loaded from ``path`` in ``dtype`` when None). ``seed`` and ``max_model_len`` are
-        unused: each ``generate`` call is seeded, and the model's context bounds a sequence."""
+        with ``ctx.model`` (loaded from ``ctx.path`` in ``ctx.dtype`` when None). ``ctx.seed`` and
+        ``ctx.max_model_len`` are unused: each ``generate`` call is seeded, and the model's context bounds a
+        sequence."""
+        model = ctx.model
         if model is None:
             from bapo.modeling import load_model, pick_device
 
-            model = load_model(path, dtype=dtype, device=pick_device("auto"))
+            model = load_model(ctx.path, dtype=ctx.dtype, device=pick_device("auto"))
         return cls(
             model,
-            tokenizer,
+            ctx.tokenizer,
             n=cfg.n,
             temperature=cfg.temperature,
             max_new_tokens=cfg.max_new_tokens,
             batch_size=cfg.batch_size,
             decode=cfg.decode,
-            top_p=top_p,
-            logprobs=logprobs,
+            top_p=ctx.top_p,
+            logprobs=ctx.logprobs,
         )
 
     def __init__(
@@ -97,17 +87,17 @@ class HFRollout(EngineBase):
         if decode not in DECODERS:
             raise ConfigError(f"rollout.decode: must be one of {list(DECODERS)}, got {decode!r}")
         self.model = model.eval()
-        self.tokenizer = tokenizer
-        self.n = n
-        self.temperature = temperature
-        self.top_p = top_p
-        self.max_new_tokens = max_new_tokens
+        self._hold_sampling(
+            tokenizer,
+            getattr(model, "generation_config", None),
+            n=n,
+            temperature=temperature,
+            max_new_tokens=max_new_tokens,
+            top_p=top_p,
+            logprobs=logprobs,
+        )
         self.batch_size = batch_size
         self.decode = decode
-        self.logprobs = logprobs
-        self.version = 0
-        self.pad_id = pad_id_of(tokenizer)
-        self.stop_ids = stop_ids_of(tokenizer, getattr(model, "generation_config", None))
         self.device = next(model.parameters()).device
 
     @torch.no_grad()
@@ -118,19 +108,10 @@ class HFRollout(EngineBase):
         self.version = version
         return time.perf_counter() - t0
 
-    def generate(
-        self,
-        prompts: Sequence[Prompt],
-        *,
-        n: int | None = None,
-        temperature: float | None = None,
-        seed: int | None = None,
-    ) -> list[Sample]:
+    def _generate(self, prompts: Sequence[Prompt], n: int, temperature: float, seed: int | None) -> list[Sample]:
         """Sample ``n`` responses per prompt; ``temperature=0`` means greedy; ``seed`` makes it reproducible."""
         if seed is not None:
             torch.manual_seed(seed)
-        n = self.n if n is None else n
-        temperature = self.temperature if temperature is None else temperature
         per_call = max(1, self.batch_size // n)
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i].ids))  # stable: ties keep prompt order
         out: list[Sample | None] = [None] * (len(prompts) * n)

@@ -28,7 +28,7 @@ WEIGHT_PATHS = ("in_process", "transport")
 class EngineTraits:
     """What an engine is, as far as the loop and evaluation must know.
 
-    - ``needs_model_copy``: it samples with a model built in this process (``from_config(model=...)``,
+    - ``needs_model_copy``: it samples with a model built in this process (``EngineContext.model``,
       a copy of the learner's weights); otherwise it loads the checkpoint at ``path`` itself, and a
       sharded learner may then start from the meta device (nothing to copy it into).
     - ``can_sleep``: ``sleep()`` may free accelerator memory between updates (only with no request in

@@ -56,7 +56,7 @@ import torch
 
 from bapo import dist
 from bapo.checks import ConfigError
-from bapo.rollout.base import EngineBase, check_top_p, make_sample, pad_id_of, stop_ids_of
+from bapo.rollout.base import EngineBase, EngineContext, check_top_p, make_sample
 from bapo.rollout.registry import EngineTraits
 from bapo.samples import Prompt, Sample
 
@@ -117,26 +117,14 @@ class VLLMRollout(EngineBase):
     )
 
     @classmethod
-    def from_config(
-        cls,
-        cfg,
-        *,
-        path: str,
-        tokenizer,
-        model=None,
-        dtype: str = "float32",
-        seed: int = 0,
-        max_model_len: int | None = None,
-        logprobs: bool = True,
-        top_p: float = 1.0,
-    ) -> VLLMRollout:
+    def from_config(cls, cfg, ctx: EngineContext) -> VLLMRollout:
         """The engine of ``rollout=vllm`` (``cfg``: n, temperature, max_new_tokens, gpu_memory_utilization,
-        tensor_parallel_size, enable_sleep_mode, sleep_level, enforce_eager). It loads ``path`` itself
-        (``model`` is unused), seeds its engine with ``seed`` and sizes its KV cache for ``max_model_len``
-        tokens (None: the model's whole context)."""
+        tensor_parallel_size, enable_sleep_mode, sleep_level, enforce_eager). It loads ``ctx.path`` itself
+        (``ctx.model`` is unused), seeds its engine with ``ctx.seed`` and sizes its KV cache for
+        ``ctx.max_model_len`` tokens (None: the model's whole context)."""
         return cls(
-            path,
-            tokenizer,
+            ctx.path,
+            ctx.tokenizer,
             n=cfg.n,
             temperature=cfg.temperature,
             max_new_tokens=cfg.max_new_tokens,
@@ -145,11 +133,11 @@ class VLLMRollout(EngineBase):
             enable_sleep_mode=cfg.enable_sleep_mode,
             enforce_eager=cfg.enforce_eager,
             sleep_level=cfg.sleep_level,
-            dtype=dtype,
-            seed=seed,
-            top_p=top_p,
-            logprobs=logprobs,
-            max_model_len=max_model_len,
+            dtype=ctx.dtype,
+            seed=ctx.seed,
+            top_p=ctx.top_p,
+            logprobs=ctx.logprobs,
+            max_model_len=ctx.max_model_len,
         )
 
     def __init__(
@@ -184,19 +172,19 @@ class VLLMRollout(EngineBase):
         from vllm.platforms import current_platform
 
         self.on_cpu = current_platform.is_cpu()
-        self.tokenizer = tokenizer
-        self.n = n
-        self.temperature = temperature
-        self.top_p = top_p
-        self.logprobs = logprobs
-        self.max_new_tokens = max_new_tokens
-        self.version = 0
+        self._hold_sampling(
+            tokenizer,
+            checkpoint_generation_config(str(model_path_or_dir)),
+            n=n,
+            temperature=temperature,
+            max_new_tokens=max_new_tokens,
+            top_p=top_p,
+            logprobs=logprobs,
+        )
         self.tensor_parallel_size = tensor_parallel_size
         self.colocated = world > 1  # one engine per torchrun rank, in its process group
         # the workers run in this process (their model is reachable): one engine per rank, or one worker
         self.in_process = self.colocated or tensor_parallel_size == 1
-        self.pad_id = pad_id_of(tokenizer)
-        self.stop_ids = stop_ids_of(tokenizer, checkpoint_generation_config(str(model_path_or_dir)))
         self.sleep_mode = enable_sleep_mode and not self.on_cpu  # vLLM's sleep mode needs CUDA
         self.sleep_level = sleep_level
         self.asleep: set[str] = set()  # the parts put to sleep and not woken: "weights", "kv_cache"
@@ -294,14 +282,7 @@ class VLLMRollout(EngineBase):
             "reload_weights", kwargs={"weights_path": str(self._weights_dir), "is_checkpoint_format": True}
         )
 
-    def generate(
-        self,
-        prompts: Sequence[Prompt],
-        *,
-        n: int | None = None,
-        temperature: float | None = None,
-        seed: int | None = None,
-    ) -> list[Sample]:
+    def _generate(self, prompts: Sequence[Prompt], n: int, temperature: float, seed: int | None) -> list[Sample]:
         """Sample ``n`` responses per prompt; ``temperature=0`` means greedy.
 
         With ``seed`` the result is reproducible: response i of this call gets its own seed.
@@ -311,8 +292,6 @@ class VLLMRollout(EngineBase):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        n = self.n if n is None else n
-        temperature = self.temperature if temperature is None else temperature
         self.wake()  # weights and KV cache
         # vLLM 0.32's CPU runner crashes when a seeded request's prefill is chunked (it rewinds the
         # generator with set_offset, which CPU generators lack). Its CPU sampler draws from the
