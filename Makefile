@@ -36,7 +36,7 @@ $(VLLM_VENV)/.installed: pyproject.toml
 demo: install ## run the default job: BAPO on the tiny model (about 5 minutes on 2 idle CPU cores, after the install)
 	$(PY) train.py
 
-test: install ## the whole suite, as CI runs it: about 15 minutes on 2 idle CPU cores, 18 with the vLLM tests (.venv-vllm)
+test: install ## the whole suite, as CI runs it, on 2 xdist workers (serially it took 32 minutes on an idle 2-core CI machine); then the vLLM tests in .venv-vllm
 	$(PY) -m pytest -n 2 --dist loadfile
 	@if [ -x $(VLLM_VENV)/bin/python ]; then \
 		echo "== vLLM engine and loop (transformers $$($(VLLM_VENV)/bin/python -c 'import transformers as t; print(t.__version__)'), $(VLLM_VENV))"; \
