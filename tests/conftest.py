@@ -1,5 +1,6 @@
 """Shared fixtures. Nothing here touches the network: hub look-ups are forced offline."""
 
+import copy
 import os
 import random
 from pathlib import Path
@@ -106,3 +107,14 @@ def hang_guard():
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
+
+
+def perturbed(model, scale=0.02, seed=1):
+    """A deep copy of ``model`` with seeded Gaussian noise of std ``scale`` added to every parameter: other
+    weights for an engine to load, reproducibly."""
+    g = torch.Generator().manual_seed(seed)
+    new = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    return new

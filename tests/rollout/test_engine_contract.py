@@ -28,7 +28,7 @@ from bapo.paths import compose_option
 from bapo.rollout import ENGINES, RolloutEngine, build_rollout, engine_class, engine_traits
 from bapo.rollout.registry import EngineTraits
 from bapo.tasks import ArithSpec, arith_heldout
-from tests.conftest import learner_cfg
+from tests.conftest import learner_cfg, perturbed
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "assets" / "tiny-math"
@@ -57,15 +57,6 @@ def _rollout_cfg(name: str):
 
 def _prompts(tok, n=4):
     return [render_prompt(p, tok) for p in arith_heldout(n, seed=7, heldout_frac=0.1, spec=ArithSpec())]
-
-
-def _noisy(model, scale=0.02, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    new = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in new.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale)
-    return new
 
 
 def _learner_diff(model, tok, samples) -> float:
@@ -136,7 +127,7 @@ def test_generate_tags_samples_with_version_and_logprobs(built, tiny_tok):
 
 def test_loaded_weights_carry_their_version_and_the_learners_logprobs(built, tiny_tok):
     name, engine, base = built
-    new = _noisy(base)
+    new = perturbed(base)
     try:
         assert engine.load_weights(new.state_dict(), version=5) >= 0
         samples = engine.generate(_prompts(tiny_tok), seed=1)

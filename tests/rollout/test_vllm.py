@@ -5,7 +5,6 @@ engine tests skip where vLLM is not installed. One engine per module: start-up t
 """
 
 import builtins
-import copy
 import json
 import math
 import shutil
@@ -22,6 +21,7 @@ from bapo.data import render_prompt
 from bapo.learner import collate
 from bapo.samples import ScoredSample
 from bapo.tasks import ArithSpec, arith_heldout
+from tests.conftest import perturbed
 
 TINY = Path(__file__).resolve().parents[2] / "assets" / "tiny-math"
 ENGINE_KW = dict(
@@ -60,15 +60,6 @@ def _tiny_copy(dest: Path, **generation) -> Path:
     cfg = json.loads((dest / "generation_config.json").read_text()) | generation
     (dest / "generation_config.json").write_text(json.dumps(cfg))
     return dest
-
-
-def _noisy(model, scale=0.02, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    new = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in new.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale)
-    return new
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +103,7 @@ def test_logp_matches_learner_forward(engine, ref_model, tiny_tok, temperature):
 
 
 def test_logp_after_weight_sync(engine, ref_model, tiny_tok):
-    new = _noisy(ref_model)
+    new = perturbed(ref_model)
     prompts, long = _prompts(tiny_tok, 8), _prompts(tiny_tok, 4, LONG)
     assert min(len(p.ids) for p in long) > 32
     engine.generate(long, n=1)  # fills the prefix cache with KV from the old weights
@@ -188,7 +179,7 @@ def test_tied_embeddings_sync(tiny_tok, tmp_path):
     tiny_tok.save_pretrained(tmp_path)
     eng = VLLMRollout(str(tmp_path), tiny_tok, n=2, temperature=1.0, **ENGINE_KW)
     assert eng.tied
-    new = _noisy(model, scale=0.05)
+    new = perturbed(model, scale=0.05)
     new.tie_weights()
     eng.load_weights(new.state_dict(), version=1)
     samples = eng.generate(_prompts(tiny_tok, 4))
