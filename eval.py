@@ -37,11 +37,6 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-# The set group `eval` lives in conf/evaluation/eval (conf/eval is training's held-out config).
-# Hydra reads a relative searchpath from the working directory, so conf/eval_config.yaml names
-# the folder through this resolver and eval.py runs from any directory.
-OmegaConf.register_new_resolver("bapo.conf_dir", lambda: str(Path(__file__).resolve().parent / "conf"), replace=True)
-
 
 def run(cfg: DictConfig, run_dir, overrides: Sequence[str] = ()) -> dict:
     """Evaluate as configured; returns {set: metrics}. ``overrides``: the command line's (Hydra's task

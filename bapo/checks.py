@@ -23,6 +23,7 @@ This module imports nothing else of bapo, so ``bapo/algos/`` (the pure math) can
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -45,6 +46,16 @@ def require(cond: bool, key: str, msg: str) -> None:
 
 def choice(value: Any, key: str, allowed: tuple) -> None:
     require(value in allowed, key, f"must be one of {list(allowed)}, got {value!r}")
+
+
+def imported(path: str, key: str) -> Any:
+    """The object an import path ``package.module:name`` in the config names (a user's own loss or engine,
+    outside this repository); a path that does not import is one ConfigError naming ``key``."""
+    module, _, attr = path.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except Exception as e:  # not importable, no such attribute, or the module failed while importing
+        raise ConfigError(f"{key}: cannot import {path!r} ({type(e).__name__}: {e})") from None
 
 
 def delegated(key: str, check: Callable, *args: Any, **kwargs: Any) -> None:

@@ -1,8 +1,9 @@
 """The run's typed config: every group's schema merged and checked, the batch arithmetic, the cross-checks.
 
-Each group's schema lives beside its owner (``bapo/algos/config.py``, ``bapo/rollout/config.py``,
-``bapo/learner/config.py``, ``bapo/reward/config.py``, ``bapo/data_config.py``, and the small ones in
-``buffer``, ``logging``, ``monitor``, ``checkpoint``); the defaults live in ``conf/``; the error helpers in
+Each group's schema lives beside its owner (``bapo/algos/config.py``; each engine's module in
+``bapo/rollout/``, with the keys every engine has in ``bapo/rollout/config.py``; ``bapo/learner/config.py``,
+``bapo/reward/config.py``, ``bapo/data_config.py``, and the small ones in ``buffer``, ``tracking``,
+``monitor``, ``checkpoint``); the defaults live in ``conf/``; the error helpers in
 ``bapo/checks.py``. A group with variants has one schema per variant, picked by its selector key, and
 each variant holds only the keys it reads. :func:`build` merges each group into its schema, so a
 missing, unknown, mistyped or out-of-range key fails at startup naming it (``rollout.temperature: must be
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,9 +39,10 @@ from bapo.data_config import DATA, ArithConfig, ArithDataConfig, FileDataConfig,
 from bapo.learner.config import LEARNER, FSDPLearnerConfig, LearnerCommon, SingleLearnerConfig
 from bapo.modeling import ModelConfig
 from bapo.monitor import MonitorConfig
-from bapo.paths import EVAL_SETS_DIR, ROOT, resolve_path
+from bapo.paths import HELDOUT, ROOT, eval_sets, resolve_path
 from bapo.reward.config import RewardConfig
-from bapo.rollout.config import ROLLOUT, HFRolloutConfig, RolloutCommon, VLLMRolloutConfig
+from bapo.rollout.config import RolloutCommon
+from bapo.rollout.registry import ENGINE_CONFIGS, engine_traits
 from bapo.tracking import LoggerConfig
 
 # Re-exported: the names the stages, scripts and tests import from this module.
@@ -56,7 +59,7 @@ class EvalConfig:
     n: int = resumable()
     temperature: float = resumable()
     greedy: bool = resumable()
-    sets: list[str] = resumable()  # eval.py's sets, by name (conf/evaluation/eval/<name>.yaml)
+    sets: list[str] = resumable()  # eval.py's sets, by name (conf/eval/<name>.yaml)
     sets_k: int = resumable()
     sets_limit: int | None = resumable()
 
@@ -64,7 +67,7 @@ class EvalConfig:
         require(self.every >= 0, "eval.every", "must be >= 0 (0 = only at start and end)")
         require(self.n >= 1, "eval.n", "must be >= 1")
         require(self.temperature >= 0, "eval.temperature", "must be >= 0 (0 = greedy)")
-        known = sorted(p.stem for p in EVAL_SETS_DIR.glob("*.yaml"))
+        known = eval_sets()
         for name in self.sets:
             require(name in known, "eval.sets", f"unknown set {name!r}; choose from {known}")
         require(self.sets_k >= 1, "eval.sets_k", f"must be >= 1, got {self.sets_k}")
@@ -128,7 +131,7 @@ class RunConfig:
     algo: AlgoConfig
     model: ModelConfig
     data: ArithDataConfig | FileDataConfig | HubDataConfig
-    rollout: HFRolloutConfig | VLLMRolloutConfig
+    rollout: RolloutCommon  # the schema of the engine rollout.engine names (bapo.rollout.registry)
     reward: RewardConfig
     buffer: BufferConfig
     learner: SingleLearnerConfig | FSDPLearnerConfig
@@ -159,9 +162,9 @@ PLAIN: dict[str, type] = {
     "checkpoint": CheckpointConfig,
     "placement": PlacementConfig,
 }
-VARIANTS: dict[str, tuple[str, dict[str, type]]] = {
+VARIANTS: dict[str, tuple[str, Mapping[str, type]]] = {
     "data": ("kind", DATA),
-    "rollout": ("engine", ROLLOUT),
+    "rollout": ("engine", ENGINE_CONFIGS),
     "learner": ("kind", LEARNER),
 }
 TOP_LEVEL = set(PLAIN) | set(VARIANTS) | {"algo", "seed", "paths", "resume", "overwrite"}
@@ -251,8 +254,6 @@ def check_combinations(rc: RunConfig, world: int | None = None, launched: bool |
     if fsdp and not launched and cuda_available():
         # One GPU of our own (bapo.dist.init_one_rank) holds the whole learner: refuse what cannot fit there.
         check_one_gpu(rc)
-    from bapo.rollout.registry import engine_traits  # the registry imports no engine library
-
     sleeps = engine_traits(rc.rollout.engine).can_sleep and getattr(rc.rollout, "enable_sleep_mode", False)
     require(
         not (rc.train.async_rollout and sleeps),
@@ -369,6 +370,13 @@ def build(cfg: DictConfig, run_dir: str | Path) -> RunConfig:
     require(resume is None or isinstance(resume, str), "resume", f"must be null, auto or a path, got {resume!r}")
     overwrite = plain.get("overwrite", False)
     require(isinstance(overwrite, bool), "overwrite", f"must be true or false, got {overwrite!r}")
+    sets = sorted(set(plain.get("eval") or {}) & set(eval_sets()))
+    require(
+        not sets,
+        "eval",
+        f"{sets[0] if sets else ''} is an eval.py set; training keeps eval={HELDOUT} and runs sets at its held-out "
+        f"checks with eval.sets=[{','.join(sets)}]",
+    )
     groups = {g: typed(g, plain.get(g), s) for g, s in PLAIN.items()}
     groups["algo"] = algo_config(plain.get("algo"))
     groups |= {g: variant(g, plain.get(g), selector, schemas) for g, (selector, schemas) in VARIANTS.items()}

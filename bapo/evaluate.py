@@ -46,9 +46,6 @@ from bapo import passk as M
 from bapo.checks import choice, require, to_plain, typed
 from bapo.config import (
     DATA,
-    EVAL_SETS_DIR,
-    ROLLOUT,
-    ROOT,
     ArithConfig,
     ConfigError,
     EvalConfig,
@@ -59,8 +56,9 @@ from bapo.config import (
 )
 from bapo.data import DataFileError, LoadReport, gsm8k_answer, load_hub, load_jsonl, render_prompts
 from bapo.data_config import ANSWER_FORMATS, check_arith
-from bapo.paths import compose_option
+from bapo.paths import EVAL_DIR, HELDOUT, compose_option, eval_sets
 from bapo.reward import normalize_answer
+from bapo.rollout.registry import ENGINE_CONFIGS
 from bapo.samples import Problem, Prompt, Sample
 from bapo.seeding import derive_seed
 from bapo.tasks import ArithSpec, arith_heldout
@@ -352,7 +350,7 @@ class ArithSetConfig(ArithConfig):
 
 @dataclass
 class EvalSetConfig:
-    """One evaluation set (conf/evaluation/eval/<name>.yaml); ``name`` is filled in from its key."""
+    """One evaluation set (conf/eval/<name>.yaml); ``name`` is filled in from its key."""
 
     name: str = MISSING
     kind: str = MISSING  # jsonl | hub | arith
@@ -417,25 +415,23 @@ class EvalJob:
     model: ModelConfig
     reward: RewardConfig
     engine: str
-    rollout: Any  # the engine's typed rollout config (bapo.config.ROLLOUT), what build_rollout takes
+    rollout: Any  # the engine's typed rollout config (its schema in bapo.rollout.registry), what build_rollout takes
     sets: dict[str, EvalSetConfig]
 
 
 def _not_a_set(chosen: Mapping[str, Any]) -> None:
-    """Refuse training's `eval` group (conf/eval/), which eval=<name> can also compose, naming what it is."""
-    training = sorted(p.stem for p in (ROOT / "conf" / "eval").glob("*.yaml"))
-    sets = sorted(p.stem for p in EVAL_SETS_DIR.glob("*.yaml"))
+    """Refuse training's held-out config (conf/eval/heldout.yaml), which eval=heldout composes, naming what it is."""
+    sets = eval_sets()
     if set(chosen) & set(EvalConfig.__dataclass_fields__) and any(not isinstance(v, dict) for v in chosen.values()):
-        names = " or ".join(f"conf/eval/{t}.yaml" for t in training)
         raise ConfigError(
-            f"eval: {'/'.join(training)} is training's held-out config ({names}: eval.every, eval.n, ... of "
+            f"eval: {HELDOUT} is training's held-out config (conf/eval/{HELDOUT}.yaml: eval.every, eval.n, ... of "
             f"train.py), not an eval set; choose eval=<set> or eval=[<set>,...] from {sets}"
         )
     for name, node in chosen.items():
         require(
             isinstance(node, dict) and "kind" in node,
             f"eval.{name}",
-            f"not an eval set (conf/evaluation/eval/); choose from {sets}",
+            f"not an eval set (conf/eval/); choose from {sets}",
         )
 
 
@@ -450,10 +446,10 @@ def build_job(cfg: DictConfig) -> EvalJob:
     require(bool(chosen), "eval", "choose at least one set, e.g. eval=[aime24,math500]")
     _not_a_set(chosen)
     rollout = plain["rollout"]
-    choice(rollout["engine"], "rollout.engine", tuple(ROLLOUT))
+    choice(rollout["engine"], "rollout.engine", tuple(ENGINE_CONFIGS))
     # The engine's knobs through training's schema. Its sampling keys are eval's own (k, temperature,
     # max_new_tokens: checked above, where greedy is allowed), so they go in after the schema's check.
-    engine = typed("rollout", rollout | {"temperature": 1.0}, ROLLOUT[rollout["engine"]])
+    engine = typed("rollout", rollout | {"temperature": 1.0}, ENGINE_CONFIGS[rollout["engine"]])
     engine.temperature = rollout["temperature"]
     sets = {name: typed(f"eval.{name}", node | {"name": name}, EvalSetConfig) for name, node in chosen.items()}
     return EvalJob(
@@ -467,10 +463,10 @@ def build_job(cfg: DictConfig) -> EvalJob:
 
 
 def named_set(name: str, *, data_dir: str) -> EvalSetConfig:
-    """conf/evaluation/eval/<name>.yaml as eval.py composes it, with ``paths.data_dir`` given:
+    """conf/eval/<name>.yaml as eval.py composes it, with ``paths.data_dir`` given:
     how the training loop runs eval.py's sets (``eval.sets``) outside eval.py's config."""
     node = OmegaConf.merge(
-        {"paths": {"data_dir": data_dir}}, {"eval": {name: OmegaConf.load(EVAL_SETS_DIR / f"{name}.yaml")}}
+        {"paths": {"data_dir": data_dir}}, {"eval": {name: OmegaConf.load(EVAL_DIR / f"{name}.yaml")}}
     )
     try:
         plain = OmegaConf.to_container(node, resolve=True)["eval"][name]

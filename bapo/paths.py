@@ -5,7 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-EVAL_SETS_DIR = ROOT / "conf" / "evaluation" / "eval"  # eval.py's `eval` group; training runs them by name
+EVAL_DIR = ROOT / "conf" / "eval"  # the `eval` group: training's held-out config and eval.py's sets
+HELDOUT = "heldout"  # conf/eval/heldout.yaml, training's held-out evaluation (train.py's `eval: heldout`)
+
+
+def eval_sets() -> list[str]:
+    """The names of eval.py's sets: every option of the `eval` group but training's held-out config (each set
+    sits under ``eval.<name>``; training runs them by name with ``eval.sets``)."""
+    return sorted(p.stem for p in EVAL_DIR.glob("*.yaml") if p.stem != HELDOUT)
 
 
 def resolve_path(p: str) -> str:

@@ -33,7 +33,7 @@ from eval import run as eval_run
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
-SETS = sorted(p.stem for p in (CONF / "evaluation" / "eval").glob("*.yaml"))
+SETS = sorted(p.stem for p in (CONF / "eval").glob("*.yaml") if p.stem != "heldout")
 SAMPLE_FIELDS = {"id", "sample", "prompt", "response", "extracted", "gold", "correct", "length", "truncated"}
 SAMPLE_FIELDS |= {"share", "seed", "request"}  # where each sample's randomness came from (data-parallel eval)
 TINY_RUN = ["eval.limit=3", "k=2", "max_new_tokens=48"]

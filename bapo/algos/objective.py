@@ -39,7 +39,6 @@ naming the key) and returns an :class:`Objective`; docs/extending.md has a worke
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +49,7 @@ from bapo.algos.bounds import ADAPTIVE, ReduceSum, _reduce, make_bound_fn, posit
 from bapo.algos.correction import check_correction, correction_weights, loglinear_proximal
 from bapo.algos.eps_feedback import EpsFeedbackState, eps_feedback_g, eps_feedback_loss, eps_feedback_sums
 from bapo.algos.surrogate import MAX_RATIO, check_surrogate_options, policy_loss, second_moment_cutoff
-from bapo.checks import ConfigError, delegated, require
+from bapo.checks import ConfigError, delegated, imported, require
 
 ChooseFn = Callable[..., tuple[dict[str, float], dict[str, float]]]
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
@@ -241,11 +240,7 @@ def objective_factory(name: str) -> ObjectiveFactory:
         "algo.objective",
         f"unknown objective {name!r}; choose from {sorted(OBJECTIVES)} or give an import path package.module:factory",
     )
-    module, _, attr = name.partition(":")
-    try:
-        factory = getattr(importlib.import_module(module), attr)
-    except Exception as e:  # not importable, no such attribute, or the module failed while importing
-        raise ConfigError(f"algo.objective: cannot import {name!r} ({type(e).__name__}: {e})") from None
+    factory = imported(name, "algo.objective")
     require(callable(factory), "algo.objective", f"{name!r} is not a function (got {type(factory).__name__})")
     return factory
 

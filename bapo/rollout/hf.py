@@ -28,16 +28,32 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
+from omegaconf import MISSING
 
-from bapo.checks import ConfigError
+from bapo.checks import choice, require, resumable
 from bapo.rollout.base import EngineBase, EngineContext, check_top_p, make_sample
+from bapo.rollout.config import RolloutCommon
 from bapo.rollout.decode import generate_decode, lean_decode
 from bapo.rollout.registry import EngineTraits
 from bapo.samples import Prompt, Sample
 
 DECODERS = {"lean": lean_decode, "generate": generate_decode}
+
+
+@dataclass
+class HFRolloutConfig(RolloutCommon):
+    """``rollout=hf`` (conf/rollout/hf.yaml): transformers on the learner's device."""
+
+    batch_size: int = resumable()
+    decode: str = MISSING  # lean: the project's sampling loop | generate: HF generate (the fallback)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.batch_size > 0, "rollout.batch_size", "must be > 0")
+        choice(self.decode, "rollout.decode", tuple(DECODERS))
 
 
 class HFRollout(EngineBase):
@@ -46,9 +62,10 @@ class HFRollout(EngineBase):
     traits = EngineTraits(
         needs_model_copy=True, can_sleep=False, behaviour_logprobs=True, weights="in_process", spans_ranks=False
     )
+    config = HFRolloutConfig
 
     @classmethod
-    def from_config(cls, cfg, ctx: EngineContext) -> HFRollout:
+    def from_config(cls, cfg: HFRolloutConfig, ctx: EngineContext) -> HFRollout:
         """The engine of ``rollout=hf`` (``cfg``: n, temperature, max_new_tokens, batch_size, decode), sampling
         with ``ctx.model`` (loaded from ``ctx.path`` in ``ctx.dtype`` when None). ``ctx.seed`` and
         ``ctx.max_model_len`` are unused: each ``generate`` call is seeded, and the model's context bounds a
@@ -84,8 +101,7 @@ class HFRollout(EngineBase):
         logprobs: bool = True,
     ):
         check_top_p(top_p, logprobs)
-        if decode not in DECODERS:
-            raise ConfigError(f"rollout.decode: must be one of {list(DECODERS)}, got {decode!r}")
+        choice(decode, "rollout.decode", tuple(DECODERS))
         self.model = model.eval()
         self._hold_sampling(
             tokenizer,

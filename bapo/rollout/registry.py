@@ -2,19 +2,22 @@
 
 An engine is named here by a dotted path (``"module:Class"``), so its module, and the library behind
 it, is imported only when a config chooses it (``import vllm`` happens in a run with ``rollout=vllm``
-only). Each class declares its :class:`EngineTraits` and builds itself from its typed rollout config
-(``from_config``). The loop and ``eval.py`` read traits, never engine names.
+only). Each class declares its :class:`EngineTraits`, its config schema (``config``: a dataclass that
+subclasses :class:`bapo.rollout.config.RolloutCommon`, defined in the engine's module) and builds itself
+from that typed config (``from_config``). The loop and ``eval.py`` read traits, never engine names.
 
-A new engine is one module with its class, one YAML in ``conf/rollout/``, one line in :data:`ENGINES`
-and a case in ``tests/rollout/test_engine_contract.py``.
+A new engine is one module with its class and its schema, one YAML in ``conf/rollout/``, one line in
+:data:`ENGINES` and a case in ``tests/rollout/test_engine_contract.py``. An engine module imports its
+library (vLLM, an HTTP client) inside its methods, not at the top: the config check imports the module
+of the chosen engine to read its schema.
 """
 
 from __future__ import annotations
 
-import importlib
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-from bapo.checks import ConfigError
+from bapo.checks import imported, require
 
 ENGINES: dict[str, str] = {
     "hf": "bapo.rollout.hf:HFRollout",
@@ -53,13 +56,46 @@ class EngineTraits:
 
 
 def engine_class(name: str) -> type:
-    """The class registered as ``name``, imported now (a ConfigError names the choices)."""
-    if name not in ENGINES:
-        raise ConfigError(f"rollout.engine: must be one of {sorted(ENGINES)}, got {name!r}")
-    module, _, attr = ENGINES[name].partition(":")
-    return getattr(importlib.import_module(module), attr)
+    """The class registered as ``name``, or that the import path ``package.module:Class`` names (an engine
+    outside this repository), imported now; a ConfigError names the choices or what the class lacks."""
+    require(
+        name in ENGINES or ":" in name,
+        "rollout.engine",
+        f"must be one of {sorted(ENGINES)} or an import path package.module:Class, got {name!r}",
+    )
+    cls = imported(ENGINES.get(name, name), "rollout.engine")
+    lacks = [a for a in ("traits", "config", "from_config") if not hasattr(cls, a)]
+    require(
+        not lacks and isinstance(cls.traits, EngineTraits),
+        "rollout.engine",
+        f"{name!r} is not an engine class: it needs {lacks or ['traits = EngineTraits(...)']} "
+        f"(docs/extending.md, a new rollout engine)",
+    )
+    return cls
 
 
 def engine_traits(name: str) -> EngineTraits:
     """The traits the engine registered as ``name`` declares (imports its module, not its library)."""
     return engine_class(name).traits
+
+
+class _EngineConfigs(Mapping):
+    """``rollout.engine`` names to their schemas, read from the engine classes when looked up (so a config
+    check imports only the chosen engine's module)."""
+
+    def __getitem__(self, name: str) -> type:
+        if name not in self:
+            raise KeyError(name)
+        return engine_class(name).config
+
+    def __contains__(self, name: object) -> bool:
+        return name in ENGINES or (isinstance(name, str) and ":" in name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(ENGINES)
+
+    def __len__(self) -> int:
+        return len(ENGINES)
+
+
+ENGINE_CONFIGS: Mapping[str, type] = _EngineConfigs()

@@ -50,21 +50,37 @@ import tempfile
 import time
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from bapo import dist
-from bapo.checks import ConfigError
+from bapo.checks import ConfigError, choice, require, resumable
 from bapo.rollout.base import EngineBase, EngineContext, check_top_p, make_sample
+from bapo.rollout.config import RolloutCommon
 from bapo.rollout.registry import EngineTraits
 from bapo.samples import Prompt, Sample
 
-# Read by vLLM at import time. In-process engine core: start-up drops from ~17 s to ~3 s on
-# CPU, and collective_rpc reaches the workers without pickling. The CPU backend's default
-# KV-cache fraction fails on small machines; 2 GiB is plenty for RL rollouts of small models.
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+SLEEP_LEVELS = (1, 2)  # vLLM's: 1 offloads the weights to host memory, 2 discards them
+
+
+@dataclass
+class VLLMRolloutConfig(RolloutCommon):
+    """``rollout=vllm`` (conf/rollout/vllm.yaml): vLLM's offline engine, colocated with the learner."""
+
+    gpu_memory_utilization: float = resumable()
+    tensor_parallel_size: int = resumable()
+    enable_sleep_mode: bool = resumable()  # free weights + KV cache during learner updates (GPU, sync mode)
+    sleep_level: int = resumable()  # 1: weights offloaded to host memory while asleep | 2: discarded, reloaded at sync
+    enforce_eager: bool = resumable()  # no torch.compile / CUDA graphs
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "must be in (0, 1]")
+        choice(self.sleep_level, "rollout.sleep_level", SLEEP_LEVELS)
+        require(self.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", "must be >= 1")
+
 
 DISCARDED = -1  # ``version`` of an engine whose weights sleep level 2 threw away
 
@@ -75,6 +91,11 @@ INSTALL_HINT = (
 
 
 def _import_vllm():
+    # Read by vLLM at import time. In-process engine core: start-up drops from ~17 s to ~3 s on
+    # CPU, and collective_rpc reaches the workers without pickling. The CPU backend's default
+    # KV-cache fraction fails on small machines; 2 GiB is plenty for RL rollouts of small models.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     try:
         import vllm
     except ImportError as e:  # also a broken install, e.g. torchvision built for another torch
@@ -115,9 +136,10 @@ class VLLMRollout(EngineBase):
     traits = EngineTraits(
         needs_model_copy=False, can_sleep=True, behaviour_logprobs=True, weights="in_process", spans_ranks=True
     )
+    config = VLLMRolloutConfig
 
     @classmethod
-    def from_config(cls, cfg, ctx: EngineContext) -> VLLMRollout:
+    def from_config(cls, cfg: VLLMRolloutConfig, ctx: EngineContext) -> VLLMRollout:
         """The engine of ``rollout=vllm`` (``cfg``: n, temperature, max_new_tokens, gpu_memory_utilization,
         tensor_parallel_size, enable_sleep_mode, sleep_level, enforce_eager). It loads ``ctx.path`` itself
         (``ctx.model`` is unused), seeds its engine with ``ctx.seed`` and sizes its KV cache for
@@ -161,8 +183,7 @@ class VLLMRollout(EngineBase):
         **llm_kwargs,
     ):
         check_top_p(top_p, logprobs)
-        if sleep_level not in (1, 2):
-            raise ConfigError(f"rollout.sleep_level: must be 1 or 2, got {sleep_level!r}")
+        choice(sleep_level, "rollout.sleep_level", SLEEP_LEVELS)
         world = dist.world_size() if dist.active() else 1
         if world % tensor_parallel_size:
             raise ConfigError(

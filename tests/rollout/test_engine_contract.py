@@ -12,6 +12,8 @@ and skips elsewhere, saying so.
 
 import copy
 import importlib.util
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,12 +23,12 @@ import torch
 from omegaconf import OmegaConf
 
 from bapo.algos import surrogate_objective
-from bapo.config import ROLLOUT
+from bapo.checks import ConfigError
 from bapo.data import render_prompt
 from bapo.learner import Learner
 from bapo.paths import compose_option
 from bapo.rollout import ENGINES, RolloutEngine, build_rollout, engine_class, engine_traits
-from bapo.rollout.registry import EngineTraits
+from bapo.rollout.registry import ENGINE_CONFIGS, EngineTraits
 from bapo.tasks import ArithSpec, arith_heldout
 from tests.conftest import learner_cfg, perturbed
 
@@ -52,7 +54,7 @@ def _rollout_cfg(name: str):
         compose_option("rollout", name),
         {"n": N, "temperature": T, "max_new_tokens": NEW} | TEST_KNOBS[name],
     )
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ROLLOUT[name]), node))
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ENGINE_CONFIGS[name]), node))
 
 
 def _prompts(tok, n=4):
@@ -152,3 +154,60 @@ def test_traits_are_what_the_engine_does(built, tiny_tok):
     tp = int(getattr(engine, "tensor_parallel_size", 1))
     assert tp == 1 or traits.spans_ranks
     assert traits.weights in ("in_process", "transport")
+
+
+def _engine_plugin_from_docs() -> str:
+    """The engine plugin of docs/extending.md, as a reader copies it: the python block after its marker."""
+    text = (ROOT / "docs" / "extending.md").read_text()
+    after = text.split("<!-- my_engine.py: read by tests/rollout/test_engine_contract.py -->", 1)[1]
+    return after.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.slow  # one step of train.py in a subprocess
+def test_an_engine_plugged_in_from_an_import_path_runs_the_contract(tmp_path, tiny_tok):
+    """A module written outside the package, named in rollout.engine: its own schema types its own key, it builds
+    through the same config check and builder as the shipped engines, its samples end at its stop string with the
+    learner's log-probs, and train.py runs a step with it. Nothing of the repository is edited."""
+    from bapo.config import build
+    from bapo.modeling import load_model
+    from tests.conftest import compose
+
+    (tmp_path / "plug").mkdir()
+    (tmp_path / "plug" / "my_engine.py").write_text(_engine_plugin_from_docs())
+    sys.path.insert(0, str(tmp_path / "plug"))
+    try:
+        over = [
+            "rollout.engine=my_engine:StopAtString",
+            "+rollout.stop='}'",
+            f"rollout.n={N}",
+            f"rollout.temperature={T}",
+        ]
+        rc = build(compose(*over), tmp_path / "cfg")
+        assert type(rc.rollout).__name__ == "StopConfig" and rc.rollout.stop == "}"
+        with pytest.raises(ConfigError, match=r"^rollout\.stop: must be a non-empty string"):
+            build(compose(over[0], "+rollout.stop=''"), tmp_path / "cfg")
+        with pytest.raises(ConfigError, match=r"^rollout\.engine: cannot import 'my_engine:Nope'"):
+            build(compose("rollout.engine=my_engine:Nope"), tmp_path / "cfg")
+        model = load_model(str(TINY)).eval()
+        engine = build_rollout(
+            rc.rollout, path=str(TINY), tokenizer=tiny_tok, model=model, dtype="float32", seed=0, max_model_len=256
+        )
+        samples = engine.generate(_prompts(tiny_tok), seed=3)
+        stopped = [s for s in samples if "}" in s.text]
+        # each ends at the token that completes the stop string ("}" may come inside a token such as "}.")
+        before = [tiny_tok.decode(s.response_ids[:-1].tolist(), skip_special_tokens=True) for s in stopped]
+        assert stopped and all("}" not in b and not s.truncated for s, b in zip(stopped, before, strict=True))
+        assert _learner_diff(model, tiny_tok, samples) < 1e-4
+    finally:
+        sys.path.remove(str(tmp_path / "plug"))
+        sys.modules.pop("my_engine", None)
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "train.py", "debug=smoke", "rollout.engine=my_engine:StopAtString", "+rollout.stop='}'",
+         "train.steps=1", "eval.every=0", "data.heldout_size=4", f"hydra.run.dir={run_dir}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": f"{tmp_path / 'plug'}:{ROOT}"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
