@@ -1,9 +1,12 @@
-"""Turn a sweep folder into a Markdown table and PNG plots.
+"""Turn a sweep folder, or a study's packed raw data, into a Markdown table and PNG plots.
 
     python scripts/report.py multirun/ablation_staleness [--out DIR] [--smooth K]
+    python scripts/report.py docs/study/v4/runs.jsonl.gz --out docs/study/v4
 
 Every folder under the sweep that holds `config.yaml`, `.hydra/config.yaml` or `metrics.jsonl` is a
-run. Runs are grouped by algo x staleness and written to DIR (default `<sweep>/report`):
+run; a pack (`scripts/pack_study.py`, written at the end of `scripts/run_grid.py`) holds the same runs, and the
+report made from it is the report made from the folder, byte for byte. Runs are grouped by algo x staleness and
+written to DIR (default `<sweep>/report`, or the pack's folder):
 
 - `report.md`: one row per algo x staleness with final and best held-out accuracy, entropy at the
   end, grad-norm spikes and wall time (mean ± std over the completed seeds), a table of incomplete
@@ -18,11 +21,19 @@ run. Runs are grouped by algo x staleness and written to DIR (default `<sweep>/r
   sum of `buffer/served`) and against wall time (the running sum of `time/step_s`).
 
 With `--intervals` (or whenever some group has two or more completed seeds) report.md also has:
-- bootstrap 95% intervals over seeds of final accuracy, best accuracy and final entropy (`bootstrap_ci`);
+- Student-t 95% intervals over seeds of final accuracy, best accuracy and final entropy (`t_interval`), each
+  printed with its method and n (`0.142 [0.120, 0.164] t, n=10`);
 - a paired comparison of every arm against `--reference` (default bapo) on the seeds both completed at
-  the same staleness: the mean difference (arm − reference) and its bootstrap interval (`paired_difference`);
+  the same staleness: the mean difference (arm − reference), its paired-t interval and p-value
+  (`paired_t`), and the p-value adjusted by Holm-Bonferroni over the table's comparisons (`holm`);
 - the pathology checks: entropy at the end over entropy at the start, the drop of accuracy from its
   peak, and the share of steps on which `bapo/rho_before` < rho0.
+
+What the intervals may be read as:
+- fewer than MIN_CLAIM_N seeds (or pairs): "n < 5: descriptive only"; no sentence reads a difference into them;
+- a cell whose mean accuracy is under FLOOR_SHARE (fewer right answers than 2% of its `eval.n` x
+  `data.heldout_size` samples) is marked `floor`; a comparison of two floor cells is not ranked;
+- a paired row says one arm is above or below the reference only when its Holm-adjusted p is under 0.05.
 
 Definitions (repeated in report.md):
 - staleness: `staleness_of(cfg)`, followed by how it comes about (`staleness_via`) unless on-policy:
@@ -39,7 +50,7 @@ Definitions (repeated in report.md):
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import math
 import sys
 import warnings
@@ -52,7 +63,11 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # scripts/ is read as a namespace package, as gpu_check.py does
+from scripts.pack_study import PackError, read_folder, read_pack, read_run, record_steps, sweep_name  # noqa: E402
 
 SPIKE_FACTOR = 3.0
 SPIKE_MIN_HISTORY = 5
@@ -62,12 +77,7 @@ CURVES = {
     "learner/entropy": "entropy",
     "learner/grad_norm": "grad norm",
 }
-SKIP_DIRS = {".hydra", ".submitit", "checkpoints", "export", "wandb"}
 DASH = "—"
-
-
-# Metrics of runs written before the clip window moved to clip/*: read under their new names.
-RENAMED = {"bapo/ratio_low": "clip/low", "bapo/ratio_high": "clip/high", "bapo/rho": "clip/rho"}
 
 
 def bounds_kind(cfg: dict) -> str | None:
@@ -141,43 +151,120 @@ class Level(NamedTuple):
 
 # ------------------------------------------------------------------------------------ statistics
 
-EXACT_BOOTSTRAP_MAX_N = 7  # n^n resamples: 823,543 at n = 7; above it, n_boot Monte Carlo resamples
+LEVEL = 0.95  # every interval in the report
+MIN_CLAIM_N = 5  # fewer seeds (or pairs): intervals are printed, and read as descriptive only
+FLOOR_SHARE = 0.02  # a mean accuracy below this (fewer right answers than 2% of the eval samples): at the floor
 
 
-def bootstrap_ci(xs, *, level: float = 0.95, n_boot: int = 20_000, seed: int = 0) -> tuple[float, float, float]:
-    """The mean of ``xs`` and a percentile bootstrap interval for it: ``(mean, lo, hi)``.
+def t_abs_cdf(t: float, df: int) -> float:
+    """P(|T| <= t) for Student's t with an integer number of degrees of freedom ``df`` >= 1.
 
-    For n <= EXACT_BOOTSTRAP_MAX_N the bootstrap distribution is enumerated exactly (all n^n ordered
-    resamples, each equally likely), so the interval is a function of the data alone and can be checked by
-    hand; above that, ``n_boot`` resamples drawn with ``seed``. The bounds are the (1 - level)/2 and
-    (1 + level)/2 quantiles of the resampled means, each the smallest resampled mean whose cumulative share
-    reaches that level (``numpy.quantile(method="inverted_cdf")``). Non-finite values are dropped; none left
-    gives NaNs, and one value gives a zero-width interval (a single seed says nothing about the spread).
+    The finite series of Abramowitz & Stegun 26.7.3-26.7.4, exact for integer df (seed counts make df = n - 1
+    an integer). With theta = atan(t / sqrt(df)), c = cos(theta), s = sin(theta):
+
+        df odd:  (2/pi) (theta + s (c + (2/3) c^3 + (2*4)/(3*5) c^5 + ... + c^(df-2) term)), theta alone at df = 1
+        df even: s (1 + (1/2) c^2 + (1*3)/(2*4) c^4 + ... + c^(df-2) term)
+
+    df = 1 gives 2 atan(t) / pi (the Cauchy), df = 2 gives t / sqrt(2 + t^2).
+    """
+    if df < 1 or int(df) != df:
+        raise ValueError(f"df must be a positive integer, got {df}")
+    t = abs(t)
+    if math.isinf(t):
+        return 1.0
+    theta = math.atan(t / math.sqrt(df))
+    c, s = math.cos(theta), math.sin(theta)
+    if df % 2 == 0:
+        term = total = 1.0
+        for k in range(1, df // 2):  # coefficients (1*3*...*(2k-1)) / (2*4*...*2k), powers c^2k
+            term *= (2 * k - 1) / (2 * k) * c * c
+            total += term
+        return s * total
+    if df == 1:
+        return 2 * theta / math.pi
+    term = total = c
+    for k in range(1, (df - 1) // 2):  # coefficients (2*4*...*2k) / (3*5*...*(2k+1)), powers c^(2k+1)
+        term *= 2 * k / (2 * k + 1) * c * c
+        total += term
+    return 2 / math.pi * (theta + s * total)
+
+
+@functools.lru_cache(maxsize=256)
+def t_quantile(q: float, df: int) -> float:
+    """The ``q`` quantile of Student's t with ``df`` degrees of freedom, for 0.5 <= q < 1: the t with
+    P(|T| <= t) = 2q - 1, found by bisection on :func:`t_abs_cdf` (monotone in t) to machine precision."""
+    if not 0.5 <= q < 1:
+        raise ValueError(f"q must be in [0.5, 1), got {q}")
+    target = 2 * q - 1
+    lo, hi = 0.0, 1.0
+    while t_abs_cdf(hi, df) < target:
+        lo, hi = hi, 2 * hi
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if mid in (lo, hi):
+            break
+        lo, hi = (mid, hi) if t_abs_cdf(mid, df) < target else (lo, mid)
+    return (lo + hi) / 2
+
+
+class Interval(NamedTuple):
+    """A mean over seeds and its two-sided interval; ``p`` tests mean = 0 (the paired tables use it)."""
+
+    mean: float
+    lo: float
+    hi: float
+    n: int
+    p: float
+
+
+def t_interval(xs, *, level: float = LEVEL) -> Interval:
+    """The mean of ``xs`` and its Student-t interval: mean ± t_{(1+level)/2, n-1} · s / sqrt(n), with s the
+    sample standard deviation (ddof = 1), and the two-sided p-value of a t test of mean 0.
+
+    Exact coverage for normal data at every n >= 2; skewed data cover less at small n (the coverage test in
+    tests/scripts/test_report_stats.py has the figures). Non-finite values are dropped. No value: NaNs; one
+    value: the mean and no interval (NaN bounds); zero spread: a zero-width interval, p = 1 if the mean is 0
+    and 0 otherwise.
     """
     x = np.asarray([v for v in xs if math.isfinite(v)], dtype=float)
     n = len(x)
     if n == 0:
-        return math.nan, math.nan, math.nan
-    if n <= EXACT_BOOTSTRAP_MAX_N:
-        idx = np.indices((n,) * n).reshape(n, -1)  # [n, n^n]: every ordered resample, one per column
-        means = x[idx].mean(axis=0)
-    else:
-        idx = np.random.default_rng(seed).integers(0, n, size=(n_boot, n))
-        means = x[idx].mean(axis=1)
-    alpha = (1 - level) / 2
-    lo, hi = np.quantile(means, [alpha, 1 - alpha], method="inverted_cdf")
-    return float(x.mean()), float(lo), float(hi)
+        return Interval(math.nan, math.nan, math.nan, 0, math.nan)
+    mean = float(x.mean())
+    if n == 1:
+        return Interval(mean, math.nan, math.nan, 1, math.nan)
+    se = float(x.std(ddof=1)) / math.sqrt(n)
+    if se == 0:
+        return Interval(mean, mean, mean, n, 1.0 if mean == 0 else 0.0)
+    half = t_quantile((1 + level) / 2, n - 1) * se
+    return Interval(mean, mean - half, mean + half, n, max(0.0, 1 - t_abs_cdf(mean / se, n - 1)))
 
 
-def paired_difference(arm: dict, reference: dict, **kw) -> tuple[float, float, float, int]:
-    """Mean of ``arm[s] - reference[s]`` over the seeds s both have (finite), its bootstrap interval, and n.
+def paired_t(arm: dict, reference: dict, *, level: float = LEVEL) -> Interval:
+    """:func:`t_interval` of ``arm[s] - reference[s]`` over the seeds s both have (finite): the paired t.
 
     ``arm`` and ``reference`` map a seed to a value. Pairing by seed removes what the seed does to both runs
     alike (the same prompts, the same initial samples), so the interval is on the difference itself.
     """
     seeds = sorted(s for s in set(arm) & set(reference) if math.isfinite(arm[s]) and math.isfinite(reference[s]))
-    mean, lo, hi = bootstrap_ci([arm[s] - reference[s] for s in seeds], **kw)
-    return mean, lo, hi, len(seeds)
+    return t_interval([arm[s] - reference[s] for s in seeds], level=level)
+
+
+def holm(pvalues: list[float]) -> list[float]:
+    """Holm-Bonferroni adjusted p-values, in the order given; NaN entries stay NaN and are not counted.
+
+    With the m finite p-values sorted, p_(1) <= ... <= p_(m), the adjusted p_(i) is
+    min(1, max_{j <= i} (m - j + 1) p_(j)). Rejecting where the adjusted p is below alpha keeps the chance of any
+    false rejection among the m at most alpha, whatever their dependence.
+    """
+    order = sorted((p, i) for i, p in enumerate(pvalues) if math.isfinite(p))
+    m = len(order)
+    out = [math.nan] * len(pvalues)
+    running = 0.0
+    for rank, (p, i) in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * p))
+        out[i] = running
+    return out
 
 
 def count_spikes(values, factor: float = SPIKE_FACTOR, min_history: int = SPIKE_MIN_HISTORY) -> int:
@@ -192,58 +279,27 @@ def count_spikes(values, factor: float = SPIKE_FACTOR, min_history: int = SPIKE_
     return spikes
 
 
-def parse_metrics(path: Path) -> tuple[dict[int, dict], list[str]]:
-    """step -> merged metrics, and one `file:line: problem` per line that could not be used."""
-    steps: dict[int, dict] = {}
-    problems = []
-    for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
-        where = f"{path}:{i}"
-        if not line.strip():
-            problems.append(f"{where}: empty line")
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            problems.append(f"{where}: unparseable JSON ({e.msg})")
-            continue
-        step = row.get("step") if isinstance(row, dict) else None
-        if isinstance(step, bool) or not isinstance(step, int | float) or not float(step).is_integer():
-            problems.append(f"{where}: no integer 'step'")
-            continue
-        values = {
-            RENAMED.get(k, k): float(v)
-            for k, v in row.items()
-            if isinstance(v, int | float) and not isinstance(v, bool)
-        }
-        values.pop("step")
-        steps.setdefault(int(step), {}).update(values)
-    return dict(sorted(steps.items())), problems
-
-
-def _last_exception(path: Path) -> str | None:
-    """The exception line of the last traceback in a log, if any."""
-    lines = path.read_text(errors="replace").splitlines()
-    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback")]
-    if not starts:
-        return None
-    for line in lines[starts[-1] + 1 :]:
-        if line.strip() and not line[0].isspace():
-            return line.strip()[:120]
-    return "traceback"
-
-
 @dataclass
 class Run:
-    path: Path
+    """One run as the report reads it, from a run folder or a pack's record (``scripts/pack_study.py``)."""
+
+    name: str  # the folder relative to the sweep ("." when the sweep is the run)
     cfg: dict
     steps: dict[int, dict]
-    final: dict | None
+    complete: bool
     label: str
-    problems: list[str]
+    problems: list[str]  # file names relative to the sweep
+    exception: str | None = None  # "<log>: <last exception line>" of a run that is not complete
+    checkpoint: bool = False
 
-    @property
-    def complete(self) -> bool:
-        return self.final is not None
+    @classmethod
+    def from_record(cls, record: dict) -> Run:
+        cfg = record["config"]
+        return cls(
+            name=record["run"], cfg=cfg, steps=record_steps(record), complete=record["status"] == "complete",
+            label=label_of(record.get("overrides", []), cfg), problems=list(record.get("problems", [])),
+            exception=record.get("exception"), checkpoint=bool(record.get("checkpoint")),
+        )  # fmt: skip
 
     @property
     def staleness(self) -> int | None:
@@ -325,62 +381,31 @@ class Run:
         planned = _as_int(cfg_get(self.cfg, "train.steps")) or "?"
         done = max(self.steps) if self.steps else None
         text = f"incomplete at step {done} of {planned}" if done is not None else f"no metrics logged (of {planned})"
-        text += "; resumable (checkpoints/)" if (self.path / "checkpoints").is_dir() else "; no checkpoint"
-        for log in ("crash.txt", "train.log"):
-            if (self.path / log).is_file() and (exc := _last_exception(self.path / log)):
-                return f"{text}; {log}: {exc}"
-        return text
+        text += "; resumable (checkpoints/)" if self.checkpoint else "; no checkpoint"
+        return f"{text}; {self.exception}" if self.exception else text
 
 
-def label_of(run_dir: Path, cfg: dict) -> str:
+def label_of(overrides: list[str], cfg: dict) -> str:
     """algo.name, plus any algo.* and algo/<group> command-line overrides (ablations keep the algo's name)."""
     name = str(cfg_get(cfg, "algo.name", "?"))
-    overrides_file = run_dir / ".hydra" / "overrides.yaml"
-    try:
-        overrides = OmegaConf.to_container(OmegaConf.load(overrides_file)) if overrides_file.is_file() else []
-    except Exception:
-        overrides = []
     given = [str(o).lstrip("+~") for o in overrides or []]
     extra = [o[len("algo.") :] for o in given if o.startswith("algo.")]
     extra += [o[len("algo/") :] for o in given if o.startswith("algo/")]  # a sub-group: algo/correction=tis
     return f"{name}[{','.join(extra)}]" if extra else name
 
 
-def load_run(run_dir: Path) -> Run:
-    problems: list[str] = []
-    cfg: dict = {}
-    cfg_file = run_dir / "config.yaml"
-    if not cfg_file.is_file():
-        cfg_file = run_dir / ".hydra" / "config.yaml"  # written by Hydra before the job starts
-    if cfg_file.is_file():
-        try:
-            cfg = OmegaConf.to_container(OmegaConf.load(cfg_file), resolve=False)
-        except Exception as e:
-            problems.append(f"{cfg_file}: unreadable config ({str(e).splitlines()[0]})")
+def load_run(run_dir: Path, sweep: Path | None = None) -> Run:
+    """One run folder (file names in its problems relative to ``sweep``, default the folder's parent)."""
+    return Run.from_record(read_run(run_dir, sweep))
+
+
+def load_runs(source: Path) -> tuple[str, list[Run]]:
+    """The sweep's name and its training runs, from a multirun folder or from a pack file."""
+    if source.is_dir():
+        name, records = sweep_name(source), read_folder(source)
     else:
-        problems.append(f"{run_dir}: no config.yaml")
-    steps: dict[int, dict] = {}
-    if (run_dir / "metrics.jsonl").is_file():
-        steps, bad = parse_metrics(run_dir / "metrics.jsonl")
-        problems += bad
-    final = None
-    if (run_dir / "final_metrics.json").is_file():
-        try:
-            final = json.loads((run_dir / "final_metrics.json").read_text())
-        except json.JSONDecodeError as e:
-            problems.append(f"{run_dir / 'final_metrics.json'}: unparseable JSON ({e.msg})")
-    return Run(run_dir, cfg if isinstance(cfg, dict) else {}, steps, final, label_of(run_dir, cfg), problems)
-
-
-def find_runs(sweep: Path) -> list[Path]:
-    found = set()
-    for f in sweep.rglob("*"):
-        if f.name not in ("config.yaml", "metrics.jsonl") or not f.is_file():
-            continue
-        d = f.parent.parent if f.parent.name == ".hydra" else f.parent
-        if not SKIP_DIRS & set(d.relative_to(sweep).parts):
-            found.add(d)
-    return sorted(found)
+        name, records = read_pack(source)
+    return name, [Run.from_record(r) for r in records]
 
 
 def _level_key(level: Level) -> tuple:
@@ -582,50 +607,114 @@ def _row(cells) -> str:
     return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
 
 
+def eval_samples(runs: list[Run]) -> int | None:
+    """Held-out samples behind one ``eval/accuracy`` of these runs: ``eval.n`` x ``data.heldout_size`` (the
+    smallest, if the runs differ); None when the configs do not say."""
+    sizes = [(_as_int(cfg_get(r.cfg, "eval.n")), _as_int(cfg_get(r.cfg, "data.heldout_size"))) for r in runs]
+    sizes = [n * size for n, size in sizes if n and size]
+    return min(sizes) if sizes else None
+
+
+def at_floor(mean: float) -> bool:
+    """Fewer right answers than FLOOR_SHARE of the samples: differences there are a handful of answers."""
+    return math.isfinite(mean) and mean < FLOOR_SHARE
+
+
+def _floor_mark(mean: float, samples: int | None) -> str:
+    right = f"≈{mean * samples:.1f} of {samples} right" if samples else f"under {FLOOR_SHARE:.0%} right"
+    return f"floor ({right})"
+
+
+ACCURACY = ("final", "best", "greedy")  # the summary keys that are accuracies: the floor applies to them
+
+
 def results_table(groups) -> list[str]:
     lines = [_row(COLUMNS), _row(["---"] * len(COLUMNS))]
     for (label, level), runs in groups.items():
         done = [r.summary() for r in runs if r.complete]
-        stats = [mean_std([s[k] for s in done], fmt) for k, fmt in STATS.items()]
+        stats = []
+        for k, fmt in STATS.items():
+            values = [s[k] for s in done if math.isfinite(s[k])]
+            floor = k in ACCURACY and values and at_floor(float(np.mean(values)))
+            stats.append(mean_std(values, fmt) + (" (floor)" if floor else ""))
         caps = "/".join(sorted({str(cfg_get(r.cfg, "buffer.max_staleness", "?")) for r in runs}))
         lines.append(_row([label, _show(level), caps, *stats, len(done), len(runs) - len(done)]))
     return lines
 
 
-def _ci(stat: tuple[float, float, float], fmt: str = "{:.3f}", n: int = 2) -> str:
-    """'mean [lo, hi]'; the mean alone for a single value (no interval from one seed); a dash for none."""
-    mean, lo, hi = stat[:3]
-    if not math.isfinite(mean):
+def _ci(stat: Interval, fmt: str = "{:.3f}", method: str = "t") -> str:
+    """'mean [lo, hi] <method>, n=<n>'; 'mean (n=1)' for a single value (no interval from one seed); a dash
+    for none."""
+    if not math.isfinite(stat.mean):
         return DASH
-    return fmt.format(mean) if n < 2 else f"{fmt.format(mean)} [{fmt.format(lo)}, {fmt.format(hi)}]"
+    if stat.n < 2:
+        return f"{fmt.format(stat.mean)} (n={stat.n})"
+    return f"{fmt.format(stat.mean)} [{fmt.format(stat.lo)}, {fmt.format(stat.hi)}] {method}, n={stat.n}"
+
+
+def _p(p: float) -> str:
+    return DASH if not math.isfinite(p) else "<0.001" if p < 0.001 else f"{p:.3f}"
 
 
 def interval_table(groups) -> list[str]:
-    """Bootstrap 95% intervals over the completed seeds of each algo x staleness."""
-    cols = ["algo", "staleness", "final acc [95% CI]", "best acc [95% CI]", "entropy (end) [95% CI]", "seeds"]
+    """Student-t intervals over the completed seeds of each algo x staleness; accuracy cells at the floor marked."""
+    cols = ["algo", "staleness", "final acc", "best acc", "entropy (end)", "eval samples", "reading"]
     lines = [_row(cols), _row(["---"] * len(cols))]
     for (label, level), runs in groups.items():
         done = [r.summary() for r in runs if r.complete]
-        cells = [_ci(bootstrap_ci([d[k] for d in done]), n=len(done)) for k in ("final", "best", "entropy")]
-        lines.append(_row([label, _show(level), *cells, len(done)]))
+        samples = eval_samples([r for r in runs if r.complete])
+        cells = []
+        for k in ("final", "best", "entropy"):
+            stat = t_interval([d[k] for d in done])
+            floor = k in ACCURACY and at_floor(stat.mean)
+            cells.append(_ci(stat) + (f", {_floor_mark(stat.mean, samples)}" if floor else ""))
+        reading = f"n < {MIN_CLAIM_N}: descriptive only" if len(done) < MIN_CLAIM_N else DASH
+        lines.append(_row([label, _show(level), *cells, samples or "?", reading]))
     return lines
 
 
-def paired_table(groups, reference: str) -> list[str]:
-    """Each arm minus ``reference`` on the seeds both completed at the same staleness."""
-    cols = ["staleness", "arm", f"final acc − {reference} [95% CI]", f"best acc − {reference} [95% CI]", "pairs"]
-    lines = [_row(cols), _row(["---"] * len(cols))]
+def paired_rows(groups, reference: str) -> list[dict]:
+    """Every comparison of the paired table: each arm minus ``reference`` in final and best accuracy, on the seeds
+    both completed at the same staleness, with its raw p and (for those that enter the correction) Holm's."""
+    rows = []
     for (label, level), runs in groups.items():
         ref = groups.get((reference, level))
         if label == reference or not ref:
             continue
-        cells = []
         for key in ("final", "best"):
             arm = {r.seed: r.summary()[key] for r in runs if r.complete}
             base = {r.seed: r.summary()[key] for r in ref if r.complete}
-            mean, lo, hi, n = paired_difference(arm, base)
-            cells.append(_ci((mean, lo, hi), "{:+.3f}", n))
-        lines.append(_row([_show(level), label, *cells, n]))
+            floor = all(at_floor(t_interval(list(side.values())).mean) for side in (arm, base))
+            stat = paired_t(arm, base)
+            rows.append({"level": level, "arm": label, "key": key, "stat": stat, "floor": floor,
+                         "counted": stat.n >= MIN_CLAIM_N and not floor and math.isfinite(stat.p)})  # fmt: skip
+    adjusted = holm([r["stat"].p if r["counted"] else math.nan for r in rows])
+    for r, p in zip(rows, adjusted, strict=True):
+        r["holm"] = p
+    return rows
+
+
+def _reading(r: dict, reference: str) -> str:
+    if r["stat"].n == 0:
+        return "no shared seeds"
+    if r["stat"].n < MIN_CLAIM_N:
+        return f"n < {MIN_CLAIM_N}: descriptive only"
+    if r["floor"]:
+        return "both at floor: not ranked"
+    if not r["holm"] < 0.05:
+        return "not separated"
+    return f"{r['arm']} {'above' if r['stat'].mean > 0 else 'below'} {reference}"
+
+
+def paired_table(rows: list[dict], reference: str) -> list[str]:
+    """One row per comparison of :func:`paired_rows`."""
+    cols = ["staleness", "arm", "metric", f"arm − {reference}", "p", "p (Holm)", "reading"]
+    lines = [_row(cols), _row(["---"] * len(cols))]
+    for r in rows:
+        cell = _ci(r["stat"], "{:+.3f}", "paired t")
+        metric = {"final": "final acc", "best": "best acc"}[r["key"]]
+        lines.append(_row([_show(r["level"]), r["arm"], metric, cell, _p(r["stat"].p), _p(r["holm"]),
+                           _reading(r, reference)]))  # fmt: skip
     return lines
 
 
@@ -651,11 +740,46 @@ def pathology_table(groups) -> list[str]:
     return lines
 
 
+def _where(sweep: str, problem: str) -> str:
+    """A problem's file name (relative to the sweep) as a path from where the sweep was read."""
+    return f"{sweep}{problem[1:]}" if problem.startswith(".:") else f"{sweep}/{problem}"
+
+
+def _interval_sections(groups, reference: str) -> list[str]:
+    rows = paired_rows(groups, reference)
+    m = sum(r["counted"] for r in rows)
+    return [
+        "## Intervals over seeds",
+        "",
+        f"Mean and Student-t {LEVEL:.0%} interval over the completed seeds (`t`: mean ± t · s / √n, s the sample "
+        f"std; exact for normal seed-to-seed noise, somewhat narrow for skewed noise at small n), with n beside "
+        f"each. Rows with fewer than {MIN_CLAIM_N} seeds are descriptive only. An accuracy cell whose mean is "
+        f"under {FLOOR_SHARE:.0%} (fewer right answers than {FLOOR_SHARE:.0%} of its eval samples, `eval.n` × "
+        "`data.heldout_size`) is marked `floor`: its differences are a handful of answers, and it is not ranked.",
+        "",
+        *interval_table(groups),
+        "",
+        f"## Paired against {reference}",
+        "",
+        f"Difference arm − {reference} on the seeds both completed at the same staleness (same seed: same "
+        f"prompts, same initial weights): mean and paired-t {LEVEL:.0%} interval of the per-seed differences "
+        "(unadjusted), and the two-sided p of a paired t test. "
+        f"**{m} of the {len(rows)} comparisons below enter the correction** (those with at least {MIN_CLAIM_N} "
+        "pairs and not both at the floor); `p (Holm)` is Holm-Bonferroni over those "
+        f"{m}, and a reading names a direction only when it is under 0.05. Rows with fewer pairs are descriptive "
+        "only, and a comparison of two floor cells is not ranked.",
+        "",
+        *paired_table(rows, reference),
+        "",
+    ]
+
+
 def render(
-    sweep: Path, runs: list[Run], groups, plots: list[Path], out: Path, *, intervals: bool = False,
-    reference: str = "bapo",
+    sweep: str, runs: list[Run], groups, plots: list[Path], out: Path, *, intervals: bool = False,
+    reference: str = "bapo", smooth: int = 1,
 ) -> str:  # fmt: skip
     bad = [r for r in runs if not r.complete]
+    options = f"--reference {reference} --smooth {smooth}" + (" --intervals" if intervals else "")
     lines = [
         "# Sweep report",
         "",
@@ -668,7 +792,10 @@ def render(
         "Accuracy is `eval/accuracy` at the last eval step (final) and its maximum (best); entropy is the "
         f"last logged `learner/entropy`; a grad-norm spike is a step whose grad norm exceeds {SPIKE_FACTOR:g}× "
         f"the median of all earlier steps (from the {SPIKE_MIN_HISTORY + 1}th step on); wall time sums "
-        "`time/step_s`. Incomplete runs are not in the statistics; they are listed below.",
+        f"`time/step_s`. An accuracy under {FLOOR_SHARE:.0%} is marked `(floor)`. Incomplete runs are not in the "
+        "statistics; they are listed below.",
+        "",
+        f"Options: `{options}` (`scripts/report.py <sweep or pack> {options}` makes this report again).",
         "",
         "## Results",
         "",
@@ -677,22 +804,7 @@ def render(
     ]
     if intervals or any(sum(r.complete for r in g) >= 2 for g in groups.values()):
         lines += [
-            "## Intervals over seeds",
-            "",
-            "Mean and percentile bootstrap 95% interval over the completed seeds (exact: every ordered resample "
-            f"of up to {EXACT_BOOTSTRAP_MAX_N} seeds). With 3-5 seeds these intervals are wide and a little too "
-            "narrow for their nominal level; read them as a guide, not a test.",
-            "",
-            *interval_table(groups),
-            "",
-            f"## Paired against {reference}",
-            "",
-            f"Difference arm − {reference} on the seeds both completed at the same staleness (same seed: same "
-            "prompts, same initial weights), mean and bootstrap 95% interval of the per-seed differences. An "
-            "interval that excludes 0 is a difference these seeds support.",
-            "",
-            *paired_table(groups, reference),
-            "",
+            *_interval_sections(groups, reference),
             "## Pathology checks",
             "",
             "Means over the completed seeds. Entropy is `learner/entropy` (nats per response token, per training "
@@ -711,11 +823,10 @@ def render(
     if bad:
         lines += [_row(["run", "algo", "staleness", "seed", "status"]), _row(["---"] * 5)]
         for r in bad:
-            name = str(r.path.relative_to(sweep)) if r.path != sweep else "."
-            lines.append(_row([f"`{name}`", r.label, _show(r.level), r.seed, r.status()]))
+            lines.append(_row([f"`{r.name}`", r.label, _show(r.level), r.seed, r.status()]))
     else:
         lines.append("None.")
-    problems = [p for r in runs for p in r.problems]
+    problems = [_where(sweep, p) for r in runs for p in r.problems]
     if problems:
         lines += ["", "## Unreadable lines and files", "", *[f"- `{p}`" for p in problems]]
     if plots:
@@ -725,28 +836,33 @@ def render(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("sweep", type=Path, help="a multirun folder (or a single run folder)")
-    parser.add_argument("--out", type=Path, default=None, help="output folder (default: <sweep>/report)")
+    parser.add_argument("sweep", type=Path, help="a multirun folder (or a single run folder), or a study's pack")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default: <sweep>/report, or the pack's)")
     parser.add_argument("--smooth", type=int, default=1, help="trailing mean over K points in the plots")
     parser.add_argument("--intervals", action="store_true", help="interval, paired and pathology tables always")
     parser.add_argument("--reference", default="bapo", help="the arm the paired comparison is against")
     args = parser.parse_args(argv)
-    if not args.sweep.is_dir():
-        parser.error(f"not a folder: {args.sweep}")
-    runs = [load_run(d) for d in find_runs(args.sweep)]
-    runs = [r for r in runs if r.steps or r.final or not r.cfg or "train" in r.cfg]  # not eval.py's folders
+    if not args.sweep.exists():
+        parser.error(f"no such folder or pack: {args.sweep}")
+    try:
+        sweep, runs = load_runs(args.sweep)
+    except PackError as e:
+        print(f"error: PackError: {e}", file=sys.stderr)
+        return 2
     if not runs:
         print(f"no runs under {args.sweep} (no config.yaml or metrics.jsonl)", file=sys.stderr)
         return 1
-    out = args.out or args.sweep / "report"
+    out = args.out or (args.sweep / "report" if args.sweep.is_dir() else args.sweep.parent)
     out.mkdir(parents=True, exist_ok=True)
     groups = group_runs(runs)
     plots = plot_curves(groups, out, args.smooth) + plot_bapo(groups, out, args.smooth)
     plots += plot_clipping(groups, out, args.smooth) + plot_budget(groups, out)
-    text = render(args.sweep, runs, groups, plots, out, intervals=args.intervals, reference=args.reference)
+    text = render(
+        sweep, runs, groups, plots, out, intervals=args.intervals, reference=args.reference, smooth=args.smooth
+    )
     (out / "report.md").write_text(text)
     for problem in (p for r in runs for p in r.problems):
-        print(f"warning: {problem}", file=sys.stderr)
+        print(f"warning: {_where(sweep, problem)}", file=sys.stderr)
     n_bad = sum(not r.complete for r in runs)
     print(f"{out / 'report.md'}: {len(runs)} runs ({n_bad} incomplete), {len(plots)} plots")
     return 0

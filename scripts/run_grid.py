@@ -8,12 +8,17 @@ uses, so ``python train.py -m experiment=<name>`` and this script share finished
 
     python scripts/run_grid.py study_v3 "algo=grpo learner.mini_batches_per_rollout=5" --seeds 1 2 3 4 5 --jobs 2
 
-Each cell is a space-separated list of overrides; every cell runs once per seed.
+Each cell is a space-separated list of overrides; every cell runs once per seed. Each run's output goes to
+``<sweep dir>/logs/<run>.log``, and each attempt adds a line to ``<sweep dir>/logs/grid.jsonl`` (run, exit
+status, seconds). At the end the whole sweep folder, this grid's runs and any others in it, is packed into
+``<sweep dir>/runs.jsonl.gz`` (``--pack`` elsewhere; ``scripts/pack_study.py``), the raw data a study commits and
+``scripts/report.py`` reads.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -24,6 +29,9 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # scripts/ is read as a namespace package, as gpu_check.py does
+from scripts import pack_study  # noqa: E402
 
 
 def sweep_dir(experiment: str) -> str:
@@ -49,7 +57,10 @@ def run_one(experiment: str, overrides: list[str], root: Path, log_dir: Path) ->
     t0 = time.time()
     with (log_dir / f"{name}.log").open("a") as log:
         rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
-    return name, rc, time.time() - t0
+    secs = time.time() - t0
+    with (log_dir / pack_study.GRID_LOG).open("a") as f:  # one short line: appends from two threads stay whole
+        f.write(json.dumps({"run": name, "rc": rc, "seconds": round(secs, 3)}) + "\n")
+    return name, rc, secs
 
 
 def main() -> None:
@@ -59,15 +70,22 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5])
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--sweep-dir", help="instead of the experiment's hydra.sweep.dir (e.g. a control run)")
+    ap.add_argument("--pack", type=Path, help="where to pack the sweep at the end (default <sweep dir>/runs.jsonl.gz)")
     args = ap.parse_args()
     root = ROOT / (args.sweep_dir or sweep_dir(args.experiment))
     log_dir = root / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     jobs = [cell.split() + [f"seed={s}"] for s in args.seeds for cell in args.cells]  # seed-major: early seeds first
+    where = root.relative_to(ROOT) if root.is_relative_to(ROOT) else root
+    t0 = time.time()
     with ThreadPoolExecutor(args.jobs) as pool:
         for name, rc, secs in pool.map(lambda o: run_one(args.experiment, o, root, log_dir), jobs):
-            where = root.relative_to(ROOT) if root.is_relative_to(ROOT) else root
             print(f"{'ok ' if rc == 0 else f'rc={rc}'} {secs:6.0f}s {where}/{name}", flush=True)
+    print(f"grid: {len(jobs)} runs in {time.time() - t0:.0f}s", flush=True)
+    pack = args.pack or root / "runs.jsonl.gz"
+    records = pack_study.read_folder(root)
+    pack_study.write_pack(str(where), records, pack)
+    print(f"packed {len(records)} runs of {where} into {pack}", flush=True)
 
 
 if __name__ == "__main__":

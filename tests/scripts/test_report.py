@@ -203,13 +203,13 @@ def test_same_staleness_two_ways_are_two_groups(tmp_path):
     cfg = json.loads((epochs / "config.yaml").read_text())
     cfg["learner"]["ppo_epochs"] = 5
     (epochs / "config.yaml").write_text(json.dumps(cfg))
-    runs = [report.load_run(d) for d in report.find_runs(root)]
+    _, runs = report.load_runs(root)
     groups = report.group_runs(runs)
     assert list(groups) == [("grpo", report.Level(4, "5 epochs")), ("grpo", report.Level(4, "5 mini-batches"))]
     out = tmp_path / "out"
     assert report.main([str(root), "--out", str(out)]) == 0
     rows = {r["staleness"]: r for r in table((out / "report.md").read_text(), "Results")}
-    assert (rows["4 (5 epochs)"]["final acc"], rows["4 (5 mini-batches)"]["final acc"]) == ("0.000", "0.400")
+    assert (rows["4 (5 epochs)"]["final acc"], rows["4 (5 mini-batches)"]["final acc"]) == ("0.000 (floor)", "0.400")
 
 
 def test_count_spikes():
@@ -218,60 +218,19 @@ def test_count_spikes():
     assert report.count_spikes([1, 1, math.nan, 1, 1, 1, 4]) == 1  # NaN neither counts nor joins the history
 
 
-def test_repeated_steps_merge_later_wins(tmp_path):
-    path = tmp_path / "metrics.jsonl"
-    rows = [{"step": 1, "a": 1.0, "b": 2.0}, {"step": 2, "a": 5.0}, {"step": 1, "a": 3.0}]
-    path.write_text("\n".join(json.dumps(r) for r in rows) + '\n{"a": 1}\n')
-    steps, problems = report.parse_metrics(path)
-    assert steps == {1: {"a": 3.0, "b": 2.0}, 2: {"a": 5.0}}
-    assert problems == [f"{path}:4: no integer 'step'"]
-
-
 def test_label_keeps_algo_overrides(tmp_path):
     (tmp_path / ".hydra").mkdir()
     overrides = ["algo=bapo", "algo.contribution=gradient", "seed=2"]
     (tmp_path / ".hydra" / "overrides.yaml").write_text(json.dumps(overrides))
-    assert report.label_of(tmp_path, {"algo": {"name": "bapo"}}) == "bapo[contribution=gradient]"
+    assert report.load_run(tmp_path).label == "?[contribution=gradient]"  # read from the folder; no config
+    assert report.label_of(overrides, {"algo": {"name": "bapo"}}) == "bapo[contribution=gradient]"
     # a sub-group override (a rollout correction) is an arm of its own, not the plain algorithm
     overrides = ["algo=grpo", "algo/correction=tis", "learner.old_logp=recompute"]
-    (tmp_path / ".hydra" / "overrides.yaml").write_text(json.dumps(overrides))
-    assert report.label_of(tmp_path, {"algo": {"name": "grpo"}}) == "grpo[correction=tis]"
+    assert report.label_of(overrides, {"algo": {"name": "grpo"}}) == "grpo[correction=tis]"
 
 
 # ------------------------------------------------------------------------------------ statistics
-
-
-def test_bootstrap_ci_exact_hand_computed():
-    # xs = [0, 0, 0, 0, 1]: a resample's mean is k/5 with k ~ Binomial(5, 1/5).
-    # P(k=0) = 0.8^5 = 0.32768 >= 0.025, so lo = 0. P(k<=2) = 0.94208 < 0.975 <= P(k<=3) = 0.99328, so hi = 3/5.
-    assert report.bootstrap_ci([0, 0, 0, 0, 1]) == pytest.approx((0.2, 0.0, 0.6))
-    # xs = [1, 2, 3]: 27 resamples; sums 3..9 with counts 1, 3, 6, 7, 6, 3, 1. P(mean = 1) = 1/27 = 0.037 >= 0.025,
-    # so lo = 1; P(mean <= 8/3) = 26/27 = 0.963 < 0.975, so hi = 3.
-    assert report.bootstrap_ci([1, 2, 3]) == pytest.approx((2.0, 1.0, 3.0))
-    # 50%: the 0.25 quantile is the smallest mean with CDF >= 0.25: CDF(4/3) = 4/27 < 0.25 <= CDF(5/3) = 10/27
-    # -> 5/3; the 0.75 quantile: CDF(2) = 17/27 = 0.63 < 0.75 <= CDF(7/3) = 23/27 -> 7/3.
-    assert report.bootstrap_ci([1, 2, 3], level=0.5) == pytest.approx((2.0, 5 / 3, 7 / 3))
-
-
-def test_bootstrap_ci_edge_cases_and_monte_carlo():
-    assert all(math.isnan(v) for v in report.bootstrap_ci([]))
-    assert report.bootstrap_ci([0.3, math.nan]) == pytest.approx((0.3, 0.3, 0.3))  # one value: no spread
-    # n = 10 goes Monte Carlo: seeded, so repeatable, and the interval brackets the mean
-    xs = [0.1 * i for i in range(10)]
-    a, b = report.bootstrap_ci(xs, seed=3), report.bootstrap_ci(xs, seed=3)
-    assert a == b and a[1] < a[0] < a[2]
-    # the sd of the mean is 0.287/sqrt(10) = 0.091: a 95% interval is about +-0.18 around 0.45
-    assert a[1] == pytest.approx(0.45 - 0.18, abs=0.04) and a[2] == pytest.approx(0.45 + 0.18, abs=0.04)
-
-
-def test_paired_difference_uses_shared_seeds_only():
-    arm = {1: 0.5, 2: 0.6, 3: 0.7, 5: 0.1}
-    ref = {1: 0.4, 2: 0.6, 3: 0.5, 4: 0.9, 5: math.nan}
-    # shared finite seeds 1, 2, 3: differences 0.1, 0.0, 0.2 -> as [1, 0, 2] x 0.1: mean 0.1, lo 0, hi 0.2
-    mean, lo, hi, n = report.paired_difference(arm, ref)
-    assert (mean, lo, hi, n) == pytest.approx((0.1, 0.0, 0.2, 3))
-    # pairing matters: the two arms' own values overlap, but a constant gap gives a zero-width interval
-    assert report.paired_difference({1: 0.3, 2: 0.9}, {1: 0.2, 2: 0.8}) == pytest.approx((0.1, 0.1, 0.1, 2))
+# (the interval method itself: tests/scripts/test_report_stats.py)
 
 
 def test_report_has_interval_paired_and_pathology_tables(sweep, tmp_path):
@@ -280,9 +239,12 @@ def test_report_has_interval_paired_and_pathology_tables(sweep, tmp_path):
     text = (out / "report.md").read_text()
     for title in ("## Intervals over seeds", "## Paired against grpo", "## Pathology checks"):
         assert title in text
-    # grpo at staleness 0 has two complete seeds with final accuracy 0.4 and 0.6: exact bootstrap over
-    # 4 resamples gives means 0.4, 0.5, 0.5, 0.6 -> [0.4, 0.6]
-    assert "| grpo | 0 | 0.500 [0.400, 0.600] |" in text
+    # grpo at staleness 0 has two complete seeds with final accuracy 0.4 and 0.6: mean 0.5, s = 0.1414,
+    # s / sqrt(2) = 0.1, t_{0.975, 1} = 12.706 -> 0.5 -+ 1.2706; two seeds: descriptive only
+    rows = {(r["algo"], r["staleness"]): r for r in table(text, "Intervals over seeds")}
+    assert rows[("grpo", "0")]["final acc"] == "0.500 [-0.771, 1.771] t, n=2"
+    assert rows[("grpo", "0")]["reading"] == "n < 5: descriptive only"
+    assert rows[("grpo", "0")]["eval samples"] == "?"  # the hand-written configs carry no eval.n
     # the pathology row of grpo: entropy 0.5 at the first step; its two seeds end at 0.3 and 0.5 (mean 0.4)
     assert "| grpo | 0 | 0.500 → 0.400 (0.400) | 0.80 |" in text
     # bapo's rho_before is 0.3 < rho0 0.4 on every step
@@ -291,10 +253,13 @@ def test_report_has_interval_paired_and_pathology_tables(sweep, tmp_path):
         assert (out / png).is_file(), png
 
 
-def test_interval_cell_shows_no_interval_for_one_seed():
-    assert report._ci((0.5, 0.4, 0.6), n=2) == "0.500 [0.400, 0.600]"
-    assert report._ci((0.5, 0.5, 0.5), n=1) == "0.500"  # a zero-width "interval" from one seed would mislead
-    assert report._ci((math.nan, math.nan, math.nan)) == report.DASH
+def test_interval_cell_names_its_method_and_n():
+    assert report._ci(report.Interval(0.5, 0.4, 0.6, 2, 0.1)) == "0.500 [0.400, 0.600] t, n=2"
+    paired = report._ci(report.Interval(0.01, -0.02, 0.04, 10, 0.5), "{:+.3f}", "paired t")
+    assert paired == "+0.010 [-0.020, +0.040] paired t, n=10"
+    # one seed: the value and its n, no interval (a zero-width "interval" from one seed would mislead)
+    assert report._ci(report.t_interval([0.5])) == "0.500 (n=1)"
+    assert report._ci(report.t_interval([])) == report.DASH
 
 
 def test_pathology_counts_updates_and_updates_with_a_signal(tmp_path):

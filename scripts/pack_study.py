@@ -1,0 +1,298 @@
+"""Pack a study's raw data into one compressed file that a report can be regenerated from.
+
+    python scripts/pack_study.py multirun/study_v4 --out docs/study/v4/runs.jsonl.gz
+    python scripts/report.py docs/study/v4/runs.jsonl.gz --out docs/study/v4
+
+A study is a Hydra multirun folder (``scripts/run_grid.py``, or ``train.py -m``): every folder under it that holds
+``config.yaml``, ``.hydra/config.yaml`` or ``metrics.jsonl`` is a run (eval.py's folders excepted). The pack is
+gzip'd JSON lines: a header, then one line per run, in folder order:
+
+    {"format": "bapo-study", "runs": 10, "sweep": "multirun/demo", "version": 1}
+    {"checkpoint": true, "config": {...}, "exception": null, "metrics": {"eval/accuracy": [0.43, null, ...],
+     "step": [0, 1, ...], ...}, "overrides": ["algo=bapo", "seed=2"], "problems": [], "process_s": 41.3,
+     "run": "algo=bapo,seed=2", "status": "complete", "wall_s": 35.2}
+
+What a run's line keeps, and why:
+- ``config``: the whole resolved config as the run wrote it (``config.yaml``; ``.hydra/config.yaml`` for a run
+  that died before writing one). About 2 KB; the report reads a dozen keys (algo, learner, buffer, train, eval,
+  data), and a reader checking a claim may need any other.
+- ``overrides``: the job's command-line overrides (``.hydra/overrides.yaml``): the report's arm label keeps the
+  ``algo.*`` ones.
+- ``metrics``: every numeric key of ``metrics.jsonl`` at full precision, one column per key aligned with ``step``
+  (null where a step did not log the key). The report reads about 20 of some 95 keys, but the rest (ratio
+  extremes, ESS, truncation, response lengths, stage timers) are what an audit of a table asks for next, and
+  they cost little once compressed. The rows are as the report reads them: a step logged twice (a resumed run
+  logs again the steps after its checkpoint) is merged, the later value winning, and metrics renamed since a
+  run was logged appear under their current names.
+- ``status``: ``complete`` (``final_metrics.json`` exists), ``failed`` (not complete, and a log ends in an
+  exception: ``exception`` holds its last line) or ``incomplete`` (interrupted, or still running);
+  ``checkpoint`` says whether it can resume.
+- ``wall_s``: the run's own time, the sum of ``time/step_s`` plus step 0's ``time/eval_s`` (what the report's
+  wall-time column sums); ``process_s``: the seconds ``scripts/run_grid.py`` measured for the whole process,
+  start-up and export included, summed over its attempts (null when the run did not come from run_grid).
+- ``problems``: every line or file that could not be read, as ``<run>/<file>[:<line>]: <problem>``.
+
+The same runs give the same bytes: keys sorted, compact separators, runs in folder order, and a gzip header
+with no file name and mtime 0 (for a given zlib; the regenerate test compares reports, not packs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+FORMAT, VERSION = "bapo-study", 1
+SKIP_DIRS = {".hydra", ".submitit", "checkpoints", "export", "wandb"}
+GRID_LOG = "grid.jsonl"  # scripts/run_grid.py: one line per attempt, in <sweep dir>/logs/
+# Metrics of runs written before the clip window moved to clip/*: read under their new names.
+RENAMED = {"bapo/ratio_low": "clip/low", "bapo/ratio_high": "clip/high", "bapo/rho": "clip/rho"}
+
+
+def parse_metrics(path: Path, where: str | None = None) -> tuple[dict[int, dict], list[str]]:
+    """step -> merged metrics, and one ``<where>:<line>: <problem>`` per line that could not be used
+    (``where`` defaults to the path itself)."""
+    where = str(path) if where is None else where
+    steps: dict[int, dict] = {}
+    problems = []
+    for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        at = f"{where}:{i}"
+        if not line.strip():
+            problems.append(f"{at}: empty line")
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            problems.append(f"{at}: unparseable JSON ({e.msg})")
+            continue
+        step = row.get("step") if isinstance(row, dict) else None
+        if isinstance(step, bool) or not isinstance(step, int | float) or not float(step).is_integer():
+            problems.append(f"{at}: no integer 'step'")
+            continue
+        values = {
+            RENAMED.get(k, k): float(v)
+            for k, v in row.items()
+            if isinstance(v, int | float) and not isinstance(v, bool)
+        }
+        values.pop("step")
+        steps.setdefault(int(step), {}).update(values)
+    return dict(sorted(steps.items())), problems
+
+
+def last_exception(path: Path) -> str | None:
+    """The last failure a log records: the exception line of its last traceback, or the entry points' one-line
+    ``error: <Class>: <message>`` (``bapo/cli.py``), whichever comes later; cut to 120 characters."""
+    lines = path.read_text(errors="replace").splitlines()
+    found = None
+    i = 0
+    while i < len(lines):
+        if lines[i].startswith("error: "):
+            found = lines[i].strip()[:120]
+        elif lines[i].startswith("Traceback"):
+            found = "traceback"
+            for j in range(i + 1, len(lines)):
+                if lines[j].strip() and not lines[j][0].isspace():
+                    found, i = lines[j].strip()[:120], j
+                    break
+        i += 1
+    return found
+
+
+def _exception(run_dir: Path) -> str | None:
+    """``<log>: <last exception line>`` from the run's own logs, then from run_grid's log of it."""
+    logs = [(run_dir / "crash.txt", "crash.txt"), (run_dir / "train.log", "train.log")]
+    logs.append((run_dir.parent / "logs" / f"{run_dir.name}.log", "run_grid log"))
+    for path, name in logs:
+        if path.is_file() and (exc := last_exception(path)):
+            return f"{name}: {exc}"
+    return None
+
+
+def _process_s(run_dir: Path) -> float | None:
+    """Seconds run_grid measured for this run's processes, summed over attempts; None if it has no record."""
+    path = run_dir.parent / "logs" / GRID_LOG
+    if not path.is_file():
+        return None
+    total = None
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and row.get("run") == run_dir.name and isinstance(row.get("seconds"), int | float):
+            total = (total or 0.0) + float(row["seconds"])
+    return total
+
+
+def _relative(path: Path, sweep: Path) -> str:
+    return path.relative_to(sweep).as_posix() if path != sweep else "."
+
+
+def read_run(run_dir: Path, sweep: Path | None = None) -> dict:
+    """One run folder as a pack record (module docstring); file names in ``problems`` are relative to ``sweep``
+    (default: the run's parent folder)."""
+    sweep = run_dir.parent if sweep is None else sweep
+    name = _relative(run_dir, sweep)
+
+    def rel(path: Path) -> str:
+        return _relative(path, sweep)
+
+    problems: list[str] = []
+    cfg: dict = {}
+    cfg_file = run_dir / "config.yaml"
+    if not cfg_file.is_file():
+        cfg_file = run_dir / ".hydra" / "config.yaml"  # written by Hydra before the job starts
+    if cfg_file.is_file():
+        try:
+            cfg = OmegaConf.to_container(OmegaConf.load(cfg_file), resolve=False)
+        except Exception as e:
+            problems.append(f"{rel(cfg_file)}: unreadable config ({str(e).splitlines()[0]})")
+    else:
+        problems.append(f"{name}: no config.yaml")
+    overrides: list = []
+    overrides_file = run_dir / ".hydra" / "overrides.yaml"
+    if overrides_file.is_file():
+        try:
+            overrides = [str(o) for o in OmegaConf.to_container(OmegaConf.load(overrides_file)) or []]
+        except Exception:
+            problems.append(f"{rel(overrides_file)}: unreadable overrides")
+    steps: dict[int, dict] = {}
+    if (run_dir / "metrics.jsonl").is_file():
+        steps, bad = parse_metrics(run_dir / "metrics.jsonl", rel(run_dir / "metrics.jsonl"))
+        problems += bad
+    complete = False
+    if (run_dir / "final_metrics.json").is_file():
+        try:
+            json.loads((run_dir / "final_metrics.json").read_text())
+            complete = True
+        except json.JSONDecodeError as e:
+            problems.append(f"{rel(run_dir / 'final_metrics.json')}: unparseable JSON ({e.msg})")
+    exception = None if complete else _exception(run_dir)
+    keys = sorted({k for m in steps.values() for k in m})
+    return {
+        "run": name,
+        "config": cfg if isinstance(cfg, dict) else {},
+        "overrides": overrides,
+        "status": "complete" if complete else "failed" if exception else "incomplete",
+        "exception": exception,
+        "checkpoint": (run_dir / "checkpoints").is_dir(),
+        "wall_s": sum(m.get("time/step_s", m.get("time/eval_s", 0.0)) for m in steps.values()),
+        "process_s": _process_s(run_dir),
+        "metrics": {"step": list(steps), **{k: [m.get(k) for m in steps.values()] for k in keys}},
+        "problems": problems,
+    }
+
+
+def record_steps(record: dict) -> dict[int, dict]:
+    """A record's metrics as the report reads them: step -> {key: value}, absent keys left out."""
+    columns = record["metrics"]
+    steps = columns["step"]
+    out: dict[int, dict] = {int(s): {} for s in steps}
+    for key, values in columns.items():
+        if key == "step":
+            continue
+        for s, v in zip(steps, values, strict=True):
+            if v is not None:
+                out[int(s)][key] = float(v)
+    return out
+
+
+def find_runs(sweep: Path) -> list[Path]:
+    found = set()
+    for f in sweep.rglob("*"):
+        if f.name not in ("config.yaml", "metrics.jsonl") or not f.is_file():
+            continue
+        d = f.parent.parent if f.parent.name == ".hydra" else f.parent
+        if not SKIP_DIRS & set(d.relative_to(sweep).parts):
+            found.add(d)
+    return sorted(found)
+
+
+def is_training_run(record: dict) -> bool:
+    """Not one of eval.py's folders (a config without a ``train`` key, and no metrics)."""
+    cfg = record["config"]
+    return bool(len(record["metrics"]["step"]) or record["status"] == "complete" or not cfg or "train" in cfg)
+
+
+def read_folder(sweep: Path) -> list[dict]:
+    """Every training run under ``sweep``, as pack records in folder order."""
+    return [r for r in (read_run(d, sweep) for d in find_runs(sweep)) if is_training_run(r)]
+
+
+def sweep_name(sweep: Path) -> str:
+    """How a pack and a report name the sweep: relative to the working folder when inside it, else as given."""
+    try:
+        return sweep.resolve().relative_to(Path.cwd().resolve()).as_posix()
+    except ValueError:
+        return str(sweep)
+
+
+def write_pack(sweep: str, records: list[dict], out: Path) -> None:
+    """The pack, byte-identical for the same records: compact, sorted JSON lines; gzip with mtime 0 and no name."""
+    header = {"format": FORMAT, "version": VERSION, "sweep": sweep, "runs": len(records)}
+    lines = [json.dumps(x, sort_keys=True, separators=(",", ":")) for x in (header, *records)]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    with open(tmp, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, compresslevel=9, mtime=0) as f:
+        f.write(("\n".join(lines) + "\n").encode())
+    tmp.replace(out)  # a reader never sees half a pack
+
+
+class PackError(ValueError):
+    """A file that is not a study pack, or a damaged one: the message names the file and line."""
+
+
+def read_pack(path: Path) -> tuple[str, list[dict]]:
+    """The sweep's name and the run records of a pack written by :func:`write_pack`."""
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, EOFError) as e:
+        raise PackError(f"{path}: not a gzip'd study pack ({e})") from None
+    rows = []
+    for i, line in enumerate(lines, 1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise PackError(f"{path}:{i}: unparseable JSON ({e.msg})") from None
+    header = rows[0] if rows else {}
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise PackError(f'{path}:1: not a study pack (its first line has no "format": "{FORMAT}")')
+    if header.get("version") != VERSION:
+        raise PackError(f"{path}:1: pack version {header.get('version')!r}; this script reads version {VERSION}")
+    if header.get("runs") != len(rows) - 1:
+        raise PackError(f"{path}: the header counts {header.get('runs')} runs, the file holds {len(rows) - 1}")
+    for i, record in enumerate(rows[1:], 2):
+        missing = [k for k in ("run", "config", "status", "metrics") if not isinstance(record, dict) or k not in record]
+        if missing:
+            raise PackError(f"{path}:{i}: a run without {', '.join(missing)}")
+    return header["sweep"], rows[1:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("sweep", type=Path, help="a multirun folder (or a single run folder)")
+    parser.add_argument("--out", type=Path, required=True, help="the pack to write, e.g. docs/study/v4/runs.jsonl.gz")
+    args = parser.parse_args(argv)
+    if not args.sweep.is_dir():
+        print(f"error: FileNotFoundError: not a folder: {args.sweep}", file=sys.stderr)
+        return 2
+    records = read_folder(args.sweep)
+    if not records:
+        print(
+            f"error: FileNotFoundError: no runs under {args.sweep} (no config.yaml or metrics.jsonl)", file=sys.stderr
+        )
+        return 1
+    write_pack(sweep_name(args.sweep), records, args.out)
+    by_status = {s: sum(r["status"] == s for r in records) for s in ("complete", "failed", "incomplete")}
+    counts = ", ".join(f"{n} {s}" for s, n in by_status.items() if n)
+    print(f"{args.out}: {len(records)} runs ({counts}), {args.out.stat().st_size / 1e3:.0f} kB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
