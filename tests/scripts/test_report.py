@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from scripts import study_stats as stats
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -254,12 +256,12 @@ def test_report_has_interval_paired_and_pathology_tables(sweep, tmp_path):
 
 
 def test_interval_cell_names_its_method_and_n():
-    assert report._ci(report.Interval(0.5, 0.4, 0.6, 2, 0.1)) == "0.500 [0.400, 0.600] t, n=2"
-    paired = report._ci(report.Interval(0.01, -0.02, 0.04, 10, 0.5), "{:+.3f}", "paired t")
+    assert report._ci(stats.Interval(0.5, 0.4, 0.6, 2, 0.1)) == "0.500 [0.400, 0.600] t, n=2"
+    paired = report._ci(stats.Interval(0.01, -0.02, 0.04, 10, 0.5), "{:+.3f}", "paired t")
     assert paired == "+0.010 [-0.020, +0.040] paired t, n=10"
     # one seed: the value and its n, no interval (a zero-width "interval" from one seed would mislead)
-    assert report._ci(report.t_interval([0.5])) == "0.500 (n=1)"
-    assert report._ci(report.t_interval([])) == report.DASH
+    assert report._ci(stats.t_interval([0.5])) == "0.500 (n=1)"
+    assert report._ci(stats.t_interval([])) == report.DASH
 
 
 def test_pathology_counts_updates_and_updates_with_a_signal(tmp_path):

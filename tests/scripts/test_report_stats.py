@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from scripts import study_stats as stats
+
 ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("bapo_report_stats", ROOT / "scripts" / "report.py")
 report = importlib.util.module_from_spec(spec)
@@ -25,7 +27,7 @@ T975 = {1: 12.7062047362, 2: 4.3026527297, 3: 3.1824463053, 4: 2.7764451052, 9: 
 
 @pytest.mark.parametrize("df,expected", sorted(T975.items()))
 def test_t_quantile_matches_tables(df, expected):
-    assert report.t_quantile(0.975, df) == pytest.approx(expected, abs=1e-9)
+    assert stats.t_quantile(0.975, df) == pytest.approx(expected, abs=1e-9)
 
 
 @pytest.mark.parametrize("df", [1, 2, 3, 4, 7, 10, 31])
@@ -39,31 +41,31 @@ def test_t_abs_cdf_against_the_integral_of_the_density(df):
         xs = np.linspace(0, t, 2001)
         ys = np.array([density(x) for x in xs])
         simpson = (xs[1] - xs[0]) / 3 * (ys[0] + ys[-1] + 4 * ys[1:-1:2].sum() + 2 * ys[2:-1:2].sum())
-        assert report.t_abs_cdf(t, df) == pytest.approx(2 * simpson, abs=1e-10), (df, t)
+        assert stats.t_abs_cdf(t, df) == pytest.approx(2 * simpson, abs=1e-10), (df, t)
     # closed forms: df = 1 is the Cauchy, df = 2 is t / sqrt(2 + t^2)
-    assert report.t_abs_cdf(1.0, 1) == pytest.approx(0.5)
-    assert report.t_abs_cdf(2.0, 2) == pytest.approx(2 / math.sqrt(6))
+    assert stats.t_abs_cdf(1.0, 1) == pytest.approx(0.5)
+    assert stats.t_abs_cdf(2.0, 2) == pytest.approx(2 / math.sqrt(6))
 
 
 def test_t_against_scipy_when_installed():
     stats = pytest.importorskip("scipy.stats", reason="scipy is not a dependency; the tables above stand in")
     for df in (1, 2, 3, 5, 9, 19, 60):
         for q in (0.6, 0.9, 0.975, 0.995):
-            assert report.t_quantile(q, df) == pytest.approx(stats.t.ppf(q, df), rel=1e-9)
+            assert stats.t_quantile(q, df) == pytest.approx(stats.t.ppf(q, df), rel=1e-9)
 
 
 def test_t_interval_hand_computed():
     # [1, 2, 3]: mean 2, s = 1, s / sqrt(3) = 0.57735; t_{0.975, 2} = 4.30265 -> 2 -+ 2.48414.
     # t statistic 2 / 0.57735 = 3.4641; df = 2: P(|T| > t) = 1 - t / sqrt(2 + t^2) = 1 - 3.4641 / 3.74166 = 0.07418
-    stat = report.t_interval([1, 2, 3])
+    stat = stats.t_interval([1, 2, 3])
     assert stat == pytest.approx((2.0, 2 - 2.484138, 2 + 2.484138, 3, 0.074180), abs=1e-6)
     # non-finite values are dropped; a single value has no interval; none gives NaNs
-    one = report.t_interval([0.3, math.nan])
+    one = stats.t_interval([0.3, math.nan])
     assert (one.mean, one.n) == (0.3, 1) and math.isnan(one.lo) and math.isnan(one.hi)
-    assert report.t_interval([]).n == 0 and math.isnan(report.t_interval([]).mean)
+    assert stats.t_interval([]).n == 0 and math.isnan(stats.t_interval([]).mean)
     # no spread: a zero-width interval; p = 1 for a zero mean, 0 otherwise
-    assert report.t_interval([0.1, 0.1, 0.1]) == pytest.approx((0.1, 0.1, 0.1, 3, 0.0))
-    assert report.t_interval([0.0, 0.0]).p == 1.0
+    assert stats.t_interval([0.1, 0.1, 0.1]) == pytest.approx((0.1, 0.1, 0.1, 3, 0.0))
+    assert stats.t_interval([0.0, 0.0]).p == 1.0
 
 
 def test_paired_t_uses_shared_seeds_only():
@@ -71,25 +73,25 @@ def test_paired_t_uses_shared_seeds_only():
     ref = {1: 0.4, 2: 0.6, 3: 0.5, 4: 0.9, 5: math.nan}
     # shared finite seeds 1, 2, 3: differences 0.1, 0.0, 0.2: mean 0.1, s = 0.1, s / sqrt(3) = 0.057735,
     # half-width 4.30265 x 0.057735 = 0.248414; t = 1.73205 on 2 df: p = 1 - t / sqrt(2 + t^2) = 1 - 0.774597
-    stat = report.paired_t(arm, ref)
+    stat = stats.paired_t(arm, ref)
     assert stat == pytest.approx((0.1, 0.1 - 0.248414, 0.1 + 0.248414, 3, 0.225403), abs=1e-6)
     # pairing matters: the arms' own values overlap, but a constant gap is an exact difference
-    assert report.paired_t({1: 0.3, 2: 0.9}, {1: 0.2, 2: 0.8}) == pytest.approx((0.1, 0.1, 0.1, 2, 0.0))
+    assert stats.paired_t({1: 0.3, 2: 0.9}, {1: 0.2, 2: 0.8}) == pytest.approx((0.1, 0.1, 0.1, 2, 0.0))
 
 
 def test_holm_hand_computed():
     # sorted p: 0.01, 0.03, 0.04, 0.5 (m = 4; NaN is not a comparison): 4 x 0.01 = 0.04; 3 x 0.03 = 0.09;
     # 2 x 0.04 = 0.08 -> kept at the running max 0.09; 1 x 0.5 = 0.5
-    adjusted = report.holm([0.01, 0.04, 0.03, math.nan, 0.5])
+    adjusted = stats.holm([0.01, 0.04, 0.03, math.nan, 0.5])
     assert adjusted[:3] == pytest.approx([0.04, 0.09, 0.09]) and math.isnan(adjusted[3]) and adjusted[4] == 0.5
-    assert report.holm([0.3, 0.6]) == [0.6, 0.6]  # capped at 1, never below an earlier one
-    assert report.holm([]) == []
+    assert stats.holm([0.3, 0.6]) == [0.6, 0.6]  # capped at 1, never below an earlier one
+    assert stats.holm([]) == []
 
 
 def _coverage(draw, truth: float, n: int, reps: int, seed: int) -> float:
     """The share of ``reps`` samples of size ``n`` whose shipped interval covers ``truth``."""
     samples = draw(np.random.default_rng(seed), (reps, n))
-    return float(np.mean([s.lo <= truth <= s.hi for s in map(report.t_interval, samples)]))
+    return float(np.mean([s.lo <= truth <= s.hi for s in map(stats.t_interval, samples)]))
 
 
 @pytest.mark.parametrize("n", SEED_COUNTS)
