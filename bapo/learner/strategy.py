@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from bapo import checkpoint, dist
+from bapo import ckpt_folder, dist
 
 
 def make_strategy(cfg, device: torch.device | None = None):
@@ -189,13 +189,13 @@ class SingleStrategy:
         if critic is not None:
             state["critic"] = critic.state_dict()
         path.mkdir(parents=True, exist_ok=True)
-        checkpoint.write(path / "learner.pt", state)
+        ckpt_folder.write(path / "learner.pt", state)
 
     def load(self, path: Path, *, model, optimizer, critic=None) -> dict:
-        state = checkpoint.load(path / "learner.pt", verify_checksum=False)  # the run's restore verified the folder
+        state = ckpt_folder.load(path / "learner.pt", verify_checksum=False)  # the run's restore verified the folder
         if (critic is None) != ("critic" not in state):
             has = "has" if "critic" in state else "has no"
-            raise checkpoint.CheckpointError(f"{path}: the checkpoint {has} critic and this run's algo disagrees")
+            raise ckpt_folder.CheckpointError(f"{path}: the checkpoint {has} critic and this run's algo disagrees")
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         if critic is not None:
@@ -206,7 +206,7 @@ class SingleStrategy:
         sd = None
         if dtype is not None and model.dtype != dtype:
             sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in model.state_dict().items()}
-        with checkpoint.staged_folder(out, manifest=True) as tmp:
+        with ckpt_folder.staged_folder(out, manifest=True) as tmp:
             model.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
             write_dtype(tmp, dtype)
             tokenizer.save_pretrained(tmp)
