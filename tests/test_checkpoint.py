@@ -9,7 +9,6 @@ learner: model, optimizer, scheduler, skip count, objective state): DCP runs wit
 import errno
 import io
 import json
-import os
 import pickle
 import random
 import re
@@ -29,16 +28,7 @@ from bapo import checkpoint, ckpt_folder
 from bapo.checkpoint import CheckpointError
 from bapo.learner import fsdp
 from bapo.samples import Problem, Prompt
-
-
-class Payload:
-    """What an attacker pickles: unpickling it calls ``os.system(cmd)``."""
-
-    def __init__(self, cmd: str):
-        self.cmd = cmd
-
-    def __reduce__(self):
-        return (os.system, (self.cmd,))
+from tests.test_ckpt_folder import Payload, _enospc, flip_byte
 
 
 def small_learner(seed: int = 0) -> SimpleNamespace:
@@ -92,17 +82,6 @@ def attempt(fn, *args) -> BaseException | None:
     except BaseException as e:  # noqa: BLE001 (the test then says what it should have been)
         return e
     return None
-
-
-def flip_byte(f: Path, at: int | None = None) -> None:
-    data = bytearray(f.read_bytes())
-    at = len(data) // 2 if at is None else at
-    data[at] ^= 0x01
-    f.write_bytes(bytes(data))
-
-
-def _enospc(*args, **kwargs):
-    raise OSError(errno.ENOSPC, "No space left on device")
 
 
 # ---------------------------------------------------------------- the learner's DCP part never runs code
