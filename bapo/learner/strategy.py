@@ -243,23 +243,20 @@ class FSDPStrategy:
         self.gather = dist.all_gather_tensors
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        from bapo.learner import fsdp
-
-        return fsdp.wrap(
-            model,
-            device=self.device,
-            mixed_precision=self.cfg.mixed_precision,
-            activation_checkpointing=self.cfg.activation_checkpointing,
-            cpu_offload=self.cfg.cpu_offload,
-        )
+        ac = self.cfg.activation_checkpointing
+        return self._shard(model, mixed_precision=self.cfg.mixed_precision, activation_checkpointing=ac)
 
     def wrap_frozen(self, model: torch.nn.Module) -> torch.nn.Module:
         """A frozen copy (the KL reference): sharded like the policy, in the dtype it computes in, so a rank holds
         1/W of it (2 bytes a parameter in bf16) and gathers one layer at a time in its no-grad forward."""
+        model.requires_grad_(False)
+        return self._shard(model, mixed_precision="fp32")
+
+    def _shard(self, model: torch.nn.Module, **options) -> torch.nn.Module:
+        """``fsdp.wrap`` on this rank's device, offloaded to the CPU as ``learner.cpu_offload`` says."""
         from bapo.learner import fsdp
 
-        model.requires_grad_(False)
-        return fsdp.wrap(model, device=self.device, mixed_precision="fp32", cpu_offload=self.cfg.cpu_offload)
+        return fsdp.wrap(model, device=self.device, cpu_offload=self.cfg.cpu_offload, **options)
 
     def shard(self, items: Sequence) -> list:
         return dist.shard(items)
