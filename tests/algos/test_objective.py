@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from bapo.algos import (
-    EpsFeedbackState,
     bapo_bounds,
     compute_advantages,
     eps_feedback_g,
@@ -17,6 +16,7 @@ from bapo.algos import (
     positive_contribution,
     surrogate_objective,
 )
+from tests.algos.test_eps_feedback import eps_state
 
 F64 = torch.float64
 
@@ -64,7 +64,7 @@ def test_surrogate_objective_is_bounds_plus_policy_loss():
 
 def test_eps_feedback_objective_chooses_g_and_steps_eps():
     ratio, adv, mask, old = _tokens(1)
-    state = EpsFeedbackState()
+    state = eps_state()
     obj = eps_feedback_objective(state, entropy_coef=0.01)
     params, stats = obj.choose(ratio, adv, mask, old, reduce_sum=lambda t: 2 * t)  # two equal ranks: same g
     g = eps_feedback_g(eps_feedback_sums(ratio, adv, mask, eps=0.2))
