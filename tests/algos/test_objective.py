@@ -79,6 +79,21 @@ def test_eps_feedback_objective_chooses_g_and_steps_eps():
     assert state.eps == pytest.approx(expected) and obj.state_dict()["eps"] == pytest.approx(expected)
 
 
+def test_eps_feedback_objective_hands_the_loss_every_shared_keyword_and_the_states_rule():
+    obj = eps_feedback_objective(eps_state(g_high=2.0, widen=0.25), kl_coef=0.1, dual_clip=3.0)
+    assert obj.loss_kw == {  # the learner reads entropy_coef here: the loss's own default when not given
+        "dual_clip": 3.0,
+        "agg": "token-mean",
+        "entropy_coef": 0.01,
+        "kl_coef": 0.1,
+        "kl_estimator": "k3",
+        "g_high": 2.0,
+        "widen": 0.25,
+    }
+    with pytest.raises(TypeError, match=r"unknown keyword\(s\) \['entropy_cof', 'widen'\]"):
+        eps_feedback_objective(eps_state(), entropy_cof=0.1, widen=0.1)  # the rule's constants are the state's
+
+
 def test_compute_advantages_grpo_broadcasts_over_tokens():
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0], dtype=F64)
     adv, returns, stats = compute_advantages("grpo", rewards, [2, 3, 1, 2, 2, 2], group_size=3)
