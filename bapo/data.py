@@ -43,6 +43,7 @@ import random
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from bapo.config import ROOT, ConfigError, resolve_path
 from bapo.samples import Problem, Prompt
@@ -347,65 +348,75 @@ def _check_limit(max_prompt_tokens: int | None) -> None:
         raise ValueError(f"max_prompt_tokens must be a positive integer or None, got {max_prompt_tokens!r}")
 
 
-def _fit_prompt(
-    problem: Problem, tokenizer, *, instruction: str, max_prompt_tokens: int | None
-) -> tuple[Prompt | None, str]:
-    """The rendered prompt, or ``None`` and why it is over the limit.
+@dataclass
+class PromptFit:
+    """How problems become prompts under the length limit, for :func:`render_prompts` and :class:`PromptStream`
+    alike: rendered through ``tokenizer``'s chat template with ``instruction``, or skipped when over
+    ``max_prompt_tokens`` (None: no limit), logged with the problem's id and counted in ``report.skipped`` and
+    ``report.too_long``. ``limit_key`` is the config key a :class:`DataFileError` names when nothing fits.
 
-    A problem over ``MAX_CHARS_PER_TOKEN * max_prompt_tokens`` characters is rejected
-    before the chat template or the tokenizer ever see it."""
-    if max_prompt_tokens is None:
-        return render_prompt(problem, tokenizer, instruction=instruction), ""
-    n_chars, char_cap = len(problem.problem), MAX_CHARS_PER_TOKEN * max_prompt_tokens
-    if n_chars > char_cap:
-        why = f"{n_chars} characters > {MAX_CHARS_PER_TOKEN} x max_prompt_tokens={max_prompt_tokens}, not tokenized"
-        return None, why
-    prompt = render_prompt(problem, tokenizer, instruction=instruction)
-    if len(prompt.ids) > max_prompt_tokens:
-        return None, f"{len(prompt.ids)} tokens > max_prompt_tokens={max_prompt_tokens}"
-    return prompt, ""
+    A problem over ``MAX_CHARS_PER_TOKEN * max_prompt_tokens`` characters is rejected before the chat
+    template or the tokenizer ever see it."""
+
+    tokenizer: Any
+    max_prompt_tokens: int | None
+    instruction: str = DEFAULT_INSTRUCTION
+    report: LoadReport | None = None  # None: a report of its own
+    limit_key: str = "data.max_prompt_tokens"
+
+    def __post_init__(self) -> None:
+        _check_limit(self.max_prompt_tokens)
+        if self.report is None:
+            self.report = LoadReport()
+
+    def fit(self, problem: Problem) -> tuple[Prompt | None, str]:
+        """The rendered prompt, or ``None`` and why it is over the limit."""
+        limit = self.max_prompt_tokens
+        if limit is None:
+            return render_prompt(problem, self.tokenizer, instruction=self.instruction), ""
+        n_chars, char_cap = len(problem.problem), MAX_CHARS_PER_TOKEN * limit
+        if n_chars > char_cap:
+            return None, f"{n_chars} characters > {MAX_CHARS_PER_TOKEN} x max_prompt_tokens={limit}, not tokenized"
+        prompt = render_prompt(problem, self.tokenizer, instruction=self.instruction)
+        if len(prompt.ids) > limit:
+            return None, f"{len(prompt.ids)} tokens > max_prompt_tokens={limit}"
+        return prompt, ""
+
+    def skip(self, problem: Problem, why: str) -> None:
+        """Count and log one problem over the limit."""
+        self.report.skipped += 1
+        self.report.too_long += 1
+        source = f" ({problem.source})" if problem.source else ""
+        log.warning("skipping over-long prompt: problem %r%s: %s", problem.id, source, why)
+
+    def nothing_fits(self, what: str) -> DataFileError:
+        return DataFileError(f"{self.limit_key}: {what}{LIMIT_NOTE}")
 
 
-def _count_too_long(problem: Problem, why: str, report: LoadReport) -> None:
-    report.skipped += 1
-    report.too_long += 1
-    source = f" ({problem.source})" if problem.source else ""
-    log.warning("skipping over-long prompt: problem %r%s: %s", problem.id, source, why)
+def render_prompts(problems: Iterable[Problem], tokenizer, **fit: Any) -> list[Prompt]:
+    """Render a fixed set (held-out, eval), skipping (and counting) prompts over the limit; ``fit``:
+    :class:`PromptFit`'s keywords (``max_prompt_tokens``, required; ``instruction``, ``report``, ``limit_key``).
 
-
-def render_prompts(
-    problems: Iterable[Problem],
-    tokenizer,
-    *,
-    instruction: str = DEFAULT_INSTRUCTION,
-    max_prompt_tokens: int | None,
-    report: LoadReport | None = None,
-    limit_key: str = "data.max_prompt_tokens",
-) -> list[Prompt]:
-    """Render a fixed set (held-out, eval), skipping prompts over ``max_prompt_tokens``.
-
-    Each skipped problem is logged with its id and counted in ``report.skipped`` and
-    ``report.too_long``. A non-empty set with nothing under the limit is a :class:`DataFileError`
-    naming ``limit_key``: evaluating on nothing would look like a result.
+    A non-empty set with nothing under the limit is a :class:`DataFileError` naming ``limit_key``:
+    evaluating on nothing would look like a result.
     """
-    _check_limit(max_prompt_tokens)
-    report = report if report is not None else LoadReport()
+    fitter = PromptFit(tokenizer, **fit)
     out, n = [], 0
     for problem in problems:
         n += 1
-        prompt, why = _fit_prompt(problem, tokenizer, instruction=instruction, max_prompt_tokens=max_prompt_tokens)
+        prompt, why = fitter.fit(problem)
         if prompt is None:
-            _count_too_long(problem, why, report)
+            fitter.skip(problem, why)
         else:
             out.append(prompt)
     if n and not out:
-        raise DataFileError(f"{limit_key}: all {n} prompts are longer than {max_prompt_tokens} tokens{LIMIT_NOTE}")
+        raise fitter.nothing_fits(f"all {n} prompts are longer than {fitter.max_prompt_tokens} tokens")
     return out
 
 
 class PromptStream:
     """The training stream of prompts: renders each problem of ``problems_iter`` and skips
-    those over ``max_prompt_tokens``, as :func:`render_prompts` does.
+    those over the limit, as :func:`render_prompts` does (``fit``: :class:`PromptFit`'s keywords).
 
     The stream holds no state of its own that the output depends on and draws nothing
     ahead, so ``state_dict``/``load_state_dict`` are the source's, and a resumed stream
@@ -419,28 +430,18 @@ class PromptStream:
     A finite plain iterator simply ends.
     """
 
-    def __init__(
-        self,
-        problems_iter: Iterable[Problem],
-        tokenizer,
-        *,
-        instruction: str = DEFAULT_INSTRUCTION,
-        max_prompt_tokens: int | None,
-        report: LoadReport | None = None,
-        limit_key: str = "data.max_prompt_tokens",
-    ):
-        _check_limit(max_prompt_tokens)
-        self.limit_key = limit_key
+    def __init__(self, problems_iter: Iterable[Problem], tokenizer, **fit: Any):
+        self.fitter = PromptFit(tokenizer, **fit)
         self.source = problems_iter
         self._it = iter(problems_iter)
-        self.tokenizer = tokenizer
-        self.instruction = instruction
-        self.max_prompt_tokens = max_prompt_tokens
-        self.report = report if report is not None else LoadReport()
         epoch = getattr(problems_iter, "epoch_size", None)
         self._max_streak = 2 * epoch - 1 if epoch else MAX_SKIP_STREAK
         self._streak_means = f"a whole epoch of the {epoch} rows" if epoch else "a source of unknown size"
         self._counted: set[bytes] = set()
+
+    @property
+    def report(self) -> LoadReport:
+        return self.fitter.report
 
     def __iter__(self) -> Iterator[Prompt]:
         return self
@@ -448,18 +449,16 @@ class PromptStream:
     def __next__(self) -> Prompt:
         for _ in range(self._max_streak):
             problem = next(self._it)
-            prompt, why = _fit_prompt(
-                problem, self.tokenizer, instruction=self.instruction, max_prompt_tokens=self.max_prompt_tokens
-            )
+            prompt, why = self.fitter.fit(problem)
             if prompt is not None:
                 return prompt
             key = hashlib.sha1(f"{problem.id}\0{problem.problem}".encode()).digest()
             if key not in self._counted:
                 self._counted.add(key)
-                _count_too_long(problem, why, self.report)
-        raise DataFileError(
-            f"{self.limit_key}: no prompt fits in {self.max_prompt_tokens} tokens: the last {self._max_streak} "
-            f"problems drawn ({self._streak_means}) were all longer{LIMIT_NOTE}"
+                self.fitter.skip(problem, why)
+        raise self.fitter.nothing_fits(
+            f"no prompt fits in {self.fitter.max_prompt_tokens} tokens: the last {self._max_streak} "
+            f"problems drawn ({self._streak_means}) were all longer"
         )
 
     def state_dict(self) -> dict:

@@ -58,20 +58,26 @@ def min_staleness(updates_per_batch: int, sync_every: int) -> int:
     return updates_per_batch - 1 + sync_every - 1
 
 
+def check_schedule(mode: str, updates_per_batch: int, max_staleness: int, sync_every: int) -> None:
+    """A ValueError unless ``mode`` is one of :data:`MODES` and k = ``max_staleness`` >= :func:`min_staleness`."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    u, k, s = updates_per_batch, max_staleness, sync_every
+    if k < min_staleness(u, s):
+        raise ValueError(f"max_staleness={k} < {min_staleness(u, s)} (updates_per_batch={u}, sync_every={s})")
+
+
 def batch_version(t: int, *, updates_per_batch: int, max_staleness: int, sync_every: int, mode: str) -> int | None:
     """The version that rollout batch ``t`` (1-based) is generated with; None in drop mode (newest)."""
     if t < 1:
         raise ValueError(f"rollout batches are numbered from 1, got {t}")
+    check_schedule(mode, updates_per_batch, max_staleness, sync_every)
     u, k, s = updates_per_batch, max_staleness, sync_every
-    if k < min_staleness(u, s):
-        raise ValueError(f"max_staleness={k} < {min_staleness(u, s)} (updates_per_batch={u}, sync_every={s})")
     if mode == "sync":
         return ((t - 1) * u // s) * s
     if mode == "admission":
         return math.ceil(max(0, t * u - 1 - k) / s) * s
-    if mode == "drop":
-        return None
-    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    return None  # drop
 
 
 @dataclass(frozen=True)
@@ -84,11 +90,7 @@ class Schedule:
     sync_every: int
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        u, k, s = self.updates_per_batch, self.max_staleness, self.sync_every
-        if k < min_staleness(u, s):
-            raise ValueError(f"max_staleness={k} < {min_staleness(u, s)} (updates_per_batch={u}, sync_every={s})")
+        check_schedule(self.mode, self.updates_per_batch, self.max_staleness, self.sync_every)
 
     def version_for(self, t: int) -> int | None:
         """The version batch ``t`` is made with (:func:`batch_version`)."""

@@ -260,8 +260,20 @@ def test_render_prompts_skips_over_long_rows_and_counts_them(tiny_tok, caplog):
     assert len(data.render_prompts([short, long], tiny_tok, max_prompt_tokens=None)) == 2
     with pytest.raises(ValueError, match="max_prompt_tokens"):
         data.render_prompts([short], tiny_tok, max_prompt_tokens=0)
-    with pytest.raises(ValueError, match="all 1 prompts are longer"):
-        data.render_prompts([long], tiny_tok, max_prompt_tokens=limit)
+    with pytest.raises(ValueError, match="^eval.aime.max_prompt_tokens: all 1 prompts are longer"):
+        data.render_prompts([long], tiny_tok, max_prompt_tokens=limit, limit_key="eval.aime.max_prompt_tokens")
+
+
+def test_the_prompt_keywords_are_checked_where_they_are_given(tiny_tok):
+    """render_prompts and PromptStream take PromptFit's keywords: a missing limit or a misspelt key fails at once."""
+    rows = [Problem("s", "What is 2 + 3?", "5")]
+    with pytest.raises(TypeError, match="max_prompt_tokens"):
+        data.render_prompts(rows, tiny_tok)
+    with pytest.raises(TypeError, match="instructions"):
+        data.PromptStream(iter(rows), tiny_tok, max_prompt_tokens=64, instructions="Box it.")
+    (prompt,) = data.render_prompts(rows, tiny_tok, max_prompt_tokens=None, instruction="Box it.")
+    assert prompt == next(data.PromptStream(iter(rows), tiny_tok, max_prompt_tokens=None, instruction="Box it."))
+    assert "Box it." in prompt.text and prompt == render_prompt(rows[0], tiny_tok, instruction="Box it.")
 
 
 def long_and_short(tok, n_short: int, n_long: int) -> tuple[list[Problem], int]:

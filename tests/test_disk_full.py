@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bapo import checkpoint
-from bapo.checkpoint import CheckpointError
+from bapo import ckpt_folder
+from bapo.ckpt_folder import CheckpointError
 from bapo.loop import run
 from tests.test_loop import _cfg
 
@@ -39,7 +39,7 @@ class FullFile(io.FileIO):
 
 
 def full_disk_for(monkeypatch, name: str) -> None:
-    """Files called ``name`` that bapo.checkpoint opens for writing land on a full disk."""
+    """Files called ``name`` that bapo.ckpt_folder opens for writing land on a full disk."""
     real = open
 
     def fake_open(path, mode="r", *args, **kw):
@@ -47,7 +47,7 @@ def full_disk_for(monkeypatch, name: str) -> None:
             return FullFile(path, "wb")
         return real(path, mode, *args, **kw)
 
-    monkeypatch.setattr(checkpoint, "open", fake_open, raising=False)
+    monkeypatch.setattr(ckpt_folder, "open", fake_open, raising=False)
 
 
 def test_torch_saves_full_disk_error_is_recognised_as_one():
@@ -56,17 +56,17 @@ def test_torch_saves_full_disk_error_is_recognised_as_one():
     try:
         with pytest.raises(RuntimeError, match="inline_container") as info, FullFile(path, "wb") as f:
             torch.save({"w": torch.zeros(1000)}, f)
-        assert not isinstance(info.value, OSError) and checkpoint.is_enospc(info.value)
+        assert not isinstance(info.value, OSError) and ckpt_folder.is_enospc(info.value)
     finally:
         path.unlink(missing_ok=True)
 
 
 def test_a_full_disk_inside_torch_save_removes_the_partial_checkpoint_and_says_so(tmp_path, monkeypatch):
-    """Before: checkpoint.write caught OSError only, so the RuntimeError escaped and .tmp-step_* stayed."""
+    """Before: the checkpoint's write caught OSError only, so the RuntimeError escaped and .tmp-step_* stayed."""
     full_disk_for(monkeypatch, "state.pt")
     ckpt_dir = tmp_path / "checkpoints"
     with pytest.raises(CheckpointError, match=r"^no space left on device while writing .*\.tmp-step_000003"):
-        checkpoint.save(ckpt_dir, 3, {"w": torch.zeros(1000)}, keep=2)
+        ckpt_folder.save(ckpt_dir, 3, {"w": torch.zeros(1000)}, keep=2)
     assert list(ckpt_dir.iterdir()) == []
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from bapo.schedule import Schedule
+from bapo.schedule import Schedule, batch_version
 
 
 def test_asking_lists_the_batches_of_a_version_from_the_consumers_side():
@@ -45,3 +45,7 @@ def test_bad_mode_and_k_are_refused():
         Schedule("eager", 1, 0, 1)
     with pytest.raises(ValueError, match="max_staleness=0 < 1"):
         Schedule("sync", 2, 0, 1)
+    with pytest.raises(ValueError, match="mode must be one of"):  # the function checks what the class does
+        batch_version(1, updates_per_batch=1, max_staleness=0, sync_every=1, mode="eager")
+    with pytest.raises(ValueError, match=r"max_staleness=0 < 1 \(updates_per_batch=2, sync_every=1\)"):
+        batch_version(1, updates_per_batch=2, max_staleness=0, sync_every=1, mode="sync")

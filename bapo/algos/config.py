@@ -20,6 +20,7 @@ from omegaconf import MISSING
 
 from bapo.algos.advantages import ADVANTAGE_KINDS
 from bapo.algos.correction import PROXIMAL, check_correction
+from bapo.algos.eps_feedback import EpsFeedbackState
 from bapo.algos.surrogate import AGG_MODES, IS_WEIGHTS, KL_ESTIMATORS, POSITIVE_WEIGHTS, RATIO_LEVELS, TOKEN_MASKS
 from bapo.checks import ConfigError, choice, delegated, require, typed, variant
 
@@ -175,24 +176,17 @@ class CriticConfig:
 
 
 @dataclass
-class EpsFeedbackConfig:
-    """``algo=eps_feedback``: a feedback heuristic on one clip epsilon, kept for comparison (NOT the paper's)."""
+class EpsFeedbackConfig(EpsFeedbackState):
+    """``algo=eps_feedback``: a feedback heuristic on one clip epsilon, kept for comparison (NOT the paper's).
 
-    eps: float = MISSING
-    eps_min: float = MISSING
-    eps_max: float = MISSING
-    grow: float = MISSING
-    shrink: float = MISSING
-    g_high: float = MISSING
-    g_low: float = MISSING
-    widen: float = MISSING
+    Its keys are the heuristic's state (the starting ``eps`` and the rule's constants, declared and range-checked
+    once, by :class:`bapo.algos.eps_feedback.EpsFeedbackState`) and ``scope``, when the choice of g runs."""
+
     scope: str = MISSING
 
     def __post_init__(self) -> None:
-        from bapo.algos.eps_feedback import EpsFeedbackState
-
         choice(self.scope, "algo.eps_feedback.scope", SCOPES)
-        delegated("algo.eps_feedback", EpsFeedbackState, **{k: v for k, v in vars(self).items() if k != "scope"})
+        delegated("algo.eps_feedback", super().__post_init__)
 
 
 @dataclass

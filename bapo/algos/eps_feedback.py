@@ -43,16 +43,19 @@ G_EPS = 1e-8
 
 @dataclass
 class EpsFeedbackState:
-    """The eps-feedback heuristic's one piece of state (eps) and the constants of its rule (module docstring)."""
+    """The eps-feedback heuristic's one piece of state (eps) and the constants of its rule (module docstring).
 
-    eps: float = 0.2
-    eps_min: float = 0.1
-    eps_max: float = 0.5
-    grow: float = 1.1
-    shrink: float = 0.9
-    g_high: float = 1.0
-    g_low: float = 0.5
-    widen: float = 0.5
+    These fields are also the keys of the ``algo.eps_feedback`` group (``bapo.algos.config.EpsFeedbackConfig``
+    extends this class), so they have no defaults here: the values above are conf/algo/eps_feedback.yaml's."""
+
+    eps: float
+    eps_min: float
+    eps_max: float
+    grow: float
+    shrink: float
+    g_high: float
+    g_low: float
+    widen: float
 
     def __post_init__(self) -> None:
         if not 0 < self.eps_min <= self.eps <= self.eps_max:

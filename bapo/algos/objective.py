@@ -39,6 +39,7 @@ naming the key) and returns an :class:`Objective`; docs/extending.md has a worke
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +55,8 @@ from bapo.checks import ConfigError, delegated, imported, require
 ChooseFn = Callable[..., tuple[dict[str, float], dict[str, float]]]
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 SCOPES = ("mini_batch", "micro_batch")
+# The loss keywords every objective takes (aggregation and regularisers), by their ``algo`` keys.
+SHARED_LOSS_KEYS = ("dual_clip", "agg", "entropy_coef", "kl_coef", "kl_estimator")
 # The chooser's stats of the bound search, by their logged names.
 BAPO_NAMES = {
     "rho_after": "clip/rho",
@@ -168,17 +171,18 @@ def proximal_fn(cap: float | None) -> Callable[..., tuple[torch.Tensor, torch.Te
     return proximal
 
 
-def eps_feedback_objective(
-    state: EpsFeedbackState,
-    *,
-    scope: str = "mini_batch",
-    dual_clip: float | None = None,
-    agg: str = "token-mean",
-    entropy_coef: float = 0.01,
-    kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
-) -> Objective:
-    """The eps-feedback heuristic (NOT the paper's method): g chosen per update at the state's eps."""
+def eps_feedback_objective(state: EpsFeedbackState, *, scope: str = "mini_batch", **loss_kw: Any) -> Objective:
+    """The eps-feedback heuristic (NOT the paper's method): g chosen per update at the state's eps.
+
+    ``loss_kw``: the keywords every objective's loss shares (:data:`SHARED_LOSS_KEYS`), each one not given at
+    :func:`eps_feedback_loss`'s own default; the rule's ``g_high`` and ``widen`` are the state's.
+    """
+    unknown = sorted(set(loss_kw) - set(SHARED_LOSS_KEYS))
+    if unknown:
+        raise TypeError(f"eps_feedback_objective: unknown keyword(s) {unknown}; it takes {list(SHARED_LOSS_KEYS)}")
+    defaults = {k: inspect.signature(eps_feedback_loss).parameters[k].default for k in SHARED_LOSS_KEYS}
+    loss_kw = defaults | loss_kw | {"g_high": state.g_high, "widen": state.widen}
+    dual_clip = loss_kw["dual_clip"]
 
     def choose(ratio, adv, mask, old_logp, *, reduce_sum: ReduceSum | None = None):
         eps = state.eps
@@ -201,15 +205,6 @@ def eps_feedback_objective(
         }
         return {"eps": eps, "g": g}, stats
 
-    loss_kw = dict(
-        g_high=state.g_high,
-        widen=state.widen,
-        dual_clip=dual_clip,
-        agg=agg,
-        entropy_coef=entropy_coef,
-        kl_coef=kl_coef,
-        kl_estimator=kl_estimator,
-    )
     return Objective(choose, eps_feedback_loss, loss_kw, adaptive=True, scope=scope, state=state)
 
 
@@ -259,8 +254,7 @@ def build_objective(algo: Any) -> Objective:
 def shared_loss_kw(algo: Any) -> dict[str, Any]:
     """The loss keywords every objective of the ``algo`` group shares (aggregation and regularisers); an
     Objective's ``loss_kw`` holds them, since the learner reads ``entropy_coef`` there too."""
-    keys = ("dual_clip", "agg", "entropy_coef", "kl_coef", "kl_estimator")
-    return {k: getattr(algo, k) for k in keys}
+    return {k: getattr(algo, k) for k in SHARED_LOSS_KEYS}
 
 
 def _no_options(algo: Any) -> None:

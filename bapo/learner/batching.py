@@ -131,14 +131,20 @@ class Packed:
     max_seqlen: int
 
 
-def pack(mb: TrainBatch) -> Packed:
-    """Pack a right-padded micro-batch (rows without a response token are dropped, unless all are)."""
+def _right_padded(mb: TrainBatch, who: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(attention mask, row lengths, response mask, rows with a response token) of a micro-batch whose rows must
+    be right-padded (``who`` names the caller in the error)."""
     am = mb.attention_mask.bool()  # [B, L]
     lengths = am.sum(1)  # [B]
     if not torch.equal(am, torch.arange(am.shape[1]) < lengths[:, None]):
-        raise ValueError("pack needs right-padded rows (attention_mask = 1...1 0...0)")
+        raise ValueError(f"{who} needs right-padded rows (attention_mask = 1...1 0...0)")
     m = mb.mask.bool()  # [B, L-1]
-    used = m.any(1)  # [B]
+    return am, lengths, m, m.any(1)
+
+
+def pack(mb: TrainBatch) -> Packed:
+    """Pack a right-padded micro-batch (rows without a response token are dropped, unless all are)."""
+    am, lengths, m, used = _right_padded(mb, "pack")  # [B, L], [B], [B, L-1], [B]
     if not used.any():  # no response token at all: keep one row, so the forward still runs
         used = torch.arange(len(mb)) == 0
     lengths = torch.where(used, lengths, torch.zeros_like(lengths))  # [B]
@@ -182,12 +188,7 @@ def pack_shared(mb: TrainBatch, *, max_width: int = 256) -> SharedPrompts:
     """Lay out a right-padded micro-batch with shared prompts (rows without a response token are dropped,
     unless all are). A segment holds a prompt and as many of its responses as fit in ``max_width`` tokens
     (or in the longest row, if that is longer); the rest of the group starts another segment."""
-    am = mb.attention_mask.bool()  # [B, L]
-    lengths = am.sum(1)  # [B]
-    if not torch.equal(am, torch.arange(am.shape[1]) < lengths[:, None]):
-        raise ValueError("pack_shared needs right-padded rows (attention_mask = 1...1 0...0)")
-    m = mb.mask.bool()  # [B, L-1]
-    used = m.any(1)  # [B]
+    _, lengths, m, used = _right_padded(mb, "pack_shared")  # [B], [B, L-1], [B]
     starts = torch.where(used, m.int().argmax(1) + 1, lengths).tolist()  # [B] prompt length (response start)
     rows = used.nonzero()[:, 0].tolist() or [0]  # no response token at all: keep one row, so the forward runs
     lengths, ids = lengths.tolist(), mb.input_ids

@@ -27,7 +27,7 @@ schedule, skip count, eps_feedback's eps) goes to ``plain.pt`` beside it, read w
 ``weights_only=True``; and ``.metadata`` is read by :class:`MetadataUnpickler`, which
 admits DCP's own metadata classes and nothing else, then checked (file names, no
 transforms, no non-tensor entries) before DCP sees it. Inside a checkpoint folder the
-files are also checked against its manifest (:mod:`bapo.checkpoint`), and the loaded
+files are also checked against its manifest (:mod:`bapo.ckpt_folder`), and the loaded
 tensors must be finite. Every failure is a CheckpointError raised on all ranks together.
 """
 
@@ -57,8 +57,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from bapo import checkpoint
-from bapo.checkpoint import CheckpointError
+from bapo import ckpt_folder
+from bapo.ckpt_folder import CheckpointError
 
 MIXED_PRECISION = ("auto", "bf16", "fp32")
 
@@ -208,7 +208,7 @@ def save_hf(
 
     A collective: the weights are gathered one tensor at a time, cast on the shard before the gather
     (:class:`bapo.learner.strategy.StreamedWeights`), and only rank 0 keeps them (on the CPU). Rank 0 writes,
-    under a temporary name renamed into place (:func:`bapo.checkpoint.staged_folder`: an interrupted export
+    under a temporary name renamed into place (:func:`bapo.ckpt_folder.staged_folder`: an interrupted export
     leaves no half-written folder, and the folder is readable as the umask allows). A failure (a full disk)
     raises on every rank.
     """
@@ -225,7 +225,7 @@ def save_hf(
     err = None
     if main:
         try:
-            with checkpoint.staged_folder(Path(out), manifest=True) as tmp:
+            with ckpt_folder.staged_folder(Path(out), manifest=True) as tmp:
                 model.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
                 write_dtype(tmp, dtype)
                 if tokenizer is not None:
@@ -384,7 +384,7 @@ def _single_process_ok():
 
 
 def _raise_together(err: BaseException | None, doing: str, cleanup: Path | None = None) -> None:
-    checkpoint.raise_together(err, doing, cleanup)
+    ckpt_folder.raise_together(err, doing, cleanup)
 
 
 def save_sharded(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict) -> None:
@@ -403,10 +403,10 @@ def save_sharded(path: str | Path, *, model: nn.Module, optimizer: torch.optim.O
         with _single_process_ok():
             dcp.save(tensors, checkpoint_id=str(path), no_dist=not dist.is_initialized())
         if not dist.is_initialized() or dist.get_rank() == 0:
-            checkpoint.write(path / PLAIN, plain)
+            ckpt_folder.write(path / PLAIN, plain)
     except (Exception, dcp.CheckpointException) as e:  # DCP's is a BaseException; it gathers every rank's
         err = e
-    _raise_together(err, f"writing {checkpoint.partial_root(path)}", cleanup=path)
+    _raise_together(err, f"writing {ckpt_folder.partial_root(path)}", cleanup=path)
 
 
 def load_sharded(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, verify: bool = True) -> dict:
@@ -415,13 +415,13 @@ def load_sharded(path: str | Path, *, model: nn.Module, optimizer: torch.optim.O
 
     Never unpickles a class (module docstring). ``verify``: first check the files against the manifest of the
     checkpoint folder around ``path`` (rank 0 hashes, every rank gets the verdict); ``False`` for a bare DCP
-    folder written outside :func:`bapo.checkpoint.save`. Non-finite weights or optimizer moments are refused.
+    folder written outside :func:`bapo.ckpt_folder.save`. Non-finite weights or optimizer moments are refused.
     """
     path = Path(path)
     err, md, plain = None, None, None
     try:
         if verify and (not dist.is_initialized() or dist.get_rank() == 0):
-            checkpoint.verify_part(path)
+            ckpt_folder.verify_part(path)
         md = read_metadata(path)
         plain = torch.load(path / PLAIN, map_location="cpu", weights_only=True)
     except CheckpointError as e:
@@ -441,7 +441,7 @@ def load_sharded(path: str | Path, *, model: nn.Module, optimizer: torch.optim.O
     except dcp.CheckpointException as e:  # raised on every rank alike (DCP gathers the failures)
         raise CheckpointError(f"{path}: DCP could not load it into this model and optimizer: {e}") from e
     try:
-        checkpoint.check_finite(tensors, str(path))
+        ckpt_folder.check_finite(tensors, str(path))
         state = _merge(plain, tensors, path / PLAIN)
     except CheckpointError as e:
         err = e

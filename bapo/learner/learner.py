@@ -52,7 +52,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bapo import checkpoint
+from bapo import ckpt_folder
 from bapo.algos import Objective, importance_ratio, stats
 from bapo.learner.batching import (
     collate,
@@ -482,7 +482,7 @@ class Learner:
         extra = self.strategy.load(path, model=self.model, optimizer=self.optimizer, critic=self.critic)
         self.load_state_dict(extra)
         if not self.strategy.params_finite(self.model):
-            raise checkpoint.CheckpointError(f"{path}: the policy's weights in this checkpoint are not finite")
+            raise ckpt_folder.CheckpointError(f"{path}: the policy's weights in this checkpoint are not finite")
 
     def export_hf(self, out: Path, tokenizer, extra: dict[str, str] | None = None) -> None:
         """An HF folder (config + safetensors in ``weights_dtype`` + tokenizer + ``extra``'s text files, e.g. the

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from bapo import checkpoint, dist
+from bapo import ckpt_folder, dist
 
 
 def make_strategy(cfg, device: torch.device | None = None):
@@ -189,13 +189,13 @@ class SingleStrategy:
         if critic is not None:
             state["critic"] = critic.state_dict()
         path.mkdir(parents=True, exist_ok=True)
-        checkpoint.write(path / "learner.pt", state)
+        ckpt_folder.write(path / "learner.pt", state)
 
     def load(self, path: Path, *, model, optimizer, critic=None) -> dict:
-        state = checkpoint.load(path / "learner.pt", verify_checksum=False)  # the run's restore verified the folder
+        state = ckpt_folder.load(path / "learner.pt", verify_checksum=False)  # the run's restore verified the folder
         if (critic is None) != ("critic" not in state):
             has = "has" if "critic" in state else "has no"
-            raise checkpoint.CheckpointError(f"{path}: the checkpoint {has} critic and this run's algo disagrees")
+            raise ckpt_folder.CheckpointError(f"{path}: the checkpoint {has} critic and this run's algo disagrees")
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         if critic is not None:
@@ -206,7 +206,7 @@ class SingleStrategy:
         sd = None
         if dtype is not None and model.dtype != dtype:
             sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in model.state_dict().items()}
-        with checkpoint.staged_folder(out, manifest=True) as tmp:
+        with ckpt_folder.staged_folder(out, manifest=True) as tmp:
             model.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
             write_dtype(tmp, dtype)
             tokenizer.save_pretrained(tmp)
@@ -243,23 +243,20 @@ class FSDPStrategy:
         self.gather = dist.all_gather_tensors
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        from bapo.learner import fsdp
-
-        return fsdp.wrap(
-            model,
-            device=self.device,
-            mixed_precision=self.cfg.mixed_precision,
-            activation_checkpointing=self.cfg.activation_checkpointing,
-            cpu_offload=self.cfg.cpu_offload,
-        )
+        ac = self.cfg.activation_checkpointing
+        return self._shard(model, mixed_precision=self.cfg.mixed_precision, activation_checkpointing=ac)
 
     def wrap_frozen(self, model: torch.nn.Module) -> torch.nn.Module:
         """A frozen copy (the KL reference): sharded like the policy, in the dtype it computes in, so a rank holds
         1/W of it (2 bytes a parameter in bf16) and gathers one layer at a time in its no-grad forward."""
+        model.requires_grad_(False)
+        return self._shard(model, mixed_precision="fp32")
+
+    def _shard(self, model: torch.nn.Module, **options) -> torch.nn.Module:
+        """``fsdp.wrap`` on this rank's device, offloaded to the CPU as ``learner.cpu_offload`` says."""
         from bapo.learner import fsdp
 
-        model.requires_grad_(False)
-        return fsdp.wrap(model, device=self.device, mixed_precision="fp32", cpu_offload=self.cfg.cpu_offload)
+        return fsdp.wrap(model, device=self.device, cpu_offload=self.cfg.cpu_offload, **options)
 
     def shard(self, items: Sequence) -> list:
         return dist.shard(items)

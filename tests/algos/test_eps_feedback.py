@@ -1,11 +1,13 @@
 """The eps-feedback heuristic (NOT the paper's method): hand-computed loss, its eps rule, properties."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from omegaconf import OmegaConf
 
 from bapo.algos import (
     AGG_MODES,
@@ -17,7 +19,20 @@ from bapo.algos import (
     eps_feedback_sums,
 )
 
+ROOT = Path(__file__).resolve().parents[2]
 F64 = torch.float64
+# The heuristic's starting eps and rule constants, as conf/algo/eps_feedback.yaml sets them.
+RULE = dict(eps=0.2, eps_min=0.1, eps_max=0.5, grow=1.1, shrink=0.9, g_high=1.0, g_low=0.5, widen=0.5)
+
+
+def eps_state(**over: float) -> EpsFeedbackState:
+    return EpsFeedbackState(**RULE | over)
+
+
+def test_the_rule_here_is_the_shipped_one():
+    node = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "algo" / "eps_feedback.yaml").eps_feedback)
+    assert {k: v for k, v in node.items() if k != "scope"} == RULE
+
 
 # eps = 0.2, five tokens:
 #   t  ratio  A    term at eps = 0.2
@@ -85,7 +100,7 @@ def test_sums_and_g():
 
 
 def test_eps_rule():
-    state = EpsFeedbackState()
+    state = eps_state()
     assert state.eps == 0.2
     # g > 1: eps * 1.1; 0.5 <= g <= 1: unchanged; g < 0.5: eps * 0.9
     nxt = "eps_feedback/eps_next"
@@ -100,11 +115,11 @@ def test_eps_rule():
         state.after_update({"eps_feedback/g": 0.0})
     assert state.eps == 0.1  # floored
     saved = state.state_dict()
-    other = EpsFeedbackState()
+    other = eps_state()
     other.load_state_dict(saved)
     assert other == state
     with pytest.raises(ValueError):
-        EpsFeedbackState(eps=0.6)
+        eps_state(eps=0.6)
 
 
 def eps_feedback_reference(ratio, adv, eps, g_high=1.0, widen=0.5):

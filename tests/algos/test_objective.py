@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from bapo.algos import (
-    EpsFeedbackState,
     bapo_bounds,
     compute_advantages,
     eps_feedback_g,
@@ -17,6 +16,7 @@ from bapo.algos import (
     positive_contribution,
     surrogate_objective,
 )
+from tests.algos.test_eps_feedback import eps_state
 
 F64 = torch.float64
 
@@ -64,7 +64,7 @@ def test_surrogate_objective_is_bounds_plus_policy_loss():
 
 def test_eps_feedback_objective_chooses_g_and_steps_eps():
     ratio, adv, mask, old = _tokens(1)
-    state = EpsFeedbackState()
+    state = eps_state()
     obj = eps_feedback_objective(state, entropy_coef=0.01)
     params, stats = obj.choose(ratio, adv, mask, old, reduce_sum=lambda t: 2 * t)  # two equal ranks: same g
     g = eps_feedback_g(eps_feedback_sums(ratio, adv, mask, eps=0.2))
@@ -77,6 +77,21 @@ def test_eps_feedback_objective_chooses_g_and_steps_eps():
     expected = 0.22 if g > 1 else 0.18 if g < 0.5 else 0.2
     assert obj.after_update(stats) == {"eps_feedback/eps_next": pytest.approx(expected)}
     assert state.eps == pytest.approx(expected) and obj.state_dict()["eps"] == pytest.approx(expected)
+
+
+def test_eps_feedback_objective_hands_the_loss_every_shared_keyword_and_the_states_rule():
+    obj = eps_feedback_objective(eps_state(g_high=2.0, widen=0.25), kl_coef=0.1, dual_clip=3.0)
+    assert obj.loss_kw == {  # the learner reads entropy_coef here: the loss's own default when not given
+        "dual_clip": 3.0,
+        "agg": "token-mean",
+        "entropy_coef": 0.01,
+        "kl_coef": 0.1,
+        "kl_estimator": "k3",
+        "g_high": 2.0,
+        "widen": 0.25,
+    }
+    with pytest.raises(TypeError, match=r"unknown keyword\(s\) \['entropy_cof', 'widen'\]"):
+        eps_feedback_objective(eps_state(), entropy_cof=0.1, widen=0.1)  # the rule's constants are the state's
 
 
 def test_compute_advantages_grpo_broadcasts_over_tokens():

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from bapo import checkpoint, dist
+from bapo import ckpt_folder, dist
 from bapo.algos import surrogate_objective, token_logp
 from bapo.learner import Learner, collate
 from bapo.modeling import load_model
@@ -107,7 +107,7 @@ def broken_checkpoints(lrn, out: Path) -> dict[str, str | None]:
         meta, shard = out / "bad_metadata", out / "bad_shard"
         shutil.copytree(out / "ckpt", meta)
         (meta / ".metadata").write_bytes(pickle.dumps(Payload(f"touch {out / 'pwned'}")))
-        checkpoint.write_manifest(meta)  # re-signed, as an attacker would
+        ckpt_folder.write_manifest(meta)  # re-signed, as an attacker would
         shutil.copytree(out / "ckpt", shard)
         data = bytearray((shard / "__1_0.distcp").read_bytes())
         data[len(data) // 2] ^= 1
@@ -117,27 +117,27 @@ def broken_checkpoints(lrn, out: Path) -> dict[str, str | None]:
         try:
             fsdp.load_sharded(out / case, model=lrn.model, optimizer=lrn.optimizer)
             seen[case] = None
-        except checkpoint.CheckpointError as e:
+        except ckpt_folder.CheckpointError as e:
             seen[case] = str(e)
-    real = checkpoint.write
+    real = ckpt_folder.write
 
     def full_disk_on_rank0(path, state):
         if main:
             raise OSError(errno.ENOSPC, "No space left on device")
         real(path, state)
 
-    checkpoint.write = full_disk_on_rank0
+    ckpt_folder.write = full_disk_on_rank0
     tmp = out / "checkpoints" / ".tmp-step_000009"
     if main:
-        checkpoint.prepare(tmp)
+        ckpt_folder.prepare(tmp)
     dist.barrier()
     try:
         lrn.save(tmp / "learner")
         seen["full_disk"] = None
-    except checkpoint.CheckpointError as e:
+    except ckpt_folder.CheckpointError as e:
         seen["full_disk"] = str(e)
     finally:
-        checkpoint.write = real
+        ckpt_folder.write = real
     return seen
 
 
@@ -162,8 +162,8 @@ def main(out_dir: str, packing: bool, max_tokens: int | None, dtype: str) -> Non
     after_one = fsdp.full_state_dict(lrn.model)
     lrn.save(out / "ckpt")
     dist.barrier()
-    if dist.rank() == 0:  # as bapo.checkpoint.save would, so that the loads below verify it
-        checkpoint.write_manifest(out / "ckpt")
+    if dist.rank() == 0:  # as bapo.ckpt_folder.save would, so that the loads below verify it
+        ckpt_folder.write_manifest(out / "ckpt")
     dist.barrier()
     straight = lrn.update(mine)
     after_two = fsdp.full_state_dict(lrn.model)

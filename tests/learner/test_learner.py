@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from bapo.algos import (
-    EpsFeedbackState,
     bapo_bounds,
     eps_feedback_g,
     eps_feedback_objective,
@@ -16,6 +15,7 @@ from bapo.algos import (
 )
 from bapo.learner import Learner, collate, split
 from bapo.samples import Problem, Prompt, Sample, ScoredSample
+from tests.algos.test_eps_feedback import eps_state
 from tests.conftest import learner_cfg
 
 
@@ -223,7 +223,7 @@ def test_kl_to_reference_is_zero_at_start_then_grows(tiny_model, tiny_tok):
 def test_eps_feedback_eps_follows_its_rule_on_the_updates_g(tiny_model, tiny_tok, scope):
     batch = scored_batch(tiny_tok, tiny_model, critic_fields=False)
     batch.adv.copy_(torch.where(batch.adv < 0, 4 * batch.adv, batch.adv))  # negatives dominate: g > 1
-    state = EpsFeedbackState()
+    state = eps_state()
     learner = make_learner(tiny_model, objective=eps_feedback_objective(state), scope=scope, lr=1e-2)
     eps_seen = []
     for _ in range(4):
@@ -246,10 +246,8 @@ def test_eps_feedback_eps_follows_its_rule_on_the_updates_g(tiny_model, tiny_tok
 def test_eps_feedback_grad_accumulation_equals_one_pass(tiny_model, tiny_tok):
     batch = scored_batch(tiny_tok, tiny_model, critic_fields=False)
     m1, m2 = copy.deepcopy(tiny_model).double(), copy.deepcopy(tiny_model).double()
-    make_learner(m1, objective=eps_feedback_objective(EpsFeedbackState()), micro_batch_size=3).accumulate(batch)
-    make_learner(m2, objective=eps_feedback_objective(EpsFeedbackState()), micro_batch_size=len(batch)).accumulate(
-        batch
-    )
+    make_learner(m1, objective=eps_feedback_objective(eps_state()), micro_batch_size=3).accumulate(batch)
+    make_learner(m2, objective=eps_feedback_objective(eps_state()), micro_batch_size=len(batch)).accumulate(batch)
     g1, g2 = grads(m1), grads(m2)
     for k in g1:
         torch.testing.assert_close(g1[k], g2[k], rtol=1e-9, atol=1e-12)
@@ -258,7 +256,7 @@ def test_eps_feedback_grad_accumulation_equals_one_pass(tiny_model, tiny_tok):
 def test_skipped_update_does_not_step_eps_feedback_state(tiny_model, tiny_tok):
     batch = scored_batch(tiny_tok, tiny_model, critic_fields=False)
     batch.adv[batch.mask.bool()] = float("nan")
-    state = EpsFeedbackState()
+    state = eps_state()
     out = make_learner(tiny_model, objective=eps_feedback_objective(state)).update(batch)
     assert out["learner/skipped_updates"] == 1.0 and state.eps == 0.2 and "eps_feedback/eps_next" not in out
 
@@ -268,7 +266,7 @@ def test_save_load_round_trip_restores_eps_feedback_and_critic(tiny_model, tiny_
 
     def fresh():
         model = copy.deepcopy(tiny_model)
-        return make_learner(model, objective=eps_feedback_objective(EpsFeedbackState()), critic_cfg=CRITIC, lr=1e-2)
+        return make_learner(model, objective=eps_feedback_objective(eps_state()), critic_cfg=CRITIC, lr=1e-2)
 
     a = fresh()
     for _ in range(2):

@@ -104,13 +104,14 @@ def test_pack_keeps_one_row_when_there_is_no_response_token():
     assert pk.input_ids.tolist() == [[5, 6]] and pk.keep.numel() == 0
 
 
-def test_pack_refuses_left_padding():
+@pytest.mark.parametrize("layout", [pack, pack_shared])
+def test_pack_refuses_left_padding(layout):
     batch = collate([sample([5, 6], [7, 8]), sample([9], [10])], pad_id=0)
     left = type(batch)(
         batch.input_ids.flip(1), batch.attention_mask.flip(1), batch.mask, batch.old_logp, batch.adv, batch.versions
     )
-    with pytest.raises(ValueError, match="right-padded"):
-        pack(left)
+    with pytest.raises(ValueError, match=f"^{layout.__name__} needs right-padded rows"):
+        layout(left)
 
 
 def test_pack_shared_hand_example():
