@@ -1,8 +1,12 @@
 """Shared fixtures. Nothing here touches the network: hub look-ups are forced offline."""
 
+import builtins
+import contextlib
 import copy
 import os
 import random
+import signal
+import sys
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -58,6 +62,27 @@ def shared_data() -> Path:
     return SHARED_DATA
 
 
+def load_script(name: str):
+    """scripts/<name>.py as the module ``bapo_<name>``. scripts/ is not a package, so the file itself is loaded (a
+    tests/scripts package would shadow it); the module is registered in sys.modules, as dataclasses need."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"bapo_{name}", ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def assert_measure_refuses_other_folders(measure_built, empty: Path, other: Path, built_by: str):
+    """A model-building script's ``measure_built`` refuses a folder it did not write, naming why: ``empty`` has no
+    build_info.json, and ``other`` was built by the script ``built_by``."""
+    with pytest.raises(SystemExit, match="build_info.json not found"):
+        measure_built(empty)
+    with pytest.raises(SystemExit, match=built_by):
+        measure_built(other)
+
+
 def compose(*overrides: str):
     """conf/config.yaml composed by Hydra with ``overrides``, as train.py would see it."""
     from hydra import compose as hydra_compose
@@ -90,23 +115,62 @@ def _default_learner():
     return _LEARNER[0]
 
 
-@pytest.fixture()
-def hang_guard():
-    """Fail a test that blocks for more than 5 minutes instead of hanging the suite (SIGALRM, main thread).
-    A hang, not a slow machine: the suite runs two workers on two cores, so a test may take several times its
-    idle time."""
-    import signal
+@contextlib.contextmanager
+def alarm_guard(seconds: int):
+    """Raise TimeoutError once the block has run ``seconds`` (SIGALRM, main thread only), so that an endless loop or
+    a blocked wait fails its test instead of hanging the suite."""
 
     def fail(signum, frame):
-        raise TimeoutError("hang guard: the test blocked for more than 300 s")
+        raise TimeoutError(f"hang guard: still running after {seconds} s")
 
     old = signal.signal(signal.SIGALRM, fail)
-    signal.alarm(300)
+    signal.alarm(seconds)
     try:
         yield
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
+
+
+@pytest.fixture()
+def hang_guard():
+    """Fail a test that blocks for more than 5 minutes instead of hanging the suite.
+    A hang, not a slow machine: the suite runs two workers on two cores, so a test may take several times its
+    idle time."""
+    with alarm_guard(300):
+        yield
+
+
+@pytest.fixture()
+def without_vllm(monkeypatch):
+    """This test's interpreter as one without vLLM: importing vllm or any of its modules raises ImportError, and
+    those already imported are out of sys.modules until the test ends."""
+    real_import = builtins.__import__
+
+    def no_vllm(name, *args, **kwargs):
+        if name == "vllm" or name.startswith("vllm."):
+            raise ImportError("No module named 'vllm'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_vllm)
+    for mod in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+        monkeypatch.delitem(sys.modules, mod)
+
+
+class CursorMaker:
+    """The one-process part of a fake ``bapo.offpolicy.BatchMaker``: gathering is the identity, and the state a
+    checkpoint keeps is the prompt cursor. A fake adds ``make(t, version, weights)``, which moves the cursor."""
+
+    cursor = 0
+
+    def gather(self, item):
+        return item
+
+    def state_dict(self):
+        return {"cursor": self.cursor}
+
+    def load_state_dict(self, state):
+        self.cursor = state["cursor"]
 
 
 def perturbed(model, scale=0.02, seed=1):

@@ -170,6 +170,14 @@ def test_bad_values_name_the_key(override, key, tmp_path):
         (["rollout=vllm", "rollout.gpu_memory_utilization=0"], "rollout.gpu_memory_utilization"),
         (["learner=fsdp", "learner.mixed_precision=fp8"], "learner.mixed_precision"),
         (["data=jsonl"], "data.path"),
+        # the rivals' surrogate options (tests/test_config_surrogate.py)
+        (["algo=cispo", "algo.surrogate.mask_threshold=0.1"], "algo.surrogate.mask_threshold"),
+        (["algo=dppo", "algo.surrogate.mask_threshold=null"], "algo.surrogate.mask_threshold"),
+        (["algo=dppo", "algo.surrogate.mask_threshold=-1"], "algo.surrogate.mask_threshold"),
+        (["algo=gspo", "algo.surrogate.ratio_level=segment"], "algo.surrogate.ratio_level"),
+        (["algo=gspo", "algo.surrogate.positive_weight=one"], "algo.surrogate.positive_weight"),
+        (["algo=cispo", "algo.dual_clip=3.0"], "algo.dual_clip"),
+        (["algo=topr", "algo.bounds.ratio_low=1.5"], "algo.bounds"),
     ],
 )
 def test_bad_values_of_a_variant_name_the_key(overrides, key, tmp_path):

@@ -1,7 +1,5 @@
-import contextlib
 import json
 import re
-import signal
 
 import pytest
 
@@ -9,7 +7,7 @@ from bapo import data, tasks
 from bapo.data import ListSource, LoadReport, load_hub, load_jsonl, problem_sources, render_prompt
 from bapo.samples import Problem
 from bapo.tasks import ArithSource, ArithSpec, arith_heldout, arith_problem, careless, is_heldout
-from tests.conftest import run_config
+from tests.conftest import alarm_guard, run_config
 
 
 def test_arith_answers_are_right():
@@ -151,20 +149,9 @@ def test_render_prompt_uses_chat_template(tiny_tok):
 # each test fails on its own instead of the whole file failing to import.
 
 
-@contextlib.contextmanager
-def hang_guard(seconds: int = 60):
+def hang_guard():
     """A generous guard so an endless loop fails the test instead of hanging the suite."""
-
-    def _raise(signum, frame):
-        raise TimeoutError(f"still running after {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, _raise)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
+    return alarm_guard(60)
 
 
 class CountingTokenizer:

@@ -4,9 +4,10 @@ import torch
 
 from bapo.groupfilter import REFILL_STRIDE, GroupFilter, groups_of
 from bapo.samples import Problem, Prompt, RolloutBatch, Sample
+from tests.conftest import CursorMaker
 
 
-class FakeMaker:
+class FakeMaker(CursorMaker):
     """Makes batches of ``groups_per_batch`` groups of 2; ``verdicts`` gives each successive group's correctness.
 
     Records the batch index of every call (the sampling seed derives from it) and keeps a prompt cursor."""
@@ -34,15 +35,6 @@ class FakeMaker:
         return RolloutBatch(
             t, version, tuple(samples), tuple(rewards), tuple(correct), (None,) * n, stats, tuple(prompts)
         )
-
-    def gather(self, item):
-        return item
-
-    def state_dict(self):
-        return {"cursor": self.cursor}
-
-    def load_state_dict(self, state):
-        self.cursor = state["cursor"]
 
 
 MIXED, ALL_RIGHT, ALL_WRONG = (True, False), (True, True), (False, False)

@@ -11,11 +11,12 @@ from hypothesis import strategies as st
 
 from bapo.buffer import ReplayBuffer
 from bapo.offpolicy import Interrupted, Producer, batch_version, min_staleness, offer_weights
+from tests.conftest import CursorMaker
 from tests.test_buffer import make
 
 
-class Maker:
-    """A batch maker from a function ``make(t, version, weights)``; gathering is the identity."""
+class Maker(CursorMaker):
+    """A batch maker from a function ``make(t, version, weights)``."""
 
     def __init__(self, fn):
         self.fn, self.cursor = fn, 0
@@ -23,15 +24,6 @@ class Maker:
     def make(self, t, version, weights):
         self.cursor += 1
         return self.fn(t, version, weights)
-
-    def gather(self, item):
-        return item
-
-    def state_dict(self):
-        return {"cursor": self.cursor}
-
-    def load_state_dict(self, state):
-        self.cursor = state["cursor"]
 
 
 class FakeLearner:

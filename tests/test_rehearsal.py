@@ -261,6 +261,25 @@ def composed(config_name: str, over: list[str], env: dict) -> dict:
         os.environ.pop("BAPO_DATA_DIR") if old is None else os.environ.__setitem__("BAPO_DATA_DIR", old)
 
 
+def train_as_the_user(world: dict, engine: str, command: str, sizes: dict, run_dir: Path, *, torchrun: bool):
+    """The user's training ``command``, in ``engine``'s variant and with the rehearsal's ``sizes``, run into
+    ``run_dir``. Returns (the interpreter, the train.py arguments), for the runs that continue it."""
+    py = python_for(engine)
+    train = ["train.py", *variant(overrides(command), engine), *sized(sizes)]
+    launch(py, [*train, f"hydra.run.dir={run_dir}"], world["env"], torchrun=torchrun)
+    return py, train
+
+
+def assert_ran_as_composed(run_dir: Path, over: list[str], env: dict, *, steps: int, version: int) -> list[dict]:
+    """The run in ``run_dir`` ran what ``over`` composes to (its config.yaml), logged steps 0 to ``steps`` and
+    ended at policy version ``version``. Returns its metrics rows."""
+    assert yaml.safe_load((run_dir / "config.yaml").read_text()) == composed("config", over, env)
+    got = rows(run_dir)
+    assert [r["step"] for r in got] == list(range(steps + 1))
+    assert got[-1]["policy/version"] == version
+    return got
+
+
 def export_weights(folder: Path) -> dict:
     """Every tensor of the safetensors files in ``folder`` (or in its one subfolder: a cached snapshot)."""
     from safetensors.torch import load_file
@@ -276,17 +295,12 @@ def export_weights(folder: Path) -> dict:
 @pytest.mark.parametrize("engine", ENGINES)
 def test_paper_7b_under_torchrun_checkpoints_resumes_exports_and_evaluates(world, engine):
     """`torchrun train.py experiment=paper_7b`, then `torchrun eval.py rollout=vllm checkpoint=<run> eval=aime24`."""
-    py, env, base = python_for(engine), world["env"], world["base"] / f"paper_7b-{engine}"
-    user = variant(overrides(PAPER_7B), engine)
-    train = ["train.py", *user, *sized(PAPER_7B_SIZES)]
-    launch(py, [*train, f"hydra.run.dir={base / 'full'}"], env, torchrun=True)
+    env, base = world["env"], world["base"] / f"paper_7b-{engine}"
     full = base / "full"
-    assert yaml.safe_load((full / "config.yaml").read_text()) == composed("config", train[1:], env)
-    assert [r["step"] for r in rows(full)] == [0, 1, 2, 3, 4]
-    last = rows(full)[-1]
-    assert last["policy/version"] == 16  # 4 steps x 4 mini-batches
-    assert {"eval/accuracy", "eval/aime24/avg@2", "eval/aime25/avg@2"} <= last.keys(), sorted(last)
-    assert any(r["learner/grad_norm"] > 0 for r in rows(full)[1:]), "no update had a signal"
+    py, train = train_as_the_user(world, engine, PAPER_7B, PAPER_7B_SIZES, full, torchrun=True)
+    got = assert_ran_as_composed(full, train[1:], env, steps=4, version=16)  # 4 steps x 4 mini-batches
+    assert {"eval/accuracy", "eval/aime24/avg@2", "eval/aime25/avg@2"} <= got[-1].keys(), sorted(got[-1])
+    assert any(r["learner/grad_norm"] > 0 for r in got[1:]), "no update had a signal"
     ckpt = full / "checkpoints" / "step_000002"
     assert json.loads((ckpt / "meta.json").read_text())["world_size"] == 2
 
@@ -329,13 +343,9 @@ def test_paper_7b_under_torchrun_checkpoints_resumes_exports_and_evaluates(world
 @pytest.mark.parametrize("engine", ENGINES)
 def test_qwen7b_without_torchrun_trains_and_exports(world, engine):
     """`python train.py algo=bapo model=qwen7b`: one process, the GPU placement (learner=fsdp)."""
-    py, env, run_dir = python_for(engine), world["env"], world["base"] / f"qwen7b-{engine}"
-    user = variant(overrides(QWEN7B), engine)
-    train = ["train.py", *user, *sized(QWEN7B_SIZES)]
-    launch(py, [*train, f"hydra.run.dir={run_dir}"], env, torchrun=False)
-    assert yaml.safe_load((run_dir / "config.yaml").read_text()) == composed("config", train[1:], env)
-    assert [r["step"] for r in rows(run_dir)] == [0, 1, 2]
-    assert rows(run_dir)[-1]["policy/version"] == 4  # 2 steps x 2 mini-batches
+    run_dir = world["base"] / f"qwen7b-{engine}"
+    _, train = train_as_the_user(world, engine, QWEN7B, QWEN7B_SIZES, run_dir, torchrun=False)
+    assert_ran_as_composed(run_dir, train[1:], world["env"], steps=2, version=4)  # 2 steps x 2 mini-batches
     assert (run_dir / "checkpoints" / "step_000002" / "state.pt").is_file()
     from transformers import AutoTokenizer
 
@@ -354,8 +364,6 @@ def test_one_cell_of_the_staleness_sweep_runs_and_a_relaunch_skips_it(world):
     launch(sys.executable, args, env, torchrun=False)
     (job,) = [p.parent for p in sweep_dir.glob("*/config.yaml")]
     assert {"algo=bapo", "learner.mini_batches_per_rollout=3", "seed=2"} <= set(job.name.split(","))
-    assert yaml.safe_load((job / "config.yaml").read_text()) == composed("config", cell, env)
-    assert [r["step"] for r in rows(job)] == [0, 1, 2]
-    assert rows(job)[-1]["policy/version"] == 6  # 2 steps x 3 mini-batches: staleness up to 2
+    assert_ran_as_composed(job, cell, env, steps=2, version=6)  # 2 steps x 3 mini-batches: staleness up to 2
     out = launch(sys.executable, args, env, torchrun=False)  # the sweep's resume=auto: a finished cell is skipped
     assert "is complete" in out and [r["step"] for r in rows(job)] == [0, 1, 2]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from bapo.tasks import is_heldout
-from tests.conftest import ROOT, run_config
+from tests.conftest import ROOT, assert_measure_refuses_other_folders, run_config
 
 ASSET = ROOT / "assets" / "tiny-explore"
 LONGCOT = ROOT / "assets" / "tiny-longcot"
@@ -128,12 +128,9 @@ def test_token_balance_hand_values():
 
 
 def test_measure_refuses_a_folder_this_script_did_not_build(tmp_path):
-    build = _build_script()
-    with pytest.raises(SystemExit, match="build_info.json not found"):
-        build.measure_built(tmp_path)
     # tiny-math is another task's model: measuring it on mixops problems would print meaningless bands
-    with pytest.raises(SystemExit, match="build_tiny_model.py"):
-        build.measure_built(ROOT / "assets" / "tiny-math")
+    tiny_math = ROOT / "assets" / "tiny-math"
+    assert_measure_refuses_other_folders(_build_script().measure_built, tmp_path, tiny_math, "build_tiny_model.py")
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, assert_measure_refuses_other_folders
 
 SCRIPT = ROOT / "scripts" / "warm_start_smollm2.py"
 
@@ -30,12 +30,9 @@ def _run(*args, timeout=900):
 
 
 def test_measure_refuses_a_folder_this_script_did_not_build(tmp_path):
-    ws = _script()
-    with pytest.raises(SystemExit, match="build_info.json not found"):
-        ws.measure_built(tmp_path)
     # the tiny testbeds were built by another script: their bands are that script's to re-measure
-    with pytest.raises(SystemExit, match="build_tiny_explore_model.py"):
-        ws.measure_built(ROOT / "assets" / "tiny-explore")
+    explore = ROOT / "assets" / "tiny-explore"
+    assert_measure_refuses_other_folders(_script().measure_built, tmp_path, explore, "build_tiny_explore_model.py")
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,6 @@
 """The eps-feedback heuristic (NOT the paper's method): hand-computed loss, its eps rule, properties."""
 
+import functools
 import math
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from bapo.algos import (
     eps_feedback_loss,
     eps_feedback_sums,
 )
+from tests.algos.shared import assert_accumulation_matches, random_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 F64 = torch.float64
@@ -132,14 +134,7 @@ def eps_feedback_reference(ratio, adv, eps, g_high=1.0, widen=0.5):
     return -(pos + neg) / len(ratio), g
 
 
-def _random(seed, b=4, t=6, spread=0.5, dtype=F64):
-    g = torch.Generator().manual_seed(seed)
-    old = -torch.rand(b, t, generator=g, dtype=dtype) * 3
-    logp = old + torch.randn(b, t, generator=g, dtype=dtype) * spread
-    adv = torch.randn(b, 1, generator=g, dtype=dtype).expand(b, t).clone()
-    lengths = torch.randint(0, t + 1, (b,), generator=g)
-    lengths[0] = t
-    return logp, old, adv, torch.arange(t)[None, :] < lengths[:, None]
+_random = functools.partial(random_batch, b=4, t=6, spread=0.5)
 
 
 @settings(max_examples=200, deadline=None)
@@ -168,20 +163,11 @@ def test_micro_batch_split_invariant_given_the_update_g(agg):
     mask[2] = False
     entropy = torch.rand(8, 6, dtype=F64, generator=torch.Generator().manual_seed(3))
     g = eps_feedback_g(eps_feedback_sums((logp - old).exp(), adv, mask, eps=0.2))
-    kw = dict(eps=0.2, g=g, agg=agg, entropy_coef=0.01)
-    full_logp = logp.clone().requires_grad_()
-    full, _ = eps_feedback_loss(full_logp, old, adv, mask, entropy=entropy, **kw)
-    full.backward()
-    norms = agg_normalisers(mask)
-    micro_logp, total = logp.clone().requires_grad_(), 0.0
-    for rows in (slice(0, 3), slice(3, 5), slice(5, 8)):
-        loss, _ = eps_feedback_loss(
-            micro_logp[rows], old[rows], adv[rows], mask[rows], entropy=entropy[rows], **kw, **norms
-        )
-        loss.backward()
-        total += loss.item()
-    assert total == pytest.approx(full.item(), abs=1e-12)
-    torch.testing.assert_close(micro_logp.grad, full_logp.grad)
+    parts = (slice(0, 3), slice(3, 5), slice(5, 8))
+    assert_accumulation_matches(
+        eps_feedback_loss, logp, old, adv, mask, parts, norms=agg_normalisers(mask), per_token={"entropy": entropy},
+        eps=0.2, g=g, agg=agg, entropy_coef=0.01,
+    )  # fmt: skip
 
 
 garbage = st.sampled_from([float("nan"), float("inf"), -float("inf"), 1e30])

@@ -1,5 +1,6 @@
 """The clipped surrogate: hand-computed cases, a PPO-clip reference, accumulation, properties."""
 
+import functools
 import math
 
 import pytest
@@ -8,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bapo.algos import AGG_MODES, agg_normalisers, aggregate, entropy_from_logits, policy_loss, token_logp
+from tests.algos.shared import assert_accumulation_matches, random_batch
 
 F64 = torch.float64
 
@@ -94,15 +96,7 @@ def ppo_clip_reference(logp, old_logp, adv, mask, lo, hi, agg):
     }[agg]
 
 
-def _random_batch(seed, b=5, t=7, spread=0.4, dtype=F64):
-    g = torch.Generator().manual_seed(seed)
-    old = -torch.rand(b, t, generator=g, dtype=dtype) * 3
-    logp = old + torch.randn(b, t, generator=g, dtype=dtype) * spread
-    adv = torch.randn(b, 1, generator=g, dtype=dtype).expand(b, t).clone()
-    lengths = torch.randint(0, t + 1, (b,), generator=g)
-    lengths[0] = t  # at least one sequence with tokens
-    mask = torch.arange(t)[None, :] < lengths[:, None]
-    return logp, old, adv, mask
+_random_batch = functools.partial(random_batch, b=5, t=7, spread=0.4)
 
 
 @pytest.mark.parametrize("agg", AGG_MODES)
@@ -124,26 +118,14 @@ def test_micro_batch_accumulation_equals_mini_batch(agg):
     logp, old, adv, mask = _random_batch(11, b=8, t=6, spread=0.6)
     mask[3] = False  # an empty sequence inside a micro-batch
     entropy = torch.rand(8, 6, dtype=F64, generator=torch.Generator().manual_seed(1)).requires_grad_()
-    kwargs = {"ratio_low": 0.8, "ratio_high": 1.2, "dual_clip": 3.0, "agg": agg, "entropy_coef": 0.01}
-    full_logp = logp.clone().requires_grad_()
-    full, _ = policy_loss(full_logp, old, adv, mask, entropy=entropy, **kwargs)
-    full.backward()
-    full_grad_entropy = entropy.grad.clone()
-    entropy.grad = None
-
     norms = agg_normalisers([mask[:3], mask[3:6], mask[6:]])
     assert norms == agg_normalisers(mask)
-    micro_logp = logp.clone().requires_grad_()
-    total = 0.0
-    for rows in (slice(0, 3), slice(3, 6), slice(6, 8)):
-        loss, _ = policy_loss(
-            micro_logp[rows], old[rows], adv[rows], mask[rows], entropy=entropy[rows], **kwargs, **norms
-        )
-        loss.backward()
-        total += loss.item()
-    assert total == pytest.approx(full.item(), abs=1e-12)
-    torch.testing.assert_close(micro_logp.grad, full_logp.grad)
-    torch.testing.assert_close(entropy.grad, full_grad_entropy)
+    parts = (slice(0, 3), slice(3, 6), slice(6, 8))
+    # entropy requires a gradient: the micro-batches' accumulated one must be the mini-batch's too
+    assert_accumulation_matches(
+        policy_loss, logp, old, adv, mask, parts, norms=norms, per_token={"entropy": entropy},
+        ratio_low=0.8, ratio_high=1.2, dual_clip=3.0, agg=agg, entropy_coef=0.01,
+    )  # fmt: skip
 
 
 def test_entropy_bonus_and_stat():
@@ -268,19 +250,10 @@ def test_any_micro_batch_split_equals_the_mini_batch(seed, agg, cuts, dual):
     g = torch.Generator().manual_seed(seed + 1)
     entropy = torch.rand(8, 6, dtype=F64, generator=g)
     ref = old + 0.3 * torch.randn(8, 6, dtype=F64, generator=g)
-    kw = dict(ratio_low=0.8, ratio_high=1.2, dual_clip=dual, agg=agg, entropy_coef=0.01, kl_coef=0.05)
-    full_logp = logp.clone().requires_grad_()
-    full, _ = policy_loss(full_logp, old, adv, mask, entropy=entropy, ref_logp=ref, **kw)
-    full.backward()
     bounds = [0, *sorted(cuts), 8]
     parts = [slice(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
-    norms = agg_normalisers([mask[p] for p in parts])
-    micro_logp, total = logp.clone().requires_grad_(), 0.0
-    for p in parts:
-        loss, _ = policy_loss(
-            micro_logp[p], old[p], adv[p], mask[p], entropy=entropy[p], ref_logp=ref[p], **kw, **norms
-        )
-        loss.backward()
-        total += loss.item()
-    assert total == pytest.approx(full.item(), abs=1e-12)
-    torch.testing.assert_close(micro_logp.grad, full_logp.grad)
+    assert_accumulation_matches(
+        policy_loss, logp, old, adv, mask, parts, norms=agg_normalisers([mask[p] for p in parts]),
+        per_token={"entropy": entropy, "ref_logp": ref},
+        ratio_low=0.8, ratio_high=1.2, dual_clip=dual, agg=agg, entropy_coef=0.01, kl_coef=0.05,
+    )  # fmt: skip

@@ -85,6 +85,14 @@ def assert_same(a, b, rtol, what=""):
         assert float((ga[k] - gb[k]).abs().max()) <= rtol * float(gb[k].abs().max()), f"{what}: {k}"
 
 
+def assert_every_layout_matches(model, samples, *, dtype, rtol, objective=None):
+    """Each of LAYOUTS gives the loss and gradients of the reference, one padded pass over the whole mini-batch."""
+    batch = collate(samples, pad_id=0)
+    ref = run(model, batch, dtype=dtype, objective=objective)
+    for name, kw in LAYOUTS.items():
+        assert_same(run(model, batch, dtype=dtype, objective=objective, **kw), ref, rtol=rtol, what=name)
+
+
 def test_pack_hand_example():
     # rows: [5 6 | 7 8 9], [10 11 12 | -] (no response: dropped), [13 | 14 15]
     batch = collate([sample([5, 6], [7, 8, 9]), sample([10, 11, 12], []), sample([13], [14, 15])], pad_id=0)
@@ -203,39 +211,22 @@ def test_shared_prompts_give_the_same_loss_and_gradients_float64(grouped, monkey
     from transformers.models.llama import modeling_llama
 
     monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", _rms_norm_in_input_dtype)
-    model, samples = grouped
-    batch = collate(samples, pad_id=0)
     objective = surrogate_objective("bapo", agg="seq-mean-token-sum", entropy_coef=0.01)
-    ref = run(model, batch, dtype=torch.float64, objective=objective)
-    for name, kw in LAYOUTS.items():
-        assert_same(run(model, batch, dtype=torch.float64, objective=objective, **kw), ref, rtol=1e-11, what=name)
+    assert_every_layout_matches(*grouped, dtype=torch.float64, rtol=1e-11, objective=objective)
 
 
 def test_shared_prompts_give_the_same_loss_and_gradients_float32(grouped):
-    model, samples = grouped
-    batch = collate(samples, pad_id=0)
-    ref = run(model, batch, dtype=torch.float32)
-    for name, kw in LAYOUTS.items():
-        assert_same(run(model, batch, dtype=torch.float32, **kw), ref, rtol=2e-5, what=name)
+    assert_every_layout_matches(*grouped, dtype=torch.float32, rtol=2e-5)
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_loss_and_gradients_equal_for_every_layout_float64(data, agg):
-    model, samples = data
-    batch = collate(samples, pad_id=0)
     objective = surrogate_objective("bapo", agg=agg, entropy_coef=0.01)
-    ref = run(model, batch, dtype=torch.float64, objective=objective)
-    for name, kw in LAYOUTS.items():
-        got = run(model, batch, dtype=torch.float64, objective=objective, **kw)
-        assert_same(got, ref, rtol=1e-11, what=name)
+    assert_every_layout_matches(*data, dtype=torch.float64, rtol=1e-11, objective=objective)
 
 
 def test_loss_and_gradients_equal_for_every_layout_float32(data):
-    model, samples = data
-    batch = collate(samples, pad_id=0)
-    ref = run(model, batch, dtype=torch.float32)
-    for name, kw in LAYOUTS.items():
-        assert_same(run(model, batch, dtype=torch.float32, **kw), ref, rtol=2e-5, what=name)
+    assert_every_layout_matches(*data, dtype=torch.float32, rtol=2e-5)
 
 
 def test_kl_to_reference_is_the_same_packed(data):

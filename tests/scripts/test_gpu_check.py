@@ -6,7 +6,6 @@ checkpoint, a resume and the export). vLLM's part is skipped and says so without
 CPU where vLLM is installed.
 """
 
-import builtins
 import importlib.util
 import json
 import os
@@ -218,15 +217,7 @@ def test_headline_pulls_the_figures():
 # ----------------------------------------------------------------------------- vLLM
 
 
-def test_vllm_check_is_skipped_and_says_so_without_vllm(monkeypatch):
-    real = builtins.__import__
-
-    def no_vllm(name, *a, **k):
-        if name == "vllm" or name.startswith("vllm."):
-            raise ImportError("No module named 'vllm'")
-        return real(name, *a, **k)
-
-    monkeypatch.setattr(builtins, "__import__", no_vllm)
+def test_vllm_check_is_skipped_and_says_so_without_vllm(without_vllm):
     args = gpu_check.parse_args(["--dry-run"])
     out = gpu_check.check_vllm(gpu_check.TINY_ARCH, torch.device("cpu"), args)
     assert out["ok"] and "vLLM not importable" in out["skipped"]

@@ -1,28 +1,14 @@
 """scripts/report.py on a hand-written sweep folder: the table's numbers, the plots, the crashed runs."""
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
 from scripts import study_stats as stats
+from tests.conftest import load_script
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load_report():
-    # scripts/ is not a package; load the file itself (a tests/scripts package would shadow it)
-    spec = importlib.util.spec_from_file_location("bapo_report", ROOT / "scripts" / "report.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-report = _load_report()
+report = load_script("report")
 STEPS = 8  # eval at steps 0, 4 and 8
 
 

@@ -1,8 +1,6 @@
 """The named sweep (experiment=ablation_staleness) and the SLURM launcher config compose."""
 
-import importlib.util
 import itertools
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +9,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
 from bapo.config import build
+from tests.conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
@@ -26,14 +25,6 @@ def _experiment(name: str) -> str:
 def _compose(overrides, hydra_config=False):
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
         return compose(config_name="config", overrides=overrides, return_hydra_config=hydra_config)
-
-
-def _report():
-    spec = importlib.util.spec_from_file_location("bapo_report", ROOT / "scripts" / "report.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_ablation_staleness_sweeps_the_grid():
@@ -55,7 +46,7 @@ def test_every_grid_point_validates(algo, mini_batches, tmp_path):
     rc = build(cfg, tmp_path)
     assert rc.sizes.max_reuse_staleness == mini_batches - 1
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    assert _report().staleness_of(resolved) == mini_batches - 1  # the report groups by the same number
+    assert load_script("report").staleness_of(resolved) == mini_batches - 1  # the report groups by the same number
     tags = [f"algo={algo}", "seed=2", f"mini_batches={mini_batches}", "ppo_epochs=1", "max_staleness=4"]
     assert resolved["logger"]["tags"] == tags  # wandb filters a sweep's runs by these
 
