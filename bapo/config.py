@@ -48,6 +48,7 @@ from bapo.tracking import LoggerConfig
 # Re-exported: the names the stages, scripts and tests import from this module.
 __all__ = ["ROOT", "ArithConfig", "ConfigError", "FSDPLearnerConfig", "ModelConfig", "RunConfig", "SingleLearnerConfig"]
 __all__ += ["build", "check_combinations", "derive_sizes", "did_you_mean", "prompt_limit", "resolve_path"]
+__all__ += ["ENGINE_CONFIGS"]  # each engine's schema, by rollout.engine (bapo.rollout.registry)
 
 
 # ----------------------------------------------------------------------------- run-level groups

@@ -46,6 +46,7 @@ from bapo import passk as M
 from bapo.checks import choice, require, to_plain, typed
 from bapo.config import (
     DATA,
+    ENGINE_CONFIGS,
     ArithConfig,
     ConfigError,
     EvalConfig,
@@ -58,7 +59,6 @@ from bapo.data import DataFileError, LoadReport, gsm8k_answer, load_hub, load_js
 from bapo.data_config import ANSWER_FORMATS, check_arith
 from bapo.paths import EVAL_DIR, HELDOUT, compose_option, eval_sets
 from bapo.reward import normalize_answer
-from bapo.rollout.registry import ENGINE_CONFIGS
 from bapo.samples import Problem, Prompt, Sample
 from bapo.seeding import derive_seed
 from bapo.tasks import ArithSpec, arith_heldout
