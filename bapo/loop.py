@@ -44,7 +44,7 @@ from bapo.config import RunConfig, build, prompt_limit
 from bapo.data import LoadReport, PromptStream, check_files, problem_sources, render_prompts
 from bapo.evaluate import evaluate, evaluate_sets, load_evalset, named_set, prepare_set
 from bapo.groupfilter import GroupFilter
-from bapo.learner import Learner, TrainingDiverged, frozen_dtype, master_dtype
+from bapo.learner import Learner, TokenVersionWeights, TrainingDiverged, frozen_dtype, master_dtype
 from bapo.modeling import attention_kernel, load_model, load_tokenizer, model_path
 from bapo.monitor import Monitor
 from bapo.reward import MathVerifier
@@ -368,6 +368,10 @@ def put(rc: RunConfig, s: Stages, batch) -> dict:
     # A batch the buffer will drop as stale is not recomputed: its snapshot may already be released.
     if rc.learner.old_logp == "recompute" and s.buffer.admissible(oldest, v, horizon=horizon):
         behaviour = {"weights": None if batch.version == v else s.source.snapshot(batch.version)}
+        if rc.rollout.partial_budget is not None:  # each token under its own version's weights
+            used = sorted({int(u) for x in batch.samples for u in x.token_versions().unique()})
+            by_version = {u: None if u == v else s.source.snapshot(u) for u in used}
+            behaviour = {"weights": TokenVersionWeights(by_version)}
     scored, stats = advantages.score(
         batch,
         s.learner,

@@ -61,3 +61,15 @@ def test_a_run_with_a_budget_trains_on_whole_groups_within_the_token_bound(tmp_p
         assert r["rollout/pool_groups"] <= 4  # 2 x prompts_per_step in the pool, the step's 4 out
     assert any(r["rollout/reprefill_tokens"] > 0 for r in rs) and any(r["rollout/resumed_frac"] > 0 for r in rs)
     assert max(r["buffer/token_staleness_max"] for r in rs) > max(r["buffer/staleness_max"] for r in rs[:1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", [[], ["train.async_rollout=true", "reward.num_workers=1"]], ids=["sync", "async"])
+def test_recompute_scores_every_token_with_the_weights_that_sampled_it(tmp_path, mode):
+    # lr 1e-2 moves the weights a lot between versions: the engine's log-probs match the learner's recompute
+    # only if each token is scored with its own version's snapshot (a copy, never the live weights).
+    over = [*SMOKE, *mode, "rollout.partial_budget=12", "buffer.max_staleness=7", "learner.old_logp=recompute"]
+    run(_cfg([*over, "learner.lr=1e-2", "algo/correction=tis"]), tmp_path)
+    rs = rows(tmp_path)[1:]
+    assert max(r["buffer/token_staleness_max"] for r in rs) >= 2  # tokens of several versions were trained on
+    assert all(r["rollout/logp_mismatch_max"] < 1e-4 for r in rs)
