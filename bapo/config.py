@@ -43,6 +43,7 @@ from bapo.paths import HELDOUT, ROOT, eval_sets, resolve_path
 from bapo.reward.config import RewardConfig
 from bapo.rollout.config import RolloutCommon
 from bapo.rollout.registry import ENGINE_CONFIGS, engine_traits
+from bapo.schedule import partial_lag
 from bapo.tracking import LoggerConfig
 
 # Re-exported: the names the stages, scripts and tests import from this module.
@@ -310,10 +311,41 @@ def check_combinations(rc: RunConfig, world: int | None = None, launched: bool |
         f"{corr} weighs the engine's log-probs against the learner's at the generating version: it needs "
         f"learner.old_logp=recompute (got {rc.learner.old_logp})",
     )
+    check_partial(rc, world)
     require(
         rc.reward.overlong_buffer < rc.rollout.max_new_tokens,
         "reward.overlong_buffer",
         f"must be < rollout.max_new_tokens ({rc.rollout.max_new_tokens}), got {rc.reward.overlong_buffer}",
+    )
+
+
+def check_partial(rc: RunConfig, world: int) -> None:
+    """Partial rollouts (``rollout.partial_budget``): the combinations refused, and the staleness bound over
+    every token (a token may wait ``lag`` more batches for its response's last segment: bapo.schedule)."""
+    b = rc.rollout.partial_budget
+    if b is None:
+        return
+    require(
+        world == 1,
+        "rollout.partial_budget",
+        f"partial rollouts keep their pool of unfinished responses in one process; torchrun started {world} ranks",
+    )
+    require(
+        not rc.algo.filter_groups,
+        "algo.filter_groups",
+        "its refills draw extra rounds of a step from the rollout maker, and rollout.partial_budget gives each "
+        "unfinished response one segment per round: use one or the other",
+    )
+    L, u, s, k = rc.rollout.max_new_tokens, rc.sizes.updates_per_step, rc.train.sync_every, rc.buffer.max_staleness
+    lag = partial_lag(L, b)
+    need = u - 1 + s - 1 + lag * u
+    require(
+        need <= k,
+        "buffer.max_staleness",
+        f"rollout.partial_budget={b} of rollout.max_new_tokens={L} gives a response up to {lag + 1} segments, one "
+        f"per step, so its first tokens are trained on up to {lag} steps x {u} updates later; with the "
+        f"{u - 1 + s - 1} of reuse and sync lag (learner.ppo_epochs x learner.mini_batches_per_rollout, "
+        f"train.sync_every) buffer.max_staleness must be >= {need} (got {k})",
     )
 
 

@@ -44,13 +44,14 @@ from bapo.config import RunConfig, build, prompt_limit
 from bapo.data import LoadReport, PromptStream, check_files, problem_sources, render_prompts
 from bapo.evaluate import evaluate, evaluate_sets, load_evalset, named_set, prepare_set
 from bapo.groupfilter import GroupFilter
-from bapo.learner import Learner, TrainingDiverged, frozen_dtype, master_dtype
+from bapo.learner import Learner, TokenVersionWeights, TrainingDiverged, frozen_dtype, master_dtype
 from bapo.modeling import attention_kernel, load_model, load_tokenizer, model_path
 from bapo.monitor import Monitor
 from bapo.reward import MathVerifier
 from bapo.rollout import build_rollout, engine_traits
 from bapo.rollout_maker import RolloutMaker
 from bapo.rollout_source import Interrupted, RolloutSource
+from bapo.schedule import partial_lag
 from bapo.seeding import derive_seed, seed_everything
 from bapo.tracking import MetricsLogger, NullLogger, check_wandb, truncate_metrics
 
@@ -263,6 +264,7 @@ def build_stages(rc: RunConfig) -> Stages:
         rank=dist.rank(),
         world=dist.world_size(),
         skipped=report,
+        partial_budget=rc.rollout.partial_budget,
     )
     if rc.algo.filter_groups:  # DAPO's dynamic sampling: informative groups only, refilled (bapo/groupfilter.py)
         maker = GroupFilter(maker, prompts_per_step=rc.train.prompts_per_step)
@@ -295,6 +297,8 @@ def make_source(rc: RunConfig, maker, engine, interrupt: threading.Event) -> Rol
         last_batch=None if rc.mode == "drop" else rc.train.steps,  # drop: replacements for dropped batches
         interrupt=interrupt,
         engine=engine,
+        lag=partial_lag(rc.rollout.max_new_tokens, rc.rollout.partial_budget),
+        copies=rc.rollout.partial_budget is not None and rc.learner.old_logp == "recompute",
     )
 
 
@@ -360,9 +364,14 @@ def put(rc: RunConfig, s: Stages, batch) -> dict:
     """Score one rollout batch (advantages; behaviour log-probs with recompute) and add it to the buffer."""
     v, horizon = s.learner.version, rc.sizes.updates_per_step - 1
     behaviour = None
+    oldest = min((x.version for x in batch.samples), default=batch.version)  # partial rollouts: older tokens
     # A batch the buffer will drop as stale is not recomputed: its snapshot may already be released.
-    if rc.learner.old_logp == "recompute" and s.buffer.admissible(batch.version, v, horizon=horizon):
+    if rc.learner.old_logp == "recompute" and s.buffer.admissible(oldest, v, horizon=horizon):
         behaviour = {"weights": None if batch.version == v else s.source.snapshot(batch.version)}
+        if rc.rollout.partial_budget is not None:  # each token under its own version's weights
+            used = sorted({int(u) for x in batch.samples for u in x.token_versions().unique()})
+            by_version = {u: None if u == v else s.source.snapshot(u) for u in used}
+            behaviour = {"weights": TokenVersionWeights(by_version)}
     scored, stats = advantages.score(
         batch,
         s.learner,
@@ -386,6 +395,8 @@ def learn(rc: RunConfig, s: Stages, samples: list) -> list[dict]:
         for i in range(0, len(order), size):
             mb = [samples[j] for j in order[i : i + size]]
             stale = s.buffer.check(mb, s.learner.version)
+            if rc.rollout.partial_budget is not None:
+                stale |= token_staleness(mb, s.learner.version)
             updates.append(s.learner.learn(mb) | stale)
             s.source.offer_weights(s.learner)  # the one backward edge
     return updates
@@ -438,7 +449,24 @@ def step_metrics(updates: list[dict], batches: list[dict], max_staleness: int) -
         m["learner/skipped_updates"] = updates[-1]["learner/skipped_updates"]  # a running count, not a mean
     for v in range(max_staleness + 1):
         m[f"buffer/staleness_hist/{v}"] = float(sum(u.get(f"buffer/staleness_hist/{v}", 0.0) for u in updates))
+        if any("buffer/token_staleness_max" in u for u in updates):  # partial rollouts: counted per token too
+            key = f"buffer/token_staleness_hist/{v}"
+            m[key] = float(sum(u.get(key, 0.0) for u in updates))
     return m
+
+
+def token_staleness(samples: list, version: int) -> dict:
+    """Staleness per response token at learner ``version`` (a partial rollout's tokens have several versions):
+    mean, max, and counts per value (``buffer/token_staleness_hist/<s>``)."""
+    stale = version - torch.cat([x.sample.token_versions() for x in samples] or [torch.zeros(0, dtype=torch.long)])
+    out = {
+        "buffer/token_staleness_mean": float(stale.double().mean()) if stale.numel() else 0.0,
+        "buffer/token_staleness_max": float(stale.max()) if stale.numel() else 0.0,
+    }
+    values, counts = torch.unique(stale, return_counts=True)
+    return out | {
+        f"buffer/token_staleness_hist/{v}": float(c) for v, c in zip(values.tolist(), counts.tolist(), strict=True)
+    }
 
 
 def mean_metrics(rows: list[dict]) -> dict:

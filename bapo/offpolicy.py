@@ -117,6 +117,8 @@ class Producer:
 
     Every blocking wait wakes on ``interrupt`` (a stop request: :class:`Interrupted`)
     and on a producer error (re-raised).
+
+    ``lag`` and ``copies``: partial rollouts' share of the schedule (:class:`~bapo.schedule.Schedule`).
     """
 
     def __init__(
@@ -131,8 +133,10 @@ class Producer:
         last_batch: int | None = None,
         interrupt: threading.Event | None = None,
         engine: Any = None,
+        lag: int = 0,
+        copies: bool = False,
     ):
-        self.schedule = Schedule(mode, updates_per_batch, max_staleness, sync_every)
+        self.schedule = Schedule(mode, updates_per_batch, max_staleness, sync_every, lag, copies)
         self.maker = maker
         self.engine = engine
         self.mailbox = WeightMailbox()

@@ -14,6 +14,30 @@ share ``g`` of ``world / t`` with one seed, and the gather keeps the first rank'
 The shares cross ranks as a few flat tensors (token ids, log-probs, UTF-8 bytes of the texts and extracted
 answers, per-sample integers and rewards), never as pickled Python objects: a
 paper-sized step holds tens of millions of tokens.
+
+Partial rollouts (``rollout.partial_budget = b``; :class:`PartialPool`). Responses are generated in
+segments of at most b tokens, one segment per step with that step's weights, so a long response is
+finished by newer policies than the ones that began it; every token keeps its own behaviour log-prob
+and version. A group goes out only when all its n responses have finished (GRPO needs the group's
+rewards), and every step still emits exactly ``train.prompts_per_step`` groups. The rule, at step t:
+
+1. every unfinished response in the pool gets one segment;
+2. while fewer than the quota of groups have finished: if the pool holds fewer than ``2 x quota``
+   groups, admit fresh prompts (as many groups as are still missing, room permitting) and give each
+   response one segment; otherwise complete the oldest unfinished groups with the step's weights (the
+   rest of each response in one segment);
+3. emit the quota finished groups that were admitted first; the rest stay in the pool.
+
+A response needs at most S = ceil(max_new_tokens / b) segments, so a group admitted at step t0 has
+finished by step t0 + S - 1; with at most 2 x quota groups in the pool it has also been emitted by then
+(were it not, quota older finished groups emitted at step t0 + S - 1 and the quota groups emitted at
+step t0 + S - 2 would, with it, make 2 x quota + 1 groups in the pool at step t0 + S - 2). So a token
+is at most S - 1 steps older than the step that trains on it: the bound ``bapo.config`` checks
+``buffer.max_staleness`` against, and that the admission schedule keeps (``bapo.schedule``).
+Response j of the g-th group ever admitted samples with seed ``derive_seed(seed, "rollout/partial",
+g * n + j)`` at each of its token positions (``bapo.rollout.decode.counter_uniform``), so the draws of
+a response do not depend on how its segments fell. The pool (tokens, log-probs, versions, flags,
+admission order) is part of :meth:`RolloutMaker.state_dict`: a resumed run continues the same responses.
 """
 
 from __future__ import annotations
@@ -27,7 +51,7 @@ import numpy as np
 import torch
 
 from bapo import dist
-from bapo.samples import Prompt, RolloutBatch, Sample
+from bapo.samples import Partial, Prompt, RolloutBatch, Sample
 from bapo.seeding import derive_seed
 
 
@@ -43,10 +67,12 @@ class RolloutMaker:
         rank: int = 0,
         world: int = 1,
         skipped: Any = None,
+        partial_budget: int | None = None,
     ):
         """``prompts``: a prompt stream with ``state_dict``/``load_state_dict``; ``engine``: a rollout engine
         (``bapo.rollout.RolloutEngine``); ``verifier``: grades texts against answers; ``skipped``: the data
-        loader's report (its ``skipped`` count is logged as ``data/skipped_rows``)."""
+        loader's report (its ``skipped`` count is logged as ``data/skipped_rows``); ``partial_budget``: tokens
+        per response per step (partial rollouts, :class:`PartialPool`), or None."""
         self.prompts = prompts
         self.engine = engine
         self.verifier = verifier
@@ -59,26 +85,43 @@ class RolloutMaker:
         self.tp = tp
         self.share, self.shares = rank // tp, world // tp  # this rank's generator group, and how many
         self.skipped = skipped
+        self.pool = None
+        if partial_budget is not None:
+            if world > 1:
+                raise ValueError("partial rollouts run in one process: rollout.partial_budget under torchrun")
+            self.pool = PartialPool(
+                engine, budget=partial_budget, quota=prompts_per_step, n=engine.n, seed=seed, fresh=self.prompts
+            )
 
     def make(self, t: int, version: int, weights: dict) -> RolloutBatch:
         """Generate and grade rollout batch ``t`` with the weights of ``version`` (this rank's share)."""
         t_sync = self.engine.load_weights(weights, version) if self.engine.version != version else 0.0
-        prompts = tuple(next(self.prompts) for _ in range(self.prompts_per_step))
-        mine = list(prompts[self.share :: self.shares])
         t0 = time.perf_counter()
-        purpose = "rollout" if self.share == 0 else f"rollout/rank{self.share}"
-        samples = self.engine.generate(mine, seed=derive_seed(self.seed, purpose, t))
-        if self.shares > 1:  # group ids: the prompt's index in the whole batch
-            samples = [dataclasses.replace(s, group=self.share + self.shares * s.group) for s in samples]
+        pool_stats: dict[str, float] = {}
+        if self.pool is not None:
+            samples, pool_stats = self.pool.step()
+            prompts = tuple(samples[i * self.engine.n].prompt for i in range(self.prompts_per_step))
+            n_tok = int(pool_stats["rollout/new_tokens"])
+        else:
+            prompts = tuple(next(self.prompts) for _ in range(self.prompts_per_step))
+            mine = list(prompts[self.share :: self.shares])
+            purpose = "rollout" if self.share == 0 else f"rollout/rank{self.share}"
+            samples = self.engine.generate(mine, seed=derive_seed(self.seed, purpose, t))
+            if self.shares > 1:  # group ids: the prompt's index in the whole batch
+                samples = [dataclasses.replace(s, group=self.share + self.shares * s.group) for s in samples]
+            n_tok = sum(len(s.response_ids) for s in samples)
         t_rollout = time.perf_counter() - t0
         grades, rstats = self.verifier.grade([s.text for s in samples], [s.prompt.problem.answer for s in samples])
-        n_tok = sum(len(s.response_ids) for s in samples)
-        stats = rstats.as_dict() | {
-            "rollout/tokens_per_s": n_tok / max(t_rollout, 1e-9),
-            "time/rollout_s": t_rollout,
-            "time/reward_s": rstats.verify_s,
-            "time/sync_s": t_sync,
-        }
+        stats = (
+            pool_stats
+            | rstats.as_dict()
+            | {
+                "rollout/tokens_per_s": n_tok / max(t_rollout, 1e-9),
+                "time/rollout_s": t_rollout,
+                "time/reward_s": rstats.verify_s,
+                "time/sync_s": t_sync,
+            }
+        )
         if self.skipped is not None:
             stats["data/skipped_rows"] = float(self.skipped.skipped)
         return RolloutBatch(
@@ -97,10 +140,127 @@ class RolloutMaker:
         return item if self.world == 1 else gather_batch(item, self.world, tp=self.tp)
 
     def state_dict(self) -> dict:
-        return {"prompts": self.prompts.state_dict()}
+        return {"prompts": self.prompts.state_dict()} | ({} if self.pool is None else {"pool": self.pool.state_dict()})
 
     def load_state_dict(self, state: dict) -> None:
         self.prompts.load_state_dict(state["prompts"])
+        if self.pool is not None:
+            if "pool" not in state:
+                raise ValueError("this checkpoint has no partial-rollout pool: it was written without partial_budget")
+            self.pool.load_state_dict(state["pool"])
+
+
+# ----------------------------------------------------------------------------- partial rollouts
+
+
+class PartialPool:
+    """The responses in flight under a token budget, and the rule that makes each step's groups (module
+    docstring). ``engine`` extends and completes responses (``extend``, ``complete``); ``fresh``: the prompt
+    stream new groups are drawn from."""
+
+    def __init__(self, engine: Any, *, budget: int, quota: int, n: int, seed: int, fresh: Iterator[Prompt]):
+        self.engine, self.budget, self.quota, self.n, self.seed = engine, budget, quota, n, seed
+        self.fresh = fresh
+        self.capacity = 2 * quota  # groups in the pool at most (the staleness bound's argument)
+        self.groups: list[list[Partial]] = []  # in admission order, each n responses
+        self.admitted = 0  # groups ever admitted: the next group's index, which seeds its responses
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.engine.max_new_tokens
+
+    def _done(self, group: list[Partial]) -> bool:
+        return all(p.finished(self.max_new_tokens) for p in group)
+
+    def _extend(self, groups: list[list[Partial]], counts: dict, *, whole: bool = False) -> None:
+        """One segment more of every unfinished response of ``groups`` (in place); ``whole``: the rest of each
+        response in one segment (the same tokens as several segments with these weights, prefilled once)."""
+        todo = [(g, i) for g in groups for i, p in enumerate(g) if not p.finished(self.max_new_tokens)]
+        if not todo:
+            return
+        before = [g[i] for g, i in todo]
+        budget = self.max_new_tokens if whole else self.budget
+        for (g, i), p in zip(todo, self.engine.extend(before, budget=budget), strict=True):
+            g[i] = p
+        counts["reprefill"] += sum(len(p.response_ids) for p in before)
+        counts["new"] += sum(
+            len(g[i].response_ids) - len(p.response_ids) for (g, i), p in zip(todo, before, strict=True)
+        )
+        counts["segments"] += len(todo)
+
+    def _admit(self, k: int) -> list[list[Partial]]:
+        new = []
+        for _ in range(k):
+            prompt = next(self.fresh)
+            seeds = [derive_seed(self.seed, "rollout/partial", self.admitted * self.n + j) for j in range(self.n)]
+            empty = (torch.zeros(0, dtype=torch.long), torch.zeros(0), torch.zeros(0, dtype=torch.long))
+            new.append([Partial(prompt, *empty, seed=s) for s in seeds])
+            self.admitted += 1
+        self.groups += new
+        return new
+
+    def step(self) -> tuple[list[Sample], dict[str, float]]:
+        """This step's ``quota`` finished groups as samples (group ids 0, 1, ... in emission order), and stats."""
+        counts = {"reprefill": 0, "new": 0, "segments": 0, "admitted": 0, "forced": 0}
+        self._extend(self.groups, counts)
+        while (short := self.quota - sum(map(self._done, self.groups))) > 0:
+            room = self.capacity - len(self.groups)
+            if room > 0:
+                fresh = self._admit(min(short, room))
+                counts["admitted"] += len(fresh)
+                self._extend(fresh, counts)
+            else:  # the pool is full: finish its oldest unfinished groups with this step's weights
+                oldest = [g for g in self.groups if not self._done(g)][:short]
+                counts["forced"] += len(oldest)
+                self._extend(oldest, counts, whole=True)
+        out = [g for g in self.groups if self._done(g)][: self.quota]
+        self.groups = [g for g in self.groups if not any(g is o for o in out)]
+        responses = [p for g in out for p in g]
+        samples = [self.engine.complete(p, k // self.n) for k, p in enumerate(responses)]
+        stats = {
+            "rollout/new_tokens": float(counts["new"]),
+            "rollout/reprefill_tokens": float(counts["reprefill"]),
+            "rollout/segments": float(counts["segments"]),
+            "rollout/segments_per_response": sum(p.segments for p in responses) / len(responses),
+            "rollout/resumed_frac": sum(p.segments > 1 for p in responses) / len(responses),
+            "rollout/admitted_groups": float(counts["admitted"]),
+            "rollout/forced_groups": float(counts["forced"]),
+            "rollout/pool_groups": float(len(self.groups)),
+        }
+        return samples, stats
+
+    def state_dict(self) -> dict:
+        """The pool as tensors and plain values (a checkpoint loads it without running code)."""
+        return {
+            "admitted": self.admitted,
+            "groups": [
+                [
+                    {
+                        "prompt": p.prompt,
+                        "ids": p.response_ids,
+                        "logp": p.logp,
+                        "versions": p.versions,
+                        "seed": p.seed,
+                        "segments": p.segments,
+                        "stopped": p.stopped,
+                    }
+                    for p in g
+                ]
+                for g in self.groups
+            ],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.admitted = int(state["admitted"])
+        self.groups = [
+            [
+                Partial(
+                    r["prompt"], r["ids"], r["logp"], r["versions"], int(r["seed"]), int(r["segments"]), r["stopped"]
+                )
+                for r in g
+            ]
+            for g in state["groups"]
+        ]
 
 
 # ----------------------------------------------------------------------------- the gather

@@ -44,7 +44,9 @@ class Sample:
     ``response_ids`` [T] (int64) are the sampled tokens, ending with a stop token unless
     ``truncated``; ``logp`` [T] (float32) holds the behaviour log-probabilities of the
     sampled tokens under the sampling distribution (logits / temperature).
-    ``version`` is the oldest policy version that produced any of its tokens.
+    ``version`` is the oldest policy version that produced any of its tokens; ``versions`` [T] (int64), the
+    version of each token, is set for a response generated in segments across versions (partial rollouts,
+    ``rollout.partial_budget``) and None when one version produced all of it (:meth:`token_versions`).
     """
 
     prompt: Prompt
@@ -54,6 +56,37 @@ class Sample:
     text: str
     version: int
     truncated: bool  # hit max_new_tokens without an end-of-turn token
+    versions: torch.Tensor | None = None  # [T] int64; None: every token is ``version``'s
+
+    def token_versions(self) -> torch.Tensor:
+        """The version of each response token [T] (int64)."""
+        if self.versions is not None:
+            return self.versions
+        return torch.full((len(self.response_ids),), self.version, dtype=torch.long)
+
+
+@dataclass(frozen=True, eq=False)
+class Partial:
+    """A response being generated in segments of at most ``rollout.partial_budget`` tokens, one segment per
+    rollout step, each with the weights the schedule gives that step (``bapo.rollout_maker``).
+
+    ``response_ids`` [T] (int64), ``logp`` [T] (float32: the behaviour log-probs, each under the weights that
+    sampled it) and ``versions`` [T] (int64: those weights' policy version) are the response so far; ``seed``
+    is its own sampling seed (token j is drawn from a uniform of (seed, j), whichever segment draws it);
+    ``segments`` counts the segments generated; ``stopped``: it ended with a stop token.
+    """
+
+    prompt: Prompt
+    response_ids: torch.Tensor  # [T] int64
+    logp: torch.Tensor  # [T] float32
+    versions: torch.Tensor  # [T] int64
+    seed: int
+    segments: int = 0
+    stopped: bool = False
+
+    def finished(self, max_new_tokens: int) -> bool:
+        """Ended with a stop token, or has all ``max_new_tokens`` tokens (truncated)."""
+        return self.stopped or len(self.response_ids) >= max_new_tokens
 
 
 @dataclass(frozen=True, eq=False)

@@ -39,6 +39,15 @@ in sync mode at a step boundary, when the only batch that asks for this version 
 next one, made before any further update. With ``sync_every`` larger than the updates per
 step, two batches share a version, and the second is made after more updates: it gets a copy.
 
+Partial rollouts
+----------------
+With ``rollout.partial_budget`` a response is generated over up to ``lag + 1`` consecutive batches
+(``bapo.rollout_maker``): a token generated for batch t may first be trained on with batch t + lag.
+:class:`Schedule` with ``lag`` keeps the bound for every token: admission uses
+``k - lag * U`` in place of k (a token is then at most k stale at its last use), and the startup check
+becomes ``k >= U + s - 2 + lag * U``. ``copies`` publishes every version as a copy, because recompute
+re-scores a token with its own version's weights steps after that version served a batch.
+
 Everything here is counted from the consumer's side (``consumed``: batches the learner has
 taken), never the producer's: the answers then depend on the learner's progress only, so every
 rank of a torchrun job agrees on them (and on the collective weight gather they trigger),
@@ -58,13 +67,21 @@ def min_staleness(updates_per_batch: int, sync_every: int) -> int:
     return updates_per_batch - 1 + sync_every - 1
 
 
-def check_schedule(mode: str, updates_per_batch: int, max_staleness: int, sync_every: int) -> None:
-    """A ValueError unless ``mode`` is one of :data:`MODES` and k = ``max_staleness`` >= :func:`min_staleness`."""
+def check_schedule(mode: str, updates_per_batch: int, max_staleness: int, sync_every: int, lag: int = 0) -> None:
+    """A ValueError unless ``mode`` is one of :data:`MODES` and k = ``max_staleness`` >= :func:`min_staleness`
+    (``lag``: the partial-rollout lag already taken out of k, named in the message)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     u, k, s = updates_per_batch, max_staleness, sync_every
     if k < min_staleness(u, s):
-        raise ValueError(f"max_staleness={k} < {min_staleness(u, s)} (updates_per_batch={u}, sync_every={s})")
+        why = f", partial-rollout lag={lag} batches" if lag else ""
+        raise ValueError(f"max_staleness={k} < {min_staleness(u, s)} (updates_per_batch={u}, sync_every={s}{why})")
+
+
+def partial_lag(max_new_tokens: int, partial_budget: int | None) -> int:
+    """Batches a token may wait for its response's last segment: S - 1 with S = ceil(max_new_tokens / budget)
+    segments at most per response (0 without partial rollouts; ``bapo.rollout_maker`` proves the bound)."""
+    return 0 if partial_budget is None else -(-max_new_tokens // partial_budget) - 1
 
 
 def batch_version(t: int, *, updates_per_batch: int, max_staleness: int, sync_every: int, mode: str) -> int | None:
@@ -88,16 +105,23 @@ class Schedule:
     updates_per_batch: int
     max_staleness: int
     sync_every: int
+    lag: int = 0  # batches a token may wait for its response's last segment (partial rollouts)
+    copies: bool = False  # publish every version as a copy (partial rollouts with recompute)
 
     def __post_init__(self) -> None:
-        check_schedule(self.mode, self.updates_per_batch, self.max_staleness, self.sync_every)
+        check_schedule(self.mode, self.updates_per_batch, self.batch_staleness, self.sync_every, self.lag)
+
+    @property
+    def batch_staleness(self) -> int:
+        """The staleness a batch may reach at its own step: k, less what partial rollouts' lag adds later."""
+        return self.max_staleness - self.lag * self.updates_per_batch
 
     def version_for(self, t: int) -> int | None:
         """The version batch ``t`` is made with (:func:`batch_version`)."""
         return batch_version(
             t,
             updates_per_batch=self.updates_per_batch,
-            max_staleness=self.max_staleness,
+            max_staleness=self.batch_staleness,
             sync_every=self.sync_every,
             mode=self.mode,
         )
@@ -122,7 +146,7 @@ class Schedule:
 
     def needs_copy(self, version: int, consumed: int) -> bool:
         """Must the weights published at ``version`` be a copy, or may they be the learner's live ones?"""
-        if self.mode != "sync" or version != consumed * self.updates_per_batch:
+        if self.copies or self.mode != "sync" or version != consumed * self.updates_per_batch:
             return True  # async, or mid-step: more updates come before the batch is made
         return [t for t, v in self.asking(consumed, version) if v == version] != [consumed + 1]
 

@@ -34,6 +34,8 @@ ADDED: dict[str, object] = {
     "algo.surrogate.positive_weight": "ratio",
     "algo.surrogate.token_mask": "none",
     "algo.surrogate.mask_threshold": None,
+    # Partial rollouts (bapo/rollout_maker.py): off, every response generated whole, as before.
+    "rollout.partial_budget": None,
 }
 # Per composition, where an added key's value differs from ADDED's.
 ADDED_IN: dict[str, dict[str, object]] = {"algo=eps_feedback": {"algo.objective": "eps_feedback"}}

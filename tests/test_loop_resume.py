@@ -131,7 +131,14 @@ def wait_for_step(p: subprocess.Popen, run_dir: Path, step: int, timeout: float 
     raise TimeoutError(f"step {step} not reached")
 
 
-@pytest.mark.parametrize("mode", [[], ["train.async_rollout=true", "buffer.max_staleness=3"]], ids=["sync", "async-k3"])
+PARTIAL = ["rollout.partial_budget=12", "buffer.max_staleness=7"]  # 4 segments at most: in flight across steps
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [[], ["train.async_rollout=true", "buffer.max_staleness=3"], PARTIAL, ["train.async_rollout=true", *PARTIAL]],
+    ids=["sync", "async-k3", "partial-sync", "partial-async-k7"],
+)
 def test_sigkill_at_a_random_step_then_resume_gives_the_same_metrics(tmp_path, mode):
     full = launch(tmp_path / "full", *mode)
     out = finish(full)
@@ -151,8 +158,11 @@ def test_sigkill_at_a_random_step_then_resume_gives_the_same_metrics(tmp_path, m
     a, b = rows(tmp_path / "full"), rows(tmp_path / "killed")
     assert [r["step"] for r in b] == list(range(7))
     assert untimed(a) == untimed(b)
-    k = 3 if mode else 1
+    k = int(next((m.split("=")[1] for m in reversed(mode) if m.startswith("buffer.max_staleness=")), 1))
     assert max(r["buffer/staleness_max"] for r in b[1:]) <= k
+    if "rollout.partial_budget=12" in mode:  # responses were in flight at the kill, and resumed
+        assert max(r["rollout/pool_groups"] for r in b[1:]) > 0
+        assert max(r["buffer/token_staleness_max"] for r in b[1:]) <= k
     assert len(checkpoint.step_dirs(tmp_path / "killed" / "checkpoints")) == 2  # keep=2
 
 

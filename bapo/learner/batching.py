@@ -56,6 +56,11 @@ def collate(samples: Sequence[ScoredSample | Sample], *, pad_id: int) -> TrainBa
                 raise ValueError(f"some samples carry {k} and others do not; cannot collate them together")
             extras[k][b, sl] = torch.as_tensor(value, dtype=torch.float)  # a scalar broadcasts
     versions = torch.tensor([s.version for s in plain], dtype=torch.long)
+    if any(s.versions is not None for s in plain):  # partial rollouts: each token's version (decoupled loglinear)
+        extras["token_version"] = torch.zeros((B, L - 1))
+        for b, s in enumerate(plain):
+            p = len(s.prompt.ids)
+            extras["token_version"][b, p - 1 : p - 1 + len(s.response_ids)] = s.token_versions().float()
     return TrainBatch(input_ids, attention_mask, mask, old_logp, adv, versions, extras)
 
 

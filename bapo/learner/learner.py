@@ -46,7 +46,8 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -88,6 +89,15 @@ def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
             if isinstance(value, float) and ("dropout" in name or name.endswith("_pdrop")):
                 setattr(config, name, 0.0)
     return model
+
+
+@dataclass(frozen=True)
+class TokenVersionWeights:
+    """Weights by policy version for :meth:`Learner.response_logp` over samples whose tokens came from several
+    versions (partial rollouts): each token is scored under ``by_version[its version]`` (None: the current
+    model). Recompute's behaviour log-probs are then each token's own policy's, as with one version."""
+
+    by_version: dict[int, Mapping[str, torch.Tensor] | None]
 
 
 class Learner:
@@ -275,7 +285,7 @@ class Learner:
 
     @torch.no_grad()
     def response_logp(
-        self, samples: Sequence | TrainBatch, weights: dict[str, torch.Tensor] | None = None
+        self, samples: Sequence | TrainBatch, weights: dict[str, torch.Tensor] | TokenVersionWeights | None = None
     ) -> torch.Tensor:
         """Log-probs [B, T] of each sample's response tokens (right-padded) under the policy, or under
         ``weights`` (an older version's snapshot): ``learner.old_logp=recompute``'s behaviour
@@ -283,7 +293,12 @@ class Learner:
 
         Under FSDP every rank must call it with the same samples (a collective): each rank runs the forward
         of its share only (every world-th sample from its rank), and the shares are gathered, so every rank
-        returns every row. A collated ``TrainBatch`` is computed whole, on this rank."""
+        returns every row. A collated ``TrainBatch`` is computed whole, on this rank.
+
+        ``weights`` as :class:`TokenVersionWeights` (samples whose tokens came from several versions: partial
+        rollouts) scores each token under its own version's weights: one pass per version, selected per token."""
+        if isinstance(weights, TokenVersionWeights):
+            return self._logp_by_token_version(samples, weights)
         if isinstance(samples, TrainBatch) or self.strategy.gather is None:
             batch = samples if isinstance(samples, TrainBatch) else collate(samples, pad_id=self.pad_id)
             return self._response_logp(batch, weights)
@@ -297,6 +312,23 @@ class Learner:
             for i in self.strategy.shard_indices(len(samples), rank):
                 rows[i], at = part[at : at + lengths[i]], at + lengths[i]
         return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)  # [B, T]
+
+    def _logp_by_token_version(self, samples: Sequence, weights: TokenVersionWeights) -> torch.Tensor:
+        """:meth:`response_logp` with each response token [B, T] under the weights of its own version."""
+        samples = list(samples)
+        versions = torch.nn.utils.rnn.pad_sequence(
+            [s.token_versions() for s in samples], batch_first=True, padding_value=-1
+        )  # [B, T]
+        out = torch.zeros(versions.shape)
+        for v, w in sorted(weights.by_version.items()):
+            here = versions == v  # [B, T]
+            if here.any():
+                lp = self.response_logp(samples, w)  # [B, T'] T' = longest response, = T
+                out = torch.where(here, lp[:, : out.shape[1]].to(out.dtype), out)
+        missing = sorted(set(versions[versions >= 0].unique().tolist()) - set(weights.by_version))
+        if missing:
+            raise KeyError(f"no weights for the tokens of versions {missing} (given {sorted(weights.by_version)})")
+        return out
 
     def _response_logp(self, batch: TrainBatch, weights: dict[str, torch.Tensor] | None) -> torch.Tensor:
         with self.strategy.policy_at(self.model, weights, self._scratch_model) as model:
@@ -425,8 +457,10 @@ class Learner:
         if self.objective.proximal is not None and "proximal_version" in ex:
             mask = mb.mask.to(dev)
             prox_version = ex["proximal_version"].amax(dim=1)  # [B] broadcast over each row's response tokens
+            # each token's own behaviour version where a response spans several (partial rollouts), else the row's
+            behaviour_version = ex["token_version"].to(dev) if "token_version" in ex else mb.versions
             old, prox_weight = self.objective.proximal(
-                logp.detach(), ex["behaviour_logp"].to(dev), mask, mb.versions, prox_version, self.version
+                logp.detach(), ex["behaviour_logp"].to(dev), mask, behaviour_version, prox_version, self.version
             )
             weight = prox_weight if weight is None else prox_weight * weight.to(dev)  # times the overlong filter's
         return old, {} if weight is None else {"token_weight": weight.to(dev)}

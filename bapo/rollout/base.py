@@ -7,6 +7,10 @@ every engine shares.
 - :class:`EngineContext` is what every engine's ``from_config(cfg, ctx)`` gets beside its typed config.
 - :func:`make_sample` is the one place a :class:`~bapo.samples.Sample` is built from an
   engine's raw output, so both engines cut responses, flag truncation and decode text alike.
+- :meth:`EngineBase.extend` and :meth:`EngineBase.complete` are partial rollouts' two verbs
+  (``rollout.partial_budget``): one segment more of each unfinished response (the engine's
+  ``_segments`` continues prompt + prefix, re-prefilling the prefix, never re-sampling it), and a
+  finished response as a Sample.
 - :func:`stop_ids_of` and :func:`pad_id_of` derive the token ids every engine needs from the
   tokenizer and the checkpoint, once.
 
@@ -26,7 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from bapo.checks import ConfigError
-from bapo.samples import Prompt, Sample
+from bapo.samples import Partial, Prompt, Sample
 
 
 @runtime_checkable
@@ -122,6 +126,56 @@ class EngineBase:
     def _generate(self, prompts: Sequence[Prompt], n: int, temperature: float, seed: int | None) -> list[Sample]:
         raise NotImplementedError
 
+    def extend(self, partials: Sequence[Partial], *, budget: int) -> list[Partial]:
+        """One segment more of each response: at most ``budget`` new tokens (and no more than
+        ``max_new_tokens`` in all), sampled with the engine's weights, tagged with its version. A response
+        continues from its prompt and tokens so far, seeded by its own seed at its own positions."""
+        if not partials:
+            return []
+        rows = [list(p.prompt.ids) + p.response_ids.tolist() for p in partials]
+        caps = [min(budget, self.max_new_tokens - len(p.response_ids)) for p in partials]
+        if min(caps) < 1:
+            raise ValueError("extend() was given a response that already has max_new_tokens tokens")
+        new = self._segments(rows, caps, [p.seed for p in partials], [len(p.response_ids) for p in partials])
+        stops = torch.tensor(self.stop_ids, dtype=torch.long)
+        out = []
+        for p, cap, (ids, lp) in zip(partials, caps, new, strict=True):
+            ids, lp = ids[:cap].long(), lp[:cap].float()  # [c]
+            hits = torch.isin(ids, stops).nonzero()
+            end = int(hits[0, 0]) + 1 if len(hits) else len(ids)
+            out.append(
+                Partial(
+                    p.prompt,
+                    torch.cat([p.response_ids, ids[:end]]),
+                    torch.cat([p.logp, lp[:end]]),
+                    torch.cat([p.versions, torch.full((end,), self.version, dtype=torch.long)]),
+                    p.seed,
+                    p.segments + 1,
+                    bool(len(hits)),
+                )
+            )
+        return out
+
+    def _segments(
+        self, rows: list[list[int]], caps: list[int], seeds: list[int], offsets: list[int]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """For each row (prompt + response so far), up to ``caps`` new token ids and their log-probs, at the
+        engine's temperature; token j of the response (``offsets``: tokens it has) drawn from (seed, j)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot continue responses (rollout.partial_budget)")
+
+    def complete(self, partial: Partial, group: int) -> Sample:
+        """A finished response as the Sample the learner trains on (its version the oldest token's)."""
+        return make_sample(
+            partial.prompt,
+            group,
+            partial.response_ids,
+            partial.logp,
+            self.stop_ids,
+            int(partial.versions.min()) if len(partial.versions) else self.version,
+            self.tokenizer,
+            versions=partial.versions,
+        )
+
     def sleep(self) -> None:
         """Nothing to free by default."""
 
@@ -196,6 +250,8 @@ def make_sample(
     stop_ids: Sequence[int],
     version: int,
     tokenizer,
+    *,
+    versions: torch.Tensor | None = None,
 ) -> Sample:
     """One :class:`Sample` from an engine's raw row of tokens.
 
@@ -203,7 +259,8 @@ def make_sample(
     no stop id are ``truncated``. ``logp`` is one log-prob per token of ``token_ids`` (or
     None when the engine records none: evaluation, then they are NaN, so that no training
     step can use them unnoticed). ``text`` is the response without its stop token and
-    without special tokens.
+    without special tokens. ``versions``: each token's version, for a response generated in
+    segments (``version`` is then its oldest).
     """
     ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)  # [T]
     hits = torch.isin(ids, torch.as_tensor(list(stop_ids), dtype=torch.long)).nonzero()
@@ -225,4 +282,5 @@ def make_sample(
         text=text,
         version=version,
         truncated=not stopped,
+        versions=None if versions is None else torch.as_tensor(versions, dtype=torch.long)[:end].clone(),
     )

@@ -22,8 +22,18 @@ class RolloutCommon:
     n: int = MISSING
     temperature: float = MISSING
     max_new_tokens: int = MISSING
+    # Partial rollouts: tokens each unfinished response gets per step; the rest waits for later steps' weights
+    # (bapo.rollout_maker, docs/offpolicy.md). None: every response is generated whole within its step.
+    partial_budget: int | None = MISSING
 
     def __post_init__(self) -> None:
         require(self.n >= 1, "rollout.n", f"must be >= 1, got {self.n}")
         require(self.temperature > 0, "rollout.temperature", f"must be > 0, got {self.temperature}")
         require(self.max_new_tokens > 0, "rollout.max_new_tokens", "must be > 0")
+        b = self.partial_budget
+        require(
+            b is None or 1 <= b < self.max_new_tokens,
+            "rollout.partial_budget",
+            f"must be null (off) or tokens per response per step in [1, rollout.max_new_tokens={self.max_new_tokens}),"
+            f" got {b} (a budget of max_new_tokens or more never interrupts a response: use null)",
+        )

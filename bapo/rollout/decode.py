@@ -22,14 +22,68 @@ The two paths sample the same distribution but not the same tokens for a seed: `
 which on CPU costs more than the forward pass of a small model (250 ms a step for 256 rows of a
 49k vocabulary); the lean loop draws one uniform per row. Greedy decoding is the same on both.
 Each path is reproducible for a seed.
+
+Both take one :class:`Sampling` (what every row is sampled with). Partial rollouts
+(``rollout.partial_budget``) continue responses from a prefix: :func:`lean_decode` then also takes
+:class:`Segments`, a cap of new tokens per row and a counter-based uniform per (response seed, token
+position) instead of the process's RNG, so that a response drawn in several segments draws the same
+uniforms as one drawn at once (with unchanged weights: the same tokens). ``generate`` has no such
+hook, so partial rollouts need the lean path (``bapo.rollout.hf``).
 """
 
 from __future__ import annotations
 
 import inspect
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How every row of one decode call is sampled: ``n`` continuations per prompt row, at most
+    ``max_new_tokens`` each, from softmax(logits / ``temperature``) (greedy at 0; the nucleus ``top_p`` for
+    evaluation only), ending at any of ``stop_ids``; rows are padded with ``pad_id``."""
+
+    n: int
+    max_new_tokens: int
+    temperature: float
+    stop_ids: tuple[int, ...]
+    pad_id: int
+    top_p: float = 1.0
+
+
+@dataclass(frozen=True)
+class Segments:
+    """One segment of each row's response (partial rollouts; ``Sampling.n`` is then 1): a row ends at a stop
+    id or after ``caps`` [B] new tokens. Token j of a response (``offsets`` [B]: tokens it already has) is
+    drawn with :func:`counter_uniform` of ``(seeds [B], j)``, whatever segment draws it."""
+
+    caps: torch.Tensor  # [B] long, >= 1
+    seeds: torch.Tensor  # [B] int64
+    offsets: torch.Tensor  # [B] long
+
+
+def _i64(x: int) -> int:
+    """An unsigned 64-bit constant as the int64 with the same bits."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's ``>>`` is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def counter_uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Uniforms in [0, 1) [B] (float64), a pure function of (seed, position) per row: SplitMix64's output
+    function applied to ``seed + (position + 1) * golden`` (int64 arithmetic wraps, as its uint64 does)."""
+    z = seeds.long() + (positions.long() + 1) * _i64(0x9E3779B97F4A7C15)
+    z = (z ^ _shr(z, 30)) * _i64(0xBF58476D1CE4E5B9)
+    z = (z ^ _shr(z, 27)) * _i64(0x94D049BB133111EB)
+    z = z ^ _shr(z, 31)
+    return _shr(z, 11).double() * 2.0**-53
+
 
 # A row that stops is dropped from the batch once this share of the live rows has stopped:
 # each drop copies the KV cache once, as a decode step's concatenation does anyway.
@@ -122,18 +176,15 @@ def _cache_kwarg(model) -> str:
 
 @torch.inference_mode()  # lighter than no_grad per op; the caller clones what it keeps (bapo.rollout.base.make_sample)
 def lean_decode(
-    model,
-    ids: torch.Tensor,
-    attn: torch.Tensor,
-    *,
-    n: int,
-    max_new_tokens: int,
-    temperature: float,
-    stop_ids: tuple[int, ...],
-    pad_id: int,
-    top_p: float = 1.0,
+    model, ids: torch.Tensor, attn: torch.Tensor, sampling: Sampling, segments: Segments | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample ``n`` continuations of each left-padded prompt row (``ids``, ``attn``: [B, P])."""
+    """Sample ``n`` continuations of each left-padded prompt row (``ids``, ``attn``: [B, P]); with ``segments``
+    (n = 1) a row is a prompt and its response so far, continued for at most its cap."""
+    n, temperature, top_p = sampling.n, sampling.temperature, sampling.top_p
+    stop_ids, pad_id = sampling.stop_ids, sampling.pad_id
+    max_new_tokens = sampling.max_new_tokens if segments is None else int(segments.caps.max())
+    if segments is not None and n != 1:
+        raise ValueError(f"segments continue one response per row (n=1), got n={n}")
     B, P = ids.shape[0] * n, ids.shape[1]
     dev = ids.device
     cache, full_attention = _kv_cache(model, P + max_new_tokens)
@@ -153,13 +204,22 @@ def lean_decode(
     stops = torch.tensor(stop_ids, dtype=torch.long, device=dev)
     tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=dev)  # [B, T]
     logp = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=dev)  # [B, T]
+    if segments is not None:
+        caps, seeds, offsets = (x.to(dev) for x in (segments.caps, segments.seeds, segments.offsets))
     for t in range(max_new_tokens):
-        # one uniform per row of the full batch, so that a row's draws do not depend on which others stopped
-        u = torch.rand(B, dtype=torch.float64, device=dev)[rows] if temperature > 0 else None  # [b]
+        if temperature <= 0:
+            u = None
+        elif segments is None:
+            # one uniform per row of the full batch, so that a row's draws do not depend on which others stopped
+            u = torch.rand(B, dtype=torch.float64, device=dev)[rows]  # [b]
+        else:
+            u = counter_uniform(seeds[rows], offsets[rows] + t)  # [b] the response's own draw for this position
         tok, lp = _pick(logits, temperature, top_p, u)  # [b], [b]
         tok = tok.masked_fill(done, pad_id)  # a row that stopped but is not dropped yet
         tokens[rows, t], logp[rows, t] = tok, lp
         done |= torch.isin(tok, stops)
+        if segments is not None:
+            done |= caps[rows] <= t + 1  # this segment's budget is spent
         n_done = int(done.sum())
         if t + 1 == max_new_tokens or n_done == len(rows):
             break
@@ -218,20 +278,18 @@ def _no_checkpoint_defaults(model):
         model.generation_config = saved
 
 
-def sampling_config(
-    *, n: int, max_new_tokens: int, temperature: float, top_p: float, stop_ids: tuple[int, ...], pad_id: int
-):
+def sampling_config(sampling: Sampling):
     """A neutral ``GenerationConfig``: plain (or nucleus) sampling at ``temperature``, nothing else."""
     from transformers import GenerationConfig
 
-    sample = temperature > 0
-    extra = dict(temperature=temperature, top_p=top_p, top_k=0) if sample else {}
+    sample = sampling.temperature > 0
+    extra = dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=0) if sample else {}
     return GenerationConfig(
         do_sample=sample,
-        max_new_tokens=max_new_tokens,
-        num_return_sequences=n,
-        eos_token_id=list(stop_ids),
-        pad_token_id=pad_id,
+        max_new_tokens=sampling.max_new_tokens,
+        num_return_sequences=sampling.n,
+        eos_token_id=list(sampling.stop_ids),
+        pad_token_id=sampling.pad_id,
         use_cache=True,
         **extra,
     )
@@ -239,24 +297,16 @@ def sampling_config(
 
 @torch.no_grad()
 def generate_decode(
-    model,
-    ids: torch.Tensor,
-    attn: torch.Tensor,
-    *,
-    n: int,
-    max_new_tokens: int,
-    temperature: float,
-    stop_ids: tuple[int, ...],
-    pad_id: int,
-    top_p: float = 1.0,
+    model, ids: torch.Tensor, attn: torch.Tensor, sampling: Sampling, segments: Segments | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``model.generate`` with :func:`sampling_config`; the same contract as :func:`lean_decode`."""
+    """``model.generate`` with :func:`sampling_config`; the same contract as :func:`lean_decode`, without
+    ``segments`` (``generate`` draws from the process's RNG)."""
     from transformers import LogitsProcessorList
 
-    gc = sampling_config(
-        n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop_ids=stop_ids, pad_id=pad_id
-    )
-    record = _StepLogp(temperature if temperature > 0 else 1.0)
+    if segments is not None:
+        raise ValueError("decode=generate cannot continue responses in segments: use decode=lean")
+    gc = sampling_config(sampling)
+    record = _StepLogp(sampling.temperature if sampling.temperature > 0 else 1.0)
     with _no_checkpoint_defaults(model):
         seq = model.generate(
             input_ids=ids, attention_mask=attn, generation_config=gc, logits_processor=LogitsProcessorList([record])

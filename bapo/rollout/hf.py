@@ -36,7 +36,7 @@ from omegaconf import MISSING
 from bapo.checks import choice, require, resumable
 from bapo.rollout.base import EngineBase, EngineContext, check_top_p, make_sample
 from bapo.rollout.config import RolloutCommon
-from bapo.rollout.decode import generate_decode, lean_decode
+from bapo.rollout.decode import Sampling, Segments, generate_decode, lean_decode
 from bapo.rollout.registry import EngineTraits
 from bapo.samples import Prompt, Sample
 
@@ -54,6 +54,12 @@ class HFRolloutConfig(RolloutCommon):
         super().__post_init__()
         require(self.batch_size > 0, "rollout.batch_size", "must be > 0")
         choice(self.decode, "rollout.decode", tuple(DECODERS))
+        require(
+            self.partial_budget is None or self.decode == "lean",
+            "rollout.decode",
+            "rollout.partial_budget continues responses with per-position draws that only the lean loop has: "
+            f"use rollout.decode=lean (got {self.decode})",
+        )
 
 
 class HFRollout(EngineBase):
@@ -147,15 +153,7 @@ class HFRollout(EngineBase):
             ids[i, width - len(p.ids) :] = torch.tensor(p.ids)
             attn[i, width - len(p.ids) :] = 1
         tokens, logp = DECODERS[self.decode](
-            self.model,
-            ids.to(self.device),
-            attn.to(self.device),
-            n=n,
-            max_new_tokens=self.max_new_tokens,
-            temperature=temperature,
-            top_p=self.top_p,
-            stop_ids=self.stop_ids,
-            pad_id=self.pad_id,
+            self.model, ids.to(self.device), attn.to(self.device), self._sampling(n, temperature)
         )
         tokens, logp = tokens.cpu(), logp.cpu()  # [B*n, T] each
         return [
@@ -170,3 +168,31 @@ class HFRollout(EngineBase):
             )
             for row in range(tokens.shape[0])
         ]
+
+    def _sampling(self, n: int, temperature: float) -> Sampling:
+        return Sampling(n, self.max_new_tokens, temperature, self.stop_ids, self.pad_id, self.top_p)
+
+    def _segments(
+        self, rows: list[list[int]], caps: list[int], seeds: list[int], offsets: list[int]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """:meth:`EngineBase._segments` with the lean loop, ``batch_size`` rows a call, grouped by length."""
+        out: list = [None] * len(rows)
+        order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
+        for start in range(0, len(order), self.batch_size):
+            chunk = order[start : start + self.batch_size]
+            width = max(len(rows[i]) for i in chunk)
+            ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)  # [B, P] left-padded
+            attn = torch.zeros_like(ids)
+            for r, i in enumerate(chunk):
+                ids[r, width - len(rows[i]) :] = torch.tensor(rows[i])
+                attn[r, width - len(rows[i]) :] = 1
+            pick = torch.tensor(chunk)
+            segs = Segments(
+                torch.tensor(caps)[pick], torch.tensor(seeds, dtype=torch.long)[pick], torch.tensor(offsets)[pick]
+            )
+            tokens, logp = lean_decode(
+                self.model, ids.to(self.device), attn.to(self.device), self._sampling(1, self.temperature), segs
+            )
+            for r, i in enumerate(chunk):
+                out[i] = (tokens[r].cpu(), logp[r].cpu())
+        return out

@@ -37,6 +37,12 @@ tensor-parallel engine: they must submit the same prompts with the same seeds, w
 with ``enable_sleep_mode`` the engines sleep while the learner updates (weights offloaded, KV cache
 freed), wake their weights to load new ones and their KV cache to generate.
 
+Partial rollouts (``rollout.partial_budget``): a response is continued as a new request whose prompt is
+prompt + the response so far (``TokensPrompt(prompt_token_ids=...)``: the prefix is re-prefilled, never
+re-sampled; the prefix cache, reset at every weight sync, may serve it), with ``max_tokens`` the segment's
+cap. vLLM's sampler has no per-position draws, so a response drawn in segments is not the response drawn
+at once unless greedy; each segment is reproducible (seeded by its responses' seeds and positions).
+
 Each response is its own request (``n=1``), which is what vLLM does internally for ``n > 1``;
 on a GPU this gives every sample its own seed, so ``generate(..., seed=s)`` is reproducible. On
 CPU the seed goes to the process's torch RNG instead (see ``generate``).
@@ -303,17 +309,58 @@ class VLLMRollout(EngineBase):
             "reload_weights", kwargs={"weights_path": str(self._weights_dir), "is_checkpoint_format": True}
         )
 
+    def _segments(
+        self, rows: list[list[int]], caps: list[int], seeds: list[int], offsets: list[int]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """:meth:`EngineBase._segments`: one request per row, prompt + prefix as its prompt token ids, at most its
+        cap new tokens; on a GPU each request's seed is (its response's seed, its offset), on CPU the process's
+        RNG is seeded from all of them (see ``_generate``)."""
+        from vllm.inputs import TokensPrompt
+
+        self._ready()
+        keyed = [request_seed(s, o) for s, o in zip(seeds, offsets, strict=True)]
+        if self.on_cpu:
+            torch.manual_seed(hash(tuple(keyed)) % (1 << 63))
+        per_request = [None] * len(keyed) if self.on_cpu else keyed
+        params = [self._params(self.temperature, cap, k) for cap, k in zip(caps, per_request, strict=True)]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], params, use_tqdm=False)
+        out = []
+        for o in outputs:
+            comp = o.outputs[0]
+            logp = [pos[t].logprob for t, pos in zip(comp.token_ids, comp.logprobs, strict=True)]
+            out.append((torch.tensor(list(comp.token_ids), dtype=torch.long), torch.tensor(logp, dtype=torch.float32)))
+        return out
+
+    def _ready(self) -> None:
+        if self.version == DISCARDED:
+            raise RuntimeError("sleep level 2 discarded the engine's weights: load_weights before generating")
+        self.wake()  # weights and KV cache
+
+    def _params(self, temperature: float, max_tokens: int, seed: int | None):
+        """One request's sampling: the full tempered distribution, the sampled token's log-prob, our stop ids."""
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=1,
+            temperature=max(temperature, 0.0),
+            top_p=self.top_p,
+            top_k=0,  # 0 or -1 (the version's "off")
+            max_tokens=max_tokens,
+            logprobs=0 if self.logprobs else None,  # the sampled token's only
+            stop_token_ids=list(self.stop_ids),
+            ignore_eos=True,  # stop on exactly these ids, as the HF engine does
+            detokenize=False,
+            seed=seed,
+        )
+
     def _generate(self, prompts: Sequence[Prompt], n: int, temperature: float, seed: int | None) -> list[Sample]:
         """Sample ``n`` responses per prompt; ``temperature=0`` means greedy.
 
         With ``seed`` the result is reproducible: response i of this call gets its own seed.
         """
-        if self.version == DISCARDED:
-            raise RuntimeError("sleep level 2 discarded the engine's weights: load_weights before generating")
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        self.wake()  # weights and KV cache
+        self._ready()
         # vLLM 0.32's CPU runner crashes when a seeded request's prefill is chunked (it rewinds the
         # generator with set_offset, which CPU generators lack). Its CPU sampler draws from the
         # global torch RNG of this process (the engine runs in-process), so seed that instead.
@@ -324,18 +371,7 @@ class VLLMRollout(EngineBase):
         for i in range(len(prompts) * n):
             requests.append(TokensPrompt(prompt_token_ids=list(prompts[i // n].ids)))
             params.append(
-                SamplingParams(
-                    n=1,
-                    temperature=max(temperature, 0.0),
-                    top_p=self.top_p,
-                    top_k=0,  # 0 or -1 (the version's "off")
-                    max_tokens=self.max_new_tokens,
-                    logprobs=0 if self.logprobs else None,  # the sampled token's only
-                    stop_token_ids=list(self.stop_ids),
-                    ignore_eos=True,  # stop on exactly these ids, as the HF engine does
-                    detokenize=False,
-                    seed=request_seed(seed, i) if request_seeds else None,
-                )
+                self._params(temperature, self.max_new_tokens, request_seed(seed, i) if request_seeds else None)
             )
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         samples = []

@@ -244,6 +244,7 @@ def test_build_rollout_makes_the_configured_engine(tiny_model, tiny_tok):
 MEMORY_PROBE = """
 import resource, sys, torch
 from transformers import LlamaConfig, LlamaForCausalLM
+from bapo.rollout.decode import Sampling
 from bapo.rollout.hf import DECODERS
 torch.manual_seed(0)
 cfg = LlamaConfig(vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
@@ -251,9 +252,9 @@ cfg = LlamaConfig(vocab_size=32000, hidden_size=64, intermediate_size=128, num_h
 model = LlamaForCausalLM(cfg).eval()
 ids = torch.randint(3, 32000, (8, 8))
 kw = dict(n=8, temperature=1.0, stop_ids=(2,), pad_id=0)
-DECODERS[sys.argv[1]](model, ids, torch.ones_like(ids), max_new_tokens=4, **kw)
+DECODERS[sys.argv[1]](model, ids, torch.ones_like(ids), Sampling(max_new_tokens=4, **kw))
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-tokens, logp = DECODERS[sys.argv[1]](model, ids, torch.ones_like(ids), max_new_tokens=128, **kw)
+tokens, logp = DECODERS[sys.argv[1]](model, ids, torch.ones_like(ids), Sampling(max_new_tokens=128, **kw))
 grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
 print(tokens.shape[1], grown // 1024)
 """
