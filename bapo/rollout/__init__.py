@@ -9,13 +9,12 @@ ConfigError with an install hint when vLLM is missing).
 
 from __future__ import annotations
 
-from bapo.rollout.base import EngineBase, EngineContext, RolloutEngine, make_sample, pad_id_of, stop_ids_of
+from bapo.rollout.base import EngineContext, RolloutEngine, make_sample, pad_id_of, stop_ids_of
 from bapo.rollout.hf import HFRollout
 from bapo.rollout.registry import ENGINES, EngineTraits, engine_class, engine_traits
 
 __all__ = [
     "ENGINES",
-    "EngineBase",
     "EngineContext",
     "EngineTraits",
     "HFRollout",

@@ -1,13 +1,12 @@
 """The rollout interface: what the loop and ``eval.py`` may call on an engine, and the parts
 every engine shares.
 
-- :class:`RolloutEngine` is the written interface (a ``typing.Protocol``): ``version``,
-  ``pad_id``, ``generate``, ``load_weights``, ``sleep`` and ``wake``.
-- :class:`EngineBase` gives engines the no-op ``sleep``/``wake`` and the sampling defaults they all hold.
+- :class:`RolloutEngine` is the interface every engine subclasses: ``version``, ``pad_id``, ``generate``,
+  ``load_weights``, ``sleep`` and ``wake``, with the sampling defaults engines hold and no-op ``sleep``/``wake``.
 - :class:`EngineContext` is what every engine's ``from_config(cfg, ctx)`` gets beside its typed config.
 - :func:`make_sample` is the one place a :class:`~bapo.samples.Sample` is built from an
   engine's raw output, so both engines cut responses, flag truncation and decode text alike.
-- :meth:`EngineBase.extend` and :meth:`EngineBase.complete` are partial rollouts' two verbs
+- :meth:`RolloutEngine.extend` and :meth:`RolloutEngine.complete` are partial rollouts' two verbs
   (``rollout.partial_budget``): one segment more of each unfinished response (the engine's
   ``_segments`` continues prompt + prefix, re-prefilling the prefix, never re-sampling it), and a
   finished response as a Sample.
@@ -23,9 +22,10 @@ Stopping on the tokenizer's alone lets a model run on past the end it was traine
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 
@@ -33,59 +33,30 @@ from bapo.checks import ConfigError
 from bapo.samples import Partial, Prompt, Sample
 
 
-@runtime_checkable
-class RolloutEngine(Protocol):
-    """A generation engine: samples responses with its own copy of the policy's weights.
+class RolloutEngine(ABC):
+    """A generation engine: samples responses with its own copy of the policy's weights. Every engine subclasses
+    it, implementing :meth:`load_weights` and :meth:`_generate`, and declares ``traits``, ``config`` and
+    ``from_config`` for the registry (:mod:`bapo.rollout.registry`).
 
-    ``version`` is the policy version of the weights it holds (set by :meth:`load_weights`);
-    every sample it returns carries it. ``pad_id`` pads token rows (the learner's collate
-    uses the same id).
+    ``version`` is the policy version of the weights it holds (set by :meth:`load_weights`); every sample it
+    returns carries it. ``pad_id`` pads token rows (the learner's collate uses the same id).
+    ``tensor_parallel_size`` is the number of torchrun ranks one engine spans; those ranks must generate the
+    same prompts with the same seed (``bapo.rollout_maker``, ``bapo.evaluate``).
 
-    Optional: ``tensor_parallel_size`` (1 when absent), the number of torchrun ranks one engine
-    spans; those ranks must generate the same prompts with the same seed (``bapo.rollout_maker``,
-    ``bapo.evaluate``). ``load_weights`` reads ``weights`` once, in its own order: under FSDP it is
-    a streamed mapping whose reads are collectives, so every rank loads at the same time.
+    What it gives: the sampling defaults every engine holds (:meth:`_hold_sampling`), ``generate`` filling
+    them in before the engine's own ``_generate``, no-op ``sleep``/``wake``, and :meth:`extend` (partial
+    rollouts) for an engine that implements ``_segments``.
     """
 
-    version: int
-    pad_id: int
-
-    def generate(
-        self,
-        prompts: Sequence[Prompt],
-        *,
-        n: int | None = None,
-        temperature: float | None = None,
-        seed: int | None = None,
-    ) -> list[Sample]:
-        """``n`` responses per prompt, grouped by prompt (sample ``i`` answers ``prompts[i // n]``).
-
-        ``temperature=0`` is greedy; ``seed`` makes the call reproducible.
-        """
-        ...
-
-    def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> float:
-        """Replace the engine's weights with the learner's; returns the seconds it took."""
-        ...
-
-    def sleep(self) -> None:
-        """Release accelerator memory while the learner updates (a no-op where there is none)."""
-        ...
-
-    def wake(self) -> None:
-        """Undo :meth:`sleep` (engines also wake themselves before they load or generate)."""
-        ...
-
-
-class EngineBase:
-    """The parts of :class:`RolloutEngine` most engines share: no-op sleep/wake, the sampling defaults, and
-    ``generate`` filling them in before the engine's own ``_generate``."""
-
     version: int = 0
+    pad_id: int
     tensor_parallel_size: int = 1  # ranks per engine (vLLM under torchrun may span several)
 
+    @abstractmethod
     def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> float:
-        raise NotImplementedError
+        """Replace the engine's weights with the learner's; returns the seconds it took. ``weights`` is read
+        once, in the engine's own order: under FSDP it is a streamed mapping whose reads are collectives, so
+        every rank loads at the same time."""
 
     def _hold_sampling(
         self,
@@ -118,13 +89,16 @@ class EngineBase:
         temperature: float | None = None,
         seed: int | None = None,
     ) -> list[Sample]:
-        """:meth:`RolloutEngine.generate`, with the engine's own ``n`` and ``temperature`` where a call gives none."""
+        """``n`` responses per prompt (the engine's own ``n`` and ``temperature`` where a call gives none), grouped
+        by prompt (sample ``i`` answers ``prompts[i // n]``). ``temperature=0`` is greedy; ``seed`` makes the
+        call reproducible."""
         n = self.n if n is None else n
         temperature = self.temperature if temperature is None else temperature
         return self._generate(prompts, n, temperature, seed)
 
+    @abstractmethod
     def _generate(self, prompts: Sequence[Prompt], n: int, temperature: float, seed: int | None) -> list[Sample]:
-        raise NotImplementedError
+        """The engine's sampling, with ``n`` and ``temperature`` filled in."""
 
     def extend(self, partials: Sequence[Partial], *, budget: int) -> list[Partial]:
         """One segment more of each response: at most ``budget`` new tokens (and no more than
@@ -176,11 +150,11 @@ class EngineBase:
             versions=partial.versions,
         )
 
-    def sleep(self) -> None:
-        """Nothing to free by default."""
+    def sleep(self) -> None:  # noqa: B027 (a no-op by design: most engines have nothing to free)
+        """Release accelerator memory while the learner updates (nothing to free by default)."""
 
-    def wake(self) -> None:
-        """Nothing to restore by default."""
+    def wake(self) -> None:  # noqa: B027 (a no-op by design)
+        """Undo :meth:`sleep` (engines also wake themselves before they load or generate)."""
 
 
 @dataclass(frozen=True)

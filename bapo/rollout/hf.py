@@ -34,7 +34,7 @@ import torch
 from omegaconf import MISSING
 
 from bapo.checks import choice, require, resumable
-from bapo.rollout.base import EngineBase, EngineContext, check_top_p, make_sample
+from bapo.rollout.base import EngineContext, RolloutEngine, check_top_p, make_sample
 from bapo.rollout.config import RolloutCommon
 from bapo.rollout.decode import Sampling, Segments, generate_decode, lean_decode
 from bapo.rollout.registry import EngineTraits
@@ -62,7 +62,7 @@ class HFRolloutConfig(RolloutCommon):
         )
 
 
-class HFRollout(EngineBase):
+class HFRollout(RolloutEngine):
     """Batched sampling with the lean loop or HF ``generate``."""
 
     traits = EngineTraits(
@@ -175,7 +175,7 @@ class HFRollout(EngineBase):
     def _segments(
         self, rows: list[list[int]], caps: list[int], seeds: list[int], offsets: list[int]
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """:meth:`EngineBase._segments` with the lean loop, ``batch_size`` rows a call, grouped by length."""
+        """:meth:`RolloutEngine._segments` with the lean loop, ``batch_size`` rows a call, grouped by length."""
         out: list = [None] * len(rows)
         order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
         for start in range(0, len(order), self.batch_size):

@@ -63,7 +63,7 @@ import torch
 
 from bapo import dist
 from bapo.checks import ConfigError, choice, require, resumable
-from bapo.rollout.base import EngineBase, EngineContext, check_top_p, make_sample
+from bapo.rollout.base import EngineContext, RolloutEngine, check_top_p, make_sample
 from bapo.rollout.config import RolloutCommon
 from bapo.rollout.registry import EngineTraits
 from bapo.samples import Prompt, Sample
@@ -134,7 +134,7 @@ def _repack_lm_head(worker) -> bool:
     return True
 
 
-class VLLMRollout(EngineBase):
+class VLLMRollout(RolloutEngine):
     """Batched sampling with vLLM's offline engine."""
 
     # Weights are loaded in this process (one engine per torchrun rank); a disk copy is the engine's own
@@ -312,12 +312,12 @@ class VLLMRollout(EngineBase):
     def _segments(
         self, rows: list[list[int]], caps: list[int], seeds: list[int], offsets: list[int]
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """:meth:`EngineBase._segments`: one request per row, prompt + prefix as its prompt token ids, at most its
+        """:meth:`RolloutEngine._segments`: one request per row, prompt + prefix as its prompt token ids, at most its
         cap new tokens; on a GPU each request's seed is (its response's seed, its offset), on CPU the process's
         RNG is seeded from all of them (see ``_generate``)."""
+        self._ready()  # before vLLM's import: an engine with discarded weights says so, whatever is installed
         from vllm.inputs import TokensPrompt
 
-        self._ready()
         keyed = [request_seed(s, o) for s, o in zip(seeds, offsets, strict=True)]
         if self.on_cpu:
             torch.manual_seed(hash(tuple(keyed)) % (1 << 63))
@@ -358,9 +358,9 @@ class VLLMRollout(EngineBase):
 
         With ``seed`` the result is reproducible: response i of this call gets its own seed.
         """
+        self._ready()  # before vLLM's import: an engine with discarded weights says so, whatever is installed
         from vllm.inputs import TokensPrompt
 
-        self._ready()
         # vLLM 0.32's CPU runner crashes when a seeded request's prefill is chunked (it rewinds the
         # generator with set_offset, which CPU generators lack). Its CPU sampler draws from the
         # global torch RNG of this process (the engine runs in-process), so seed that instead.

@@ -245,7 +245,7 @@ def test_sleep_level_2_leaves_no_version_until_the_next_sync(level):
 
     eng = object.__new__(VLLMRollout)  # the sleep bookkeeping only: no engine is started
     eng.llm, eng.sleep_mode, eng.sleep_level, eng.asleep, eng.version = _Sleepy(), True, level, set(), 7
-    eng.n, eng.temperature = 1, 1.0  # what every engine holds (EngineBase.generate reads them)
+    eng.n, eng.temperature = 1, 1.0  # what every engine holds (RolloutEngine.generate reads them)
     eng.sleep()
     assert eng.llm.calls == [("sleep", level)]
     assert eng.version == (DISCARDED if level == 2 else 7)  # the producer then loads whatever version it needs
