@@ -73,6 +73,10 @@ def test_testbed_config_composes_with_every_staleness_of_the_study():
     assert rc.model.name_or_path == "assets/tiny-longcot" and rc.train.steps == 80 and rc.learner.lr == 5e-4
     assert not rc.train.async_rollout and (rc.learner.ppo_epochs, rc.learner.mini_batches_per_rollout) == (5, 1)
     assert rc.buffer.max_staleness == 4 and rc.train.prompts_per_step == 20  # the other cells' sample budget
+    for budget in (32, 64):  # partial rollouts (Fig. 12): 1/4 and 1/2 of max_new_tokens, within k = 3
+        rc = run_config("experiment=study_v3_partial", "algo=grpo", f"rollout.partial_budget={budget}")
+        assert rc.rollout.partial_budget == budget and rc.model.max_new_tokens == 128 and rc.train.steps == 80
+        assert not rc.train.async_rollout and rc.buffer.max_staleness == 3 and rc.learner.mini_batches_per_rollout == 1
     rc = run_config("experiment=study_smollm2", "algo=bapo")  # the warm-started SmolLM2, async k = 8
     assert rc.model.name_or_path.endswith("/smollm2-135m-mixops") and rc.model.answer_fallback == "none"
     assert rc.train.async_rollout and rc.buffer.max_staleness == 8 and rc.learner.mini_batches_per_rollout == 1
