@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig
 
 from bapo.algos.config import AlgoConfig, algo_config
 from bapo.buffer import BufferConfig
@@ -39,7 +39,7 @@ from bapo.data_config import DATA, ArithConfig, ArithDataConfig, FileDataConfig,
 from bapo.learner.config import LEARNER, FSDPLearnerConfig, LearnerCommon, SingleLearnerConfig
 from bapo.modeling import ModelConfig
 from bapo.monitor import MonitorConfig
-from bapo.paths import HELDOUT, ROOT, eval_sets, resolve_path
+from bapo.paths import HELDOUT, ROOT, eval_sets, exported_max_new_tokens, resolve_path
 from bapo.reward.config import RewardConfig
 from bapo.rollout.config import RolloutCommon
 from bapo.rollout.registry import ENGINE_CONFIGS, engine_traits
@@ -194,12 +194,21 @@ def derive_sizes(train: TrainConfig, rollout: RolloutCommon, learner: LearnerCom
     )
     updates = learner.ppo_epochs * mb
     reuse = updates - 1
-    need = reuse + train.sync_every - 1  # = bapo.offpolicy.min_staleness
+    # a token may wait `lag` more batches for its response's last segment (partial rollouts: bapo.schedule)
+    b, L = rollout.partial_budget, rollout.max_new_tokens
+    lag = partial_lag(L, b)
+    need = reuse + train.sync_every - 1 + lag * updates  # = bapo.schedule.min_staleness, plus that lag
+    segments = (
+        f"rollout.partial_budget={b} of rollout.max_new_tokens={L} gives a response up to {lag + 1} segments, one "
+        f"per step, so its first tokens wait {lag} steps x {updates} updates more; "
+        if lag
+        else ""
+    )
     require(
         need <= buffer.max_staleness,
         "buffer.max_staleness",
-        f"learner.ppo_epochs={learner.ppo_epochs} x learner.mini_batches_per_rollout={mb} means up to {reuse} "
-        f"updates on one rollout batch, and train.sync_every={train.sync_every} lets the engine lag "
+        f"{segments}learner.ppo_epochs={learner.ppo_epochs} x learner.mini_batches_per_rollout={mb} means up to "
+        f"{reuse} updates on one rollout batch, and train.sync_every={train.sync_every} lets the engine lag "
         f"{train.sync_every - 1} more, so buffer.max_staleness must be >= {need} (got {buffer.max_staleness})",
     )
     return Sizes(samples, samples // mb, updates, reuse)
@@ -311,61 +320,19 @@ def check_combinations(rc: RunConfig, world: int | None = None, launched: bool |
         f"{corr} weighs the engine's log-probs against the learner's at the generating version: it needs "
         f"learner.old_logp=recompute (got {rc.learner.old_logp})",
     )
-    check_partial(rc, world)
+    partial = rc.rollout.partial_budget is not None  # its pool of unfinished responses lives in one process
+    require(not partial or world == 1, "rollout.partial_budget", f"one process only; torchrun started {world} ranks")
+    require(
+        not (partial and rc.algo.filter_groups),
+        "algo.filter_groups",
+        "its refills draw extra rounds of a step from the rollout maker, and rollout.partial_budget gives each "
+        "unfinished response one segment per round: use one or the other",
+    )
     require(
         rc.reward.overlong_buffer < rc.rollout.max_new_tokens,
         "reward.overlong_buffer",
         f"must be < rollout.max_new_tokens ({rc.rollout.max_new_tokens}), got {rc.reward.overlong_buffer}",
     )
-
-
-def check_partial(rc: RunConfig, world: int) -> None:
-    """Partial rollouts (``rollout.partial_budget``): the combinations refused, and the staleness bound over
-    every token (a token may wait ``lag`` more batches for its response's last segment: bapo.schedule)."""
-    b = rc.rollout.partial_budget
-    if b is None:
-        return
-    require(
-        world == 1,
-        "rollout.partial_budget",
-        f"partial rollouts keep their pool of unfinished responses in one process; torchrun started {world} ranks",
-    )
-    require(
-        not rc.algo.filter_groups,
-        "algo.filter_groups",
-        "its refills draw extra rounds of a step from the rollout maker, and rollout.partial_budget gives each "
-        "unfinished response one segment per round: use one or the other",
-    )
-    L, u, s, k = rc.rollout.max_new_tokens, rc.sizes.updates_per_step, rc.train.sync_every, rc.buffer.max_staleness
-    lag = partial_lag(L, b)
-    need = u - 1 + s - 1 + lag * u
-    require(
-        need <= k,
-        "buffer.max_staleness",
-        f"rollout.partial_budget={b} of rollout.max_new_tokens={L} gives a response up to {lag + 1} segments, one "
-        f"per step, so its first tokens are trained on up to {lag} steps x {u} updates later; with the "
-        f"{u - 1 + s - 1} of reuse and sync lag (learner.ppo_epochs x learner.mini_batches_per_rollout, "
-        f"train.sync_every) buffer.max_staleness must be >= {need} (got {k})",
-    )
-
-
-EXPORT_CONFIG = "bapo_config.yaml"  # the resolved config of the run that wrote an export, beside its weights
-
-
-def exported_max_new_tokens(model_dir: str | Path | None) -> int | None:
-    """``rollout.max_new_tokens`` of the run that wrote the export ``model_dir`` (its ``bapo_config.yaml``), or
-    None when the folder has none or it cannot be read."""
-    f = Path(model_dir) / EXPORT_CONFIG if model_dir else None
-    if f is None or not f.is_file():
-        return None
-    try:
-        saved = OmegaConf.to_container(OmegaConf.load(f), resolve=False)
-        value = saved["rollout"]["max_new_tokens"]
-        if isinstance(value, str):  # an interpolation left in the file: the model's value
-            value = saved["model"]["max_new_tokens"]
-    except Exception:  # unreadable, nested too deeply, not a run's config: no advice rather than a second error
-        return None
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def prompt_limit(

@@ -57,7 +57,7 @@ from bapo.config import (
 )
 from bapo.data import DataFileError, LoadReport, gsm8k_answer, load_hub, load_jsonl, render_prompts
 from bapo.data_config import ANSWER_FORMATS, check_arith
-from bapo.paths import EVAL_DIR, HELDOUT, compose_option, eval_sets
+from bapo.paths import EVAL_DIR, EXPORT_CONFIG, HELDOUT, compose_option, eval_sets
 from bapo.reward import normalize_answer
 from bapo.samples import Problem, Prompt, Sample
 from bapo.seeding import derive_seed
@@ -500,7 +500,6 @@ def load_evalset(s: EvalSetConfig, *, limit: int | None = None) -> list[Problem]
 # ----------------------------------------------------------------------------- a training run's settings
 
 RUN_CONFIG = "config.yaml"  # a training run folder's resolved config (bapo/loop.py writes it)
-EXPORT_CONFIG = "bapo_config.yaml"  # the same config, inside an export folder
 SAMPLING = ("engine", "n", "temperature", "max_new_tokens")  # eval.py's own rollout keys (k, temperature, ...)
 NOT_FROM_RUN = ("name_or_path", "init", "gguf")  # model keys the checkpoint itself decides
 

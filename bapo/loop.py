@@ -47,6 +47,7 @@ from bapo.groupfilter import GroupFilter
 from bapo.learner import Learner, TokenVersionWeights, TrainingDiverged, frozen_dtype, master_dtype
 from bapo.modeling import attention_kernel, load_model, load_tokenizer, model_path
 from bapo.monitor import Monitor
+from bapo.paths import EXPORT_CONFIG
 from bapo.reward import MathVerifier
 from bapo.rollout import build_rollout, engine_traits
 from bapo.rollout_maker import RolloutMaker
@@ -152,7 +153,7 @@ def train(rc: RunConfig, cfg: DictConfig) -> dict:
                         save(rc, s, step, lineage, logger)
                     if stop:
                         return stopped(rc, metrics, stop.signum)
-                config = {"bapo_config.yaml": OmegaConf.to_yaml(cfg, resolve=True)}  # eval.py reads the run's settings
+                config = {EXPORT_CONFIG: OmegaConf.to_yaml(cfg, resolve=True)}  # eval.py reads the run's settings
                 s.learner.export_hf(rc.run_dir / "export", s.tokenizer, extra=config)
         except Interrupted:  # a stop request woke a wait inside a step: the last finished step is saved
             done = step - 1

@@ -1,8 +1,10 @@
-"""Where the repository is, and how a relative path that a config names is found."""
+"""Where the repository is, how a relative path that a config names is found, and the config file an export carries."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
 EVAL_DIR = ROOT / "conf" / "eval"  # the `eval` group: training's held-out config and eval.py's sets
@@ -36,3 +38,22 @@ def compose_option(group: str, option: str):
         return compose(config_name=f"{group}/{option}")[group]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         return compose(config_name=f"{group}/{option}")[group]
+
+
+EXPORT_CONFIG = "bapo_config.yaml"  # the resolved config of the run that wrote an export, beside its weights
+
+
+def exported_max_new_tokens(model_dir: str | Path | None) -> int | None:
+    """``rollout.max_new_tokens`` of the run that wrote the export ``model_dir`` (its ``bapo_config.yaml``), or
+    None when the folder has none or it cannot be read."""
+    f = Path(model_dir) / EXPORT_CONFIG if model_dir else None
+    if f is None or not f.is_file():
+        return None
+    try:
+        saved = OmegaConf.to_container(OmegaConf.load(f), resolve=False)
+        value = saved["rollout"]["max_new_tokens"]
+        if isinstance(value, str):  # an interpolation left in the file: the model's value
+            value = saved["model"]["max_new_tokens"]
+    except Exception:  # unreadable, nested too deeply, not a run's config: no advice rather than a second error
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None

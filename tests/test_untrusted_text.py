@@ -11,8 +11,9 @@ import pytest
 
 from bapo import checkpoint, rundir
 from bapo.checkpoint import CheckpointError
-from bapo.config import ConfigError, exported_max_new_tokens
+from bapo.config import ConfigError
 from bapo.data import LoadReport, load_jsonl
+from bapo.paths import exported_max_new_tokens
 
 DEEP = "[" * 200_000 + "]" * 200_000
 
