@@ -195,7 +195,7 @@ def derive_sizes(train: TrainConfig, rollout: RolloutCommon, learner: LearnerCom
     updates = learner.ppo_epochs * mb
     reuse = updates - 1
     # a token may wait `lag` more batches for its response's last segment (partial rollouts: bapo.schedule)
-    b, L = rollout.partial_budget, rollout.max_new_tokens
+    b, L = rollout.segment_budget, rollout.max_new_tokens
     lag = partial_lag(L, b)
     need = reuse + train.sync_every - 1 + lag * updates  # = bapo.schedule.min_staleness, plus that lag
     segments = (
@@ -320,7 +320,7 @@ def check_combinations(rc: RunConfig, world: int | None = None, launched: bool |
         f"{corr} weighs the engine's log-probs against the learner's at the generating version: it needs "
         f"learner.old_logp=recompute (got {rc.learner.old_logp})",
     )
-    partial = rc.rollout.partial_budget is not None  # its pool of unfinished responses lives in one process
+    partial = rc.rollout.segment_budget is not None  # its pool of unfinished responses lives in one process
     require(not partial or world == 1, "rollout.partial_budget", f"one process only; torchrun started {world} ranks")
     require(
         not (partial and rc.algo.filter_groups),

@@ -265,7 +265,7 @@ def build_stages(rc: RunConfig) -> Stages:
         rank=dist.rank(),
         world=dist.world_size(),
         skipped=report,
-        partial_budget=rc.rollout.partial_budget,
+        partial_budget=rc.rollout.segment_budget,
     )
     if rc.algo.filter_groups:  # DAPO's dynamic sampling: informative groups only, refilled (bapo/groupfilter.py)
         maker = GroupFilter(maker, prompts_per_step=rc.train.prompts_per_step)
@@ -298,8 +298,8 @@ def make_source(rc: RunConfig, maker, engine, interrupt: threading.Event) -> Rol
         last_batch=None if rc.mode == "drop" else rc.train.steps,  # drop: replacements for dropped batches
         interrupt=interrupt,
         engine=engine,
-        lag=partial_lag(rc.rollout.max_new_tokens, rc.rollout.partial_budget),
-        copies=rc.rollout.partial_budget is not None and rc.learner.old_logp == "recompute",
+        lag=partial_lag(rc.rollout.max_new_tokens, rc.rollout.segment_budget),
+        copies=rc.rollout.segment_budget is not None and rc.learner.old_logp == "recompute",
     )
 
 
@@ -369,7 +369,7 @@ def put(rc: RunConfig, s: Stages, batch) -> dict:
     # A batch the buffer will drop as stale is not recomputed: its snapshot may already be released.
     if rc.learner.old_logp == "recompute" and s.buffer.admissible(oldest, v, horizon=horizon):
         behaviour = {"weights": None if batch.version == v else s.source.snapshot(batch.version)}
-        if rc.rollout.partial_budget is not None:  # each token under its own version's weights
+        if rc.rollout.segment_budget is not None:  # each token under its own version's weights
             used = sorted({int(u) for x in batch.samples for u in x.token_versions().unique()})
             by_version = {u: None if u == v else s.source.snapshot(u) for u in used}
             behaviour = {"weights": TokenVersionWeights(by_version)}
@@ -396,7 +396,7 @@ def learn(rc: RunConfig, s: Stages, samples: list) -> list[dict]:
         for i in range(0, len(order), size):
             mb = [samples[j] for j in order[i : i + size]]
             stale = s.buffer.check(mb, s.learner.version)
-            if rc.rollout.partial_budget is not None:
+            if rc.rollout.segment_budget is not None:
                 stale |= token_staleness(mb, s.learner.version)
             updates.append(s.learner.learn(mb) | stale)
             s.source.offer_weights(s.learner)  # the one backward edge

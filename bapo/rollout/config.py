@@ -23,7 +23,8 @@ class RolloutCommon:
     temperature: float = MISSING
     max_new_tokens: int = MISSING
     # Partial rollouts: tokens each unfinished response gets per step; the rest waits for later steps' weights
-    # (bapo.rollout_maker, docs/offpolicy.md). None: every response is generated whole within its step.
+    # (bapo.rollout_maker, docs/offpolicy.md). None, or max_new_tokens or more (a budget that never interrupts
+    # a response): every response is generated whole within its step.
     partial_budget: int | None = MISSING
 
     def __post_init__(self) -> None:
@@ -32,8 +33,14 @@ class RolloutCommon:
         require(self.max_new_tokens > 0, "rollout.max_new_tokens", "must be > 0")
         b = self.partial_budget
         require(
-            b is None or 1 <= b < self.max_new_tokens,
+            b is None or b >= 1,
             "rollout.partial_budget",
-            f"must be null (off) or tokens per response per step in [1, rollout.max_new_tokens={self.max_new_tokens}),"
-            f" got {b} (a budget of max_new_tokens or more never interrupts a response: use null)",
+            f"must be null (off) or tokens per response per step, >= 1, got {b}",
         )
+
+    @property
+    def segment_budget(self) -> int | None:
+        """The budget that partial rollouts run with: None where no response can be interrupted (off, or a budget
+        of rollout.max_new_tokens or more), so such a run is the plain run, metric for metric."""
+        b = self.partial_budget
+        return b if b is not None and b < self.max_new_tokens else None

@@ -55,7 +55,7 @@ class HFRolloutConfig(RolloutCommon):
         require(self.batch_size > 0, "rollout.batch_size", "must be > 0")
         choice(self.decode, "rollout.decode", tuple(DECODERS))
         require(
-            self.partial_budget is None or self.decode == "lean",
+            self.segment_budget is None or self.decode == "lean",
             "rollout.decode",
             "rollout.partial_budget continues responses with per-position draws that only the lean loop has: "
             f"use rollout.decode=lean (got {self.decode})",
