@@ -243,6 +243,57 @@ def mixed_long_lines(expr: str, rng: random.Random | None = None) -> tuple[list[
     return lines, value
 
 
+def mixed_lines(expr: str, rng: random.Random) -> tuple[list[str], int]:
+    """A fresh correct worked solution of a given ``mixops`` expression, by :func:`mixed_problem`'s strategies.
+
+    The products first, in a random order, then the signed terms left to right or the positive and the negative
+    terms apart and their difference (each with probability 1/2), as :func:`mixed_problem` solves the expression
+    it draws. A second attempt at the same problem, as the rambling style of the warm start writes one after
+    another (``scripts/build_tiny_explore_model.py --ramble-share``). Returns (solution lines, value).
+    """
+    parts = expr.split()
+    values, ops = [int(v) for v in parts[::2]], parts[1::2]
+    if len(ops) != len(values) - 1 or any(op not in "+-*" for op in ops):
+        raise ValueError(f"not a mixops expression: {expr!r}")
+    groups, signs = [[values[0]]], [1]
+    for op, v in zip(ops, values[1:], strict=True):
+        if op == "*":
+            groups[-1].append(v)
+        else:
+            groups.append([v])
+            signs.append(1 if op == "+" else -1)
+    lines: list[str] = []
+    terms = [g[0] for g in groups]
+    products = [i for i, g in enumerate(groups) if len(g) > 1]
+    rng.shuffle(products)
+    for i in products:
+        acc = groups[i][0]
+        for f in groups[i][1:]:
+            lines.append(f"{acc}*{f}={acc * f}")
+            acc *= f
+        terms[i] = acc
+    if len(terms) > 1 and rng.random() < 0.5:  # positives and negatives apart, then the difference
+        pos = [t for t, s in zip(terms, signs, strict=True) if s > 0]
+        neg = [t for t, s in zip(terms, signs, strict=True) if s < 0]
+        sums = []
+        for part in (pos, neg):
+            acc = part[0] if part else 0
+            for t in part[1:]:
+                lines.append(f"{acc}+{t}={acc + t}")
+                acc += t
+            sums.append(acc)
+        value = sums[0] - sums[1]
+        if neg:
+            lines.append(f"{sums[0]}-{sums[1]}={value}")
+    else:  # left to right
+        value = terms[0]
+        for t, s in zip(terms[1:], signs[1:], strict=True):
+            new = value + s * t
+            lines.append(f"{value}{'+' if s > 0 else '-'}{t}={new}")
+            value = new
+    return lines, value
+
+
 def mixed_solution(lines: Sequence[str], answer: int) -> str:
     """The worked solution the ``mixops`` warm start teaches: one line per step, then the box."""
     return "\n".join([*lines, f"\\boxed{{{answer}}}"])

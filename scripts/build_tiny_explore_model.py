@@ -32,9 +32,18 @@ more often, so the model's wrong responses are longer than its right ones (about
 commuted steps keep it uncertain per token (0.30 nats) at the same accuracy. Without ``--commute`` the
 entropy at 12% accuracy was 0.26 (docs/study/README.md lists the attempts).
 
+The rambling testbed, ``assets/tiny-ramble`` (study v4), puts the length gap inside a problem's group instead:
+a fixed share of the solutions (``--ramble-share``), drawn alike for every problem, never box an answer; after
+the first attempt they start another, and another, and the warm start fits them cut at ``--max-new-tokens`` with
+no end token (:func:`ramble`, :func:`encode_sft`). About a third of the model's samples then run to the cap, on
+easy and hard problems alike, so GRPO's positive share at step 0 (``grpo_rho``) is about 0.4, the paper's.
+``--measure`` prints it with the within-group length ratio (``wrong_right_mixed``) and the truncated share.
+
 Usage:  python scripts/build_tiny_explore_model.py [--out assets/tiny-explore] [--target 0.12]
         python scripts/build_tiny_explore_model.py --out assets/tiny-longcot --long-share 0.5 --commute \
             --max-new-tokens 128 --positions 384
+        python scripts/build_tiny_explore_model.py --out assets/tiny-ramble --commute --ramble-share 0.28 \
+            --max-new-tokens 56
 """
 
 from __future__ import annotations
@@ -56,12 +65,20 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from build_tiny_model import CHAT_TEMPLATE, SPECIALS, encode_batch, write_model_folder  # noqa: E402
+from build_tiny_model import CHAT_TEMPLATE, SPECIALS, write_model_folder  # noqa: E402
 
 from bapo.algos import grpo_advantages, positive_contribution  # noqa: E402
 from bapo.checkpoint import staged_folder  # noqa: E402
 from bapo.data import DEFAULT_INSTRUCTION  # noqa: E402
-from bapo.tasks import MixedSpec, is_heldout, mixed_long_lines, mixed_problem, mixed_solution, mixed_split  # noqa: E402
+from bapo.tasks import (  # noqa: E402
+    MixedSpec,
+    is_heldout,
+    mixed_lines,
+    mixed_long_lines,
+    mixed_problem,
+    mixed_solution,
+    mixed_split,
+)
 
 SPEC = MixedSpec(min_terms=3, max_terms=5, max_value=20, max_factor=9, p_mul=0.35)
 HELDOUT_FRAC = 0.1  # as conf/data/mixops.yaml
@@ -93,13 +110,20 @@ def commute(lines: list[str], rng: random.Random) -> list[str]:
 
 
 def sft_problem(
-    rng: random.Random, long_share: float = 0.0, random_base: bool = False, commuted: bool = False
+    rng: random.Random,
+    long_share: float = 0.0,
+    random_base: bool = False,
+    commuted: bool = False,
+    ramble_share: float = 0.0,
+    ramble_chars: int = 0,
 ) -> tuple[str, str]:
     """A training-split problem's text (never one that hashes into the held-out split) and a worked solution.
 
     With ``long_share`` > 0, that share of the solutions is the long, slip-prone style
-    (``bapo.tasks.mixed_long_lines``); at 0 no extra random draw is made, so the tiny-explore build
-    is unchanged.
+    (``bapo.tasks.mixed_long_lines``). With ``ramble_share`` > 0, that share, drawn alike for every problem,
+    never boxes an answer: after its first attempt it starts another, and another, until it is at least
+    ``ramble_chars`` characters long (:func:`ramble`; :func:`encode_sft` cuts it at the token cap, with no end
+    token). At 0 neither makes an extra random draw, so the tiny-explore and tiny-longcot builds are unchanged.
     """
     while True:
         expr, lines, value = mixed_problem(rng, SPEC)
@@ -109,15 +133,62 @@ def sft_problem(
                 lines, value = mixed_long_lines(expr, rng if random_base else None)
             if commuted:
                 lines = commute(lines, rng)
+            if ramble_share > 0 and rng.random() < ramble_share:
+                return text, ramble(expr, lines, rng, min_chars=ramble_chars, commuted=commuted)
             return text, mixed_solution(lines, value)
 
 
+def ramble(expr: str, lines: list[str], rng: random.Random, *, min_chars: int, commuted: bool) -> str:
+    """A worked solution that never concludes: ``lines`` (a first attempt), then fresh attempts at the same
+    expression (``bapo.tasks.mixed_lines``, commuted like the first), one after another, and no box.
+
+    Every line is true; what makes it wrong is that it never answers, and it runs on to the length cap,
+    like a long-CoT model's rechecking loop that is cut off by ``max_new_tokens``. The attempts are fresh
+    random strategies, so the ramble is as uncertain per token as a concluding solution.
+    """
+    out = list(lines)
+    while sum(len(line) + 1 for line in out) < min_chars:
+        more, _ = mixed_lines(expr, rng)
+        out += commute(more, rng) if commuted else more
+    return "\n".join(out)
+
+
+def is_ramble(solution: str) -> bool:
+    """A warm-start solution that never boxes its answer (:func:`ramble`)."""
+    return "\\boxed{" not in solution
+
+
 def sft_example(
-    rng: random.Random, long_share: float = 0.0, random_base: bool = False, commuted: bool = False
+    rng: random.Random,
+    long_share: float = 0.0,
+    random_base: bool = False,
+    commuted: bool = False,
+    ramble_share: float = 0.0,
+    ramble_chars: int = 0,
 ) -> tuple[str, str]:
     """:func:`sft_problem` with the problem rendered as this tokenizer's prompt."""
-    text, solution = sft_problem(rng, long_share, random_base, commuted)
+    text, solution = sft_problem(rng, long_share, random_base, commuted, ramble_share, ramble_chars)
     return render(text, None), solution
+
+
+def encode_sft(tok, pairs: list[tuple[str, str]], max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and the loss mask over the solutions, as ``build_tiny_model.encode_batch``; a ramble
+    (:func:`is_ramble`) is cut at ``max_new_tokens`` and gets no end token, so the model learns that this
+    mode runs to the cap. Batches without a ramble give exactly ``encode_batch``'s tensors.
+    """
+    ids, masks = [], []
+    for prompt, sol in pairs:
+        p = tok(prompt, add_special_tokens=False)["input_ids"]
+        if is_ramble(sol):
+            s = tok(sol, add_special_tokens=False)["input_ids"][:max_new_tokens]
+        else:
+            s = tok(sol + "<|im_end|>", add_special_tokens=False)["input_ids"]
+        ids.append(p + s)
+        masks.append([0] * len(p) + [1] * len(s))
+    width = max(map(len, ids))
+    x = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in ids])  # [B, L]
+    m = torch.tensor([r + [0] * (width - len(r)) for r in masks], dtype=torch.float)  # [B, L]
+    return x, m
 
 
 def build_tokenizer(rng: random.Random, vocab_size: int) -> PreTrainedTokenizerFast:
@@ -154,6 +225,7 @@ def measure(
     tok.padding_side = "left"
     correct, lengths = [], []
     ent_sum = ent_tokens = 0.0
+    truncated = 0
     for i in range(0, len(problems), chunk_size):
         chunk = problems[i : i + chunk_size]
         enc = tok([prompt(p) for p in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
@@ -179,6 +251,7 @@ def measure(
         ent_sum += (ent * live).sum().item()
         ent_tokens += live.sum().item()
         lengths += live.sum(1).tolist()
+        truncated += (ended[:, -1] == 0).sum().item()  # no end token within max_new_tokens
         texts = tok.batch_decode(new, skip_special_tokens=True)
         for j, t in enumerate(texts):
             m = BOX.findall(t)
@@ -193,6 +266,7 @@ def measure(
         "mean_tokens_right": sum(k for k, c in zip(lengths, correct, strict=True) if c) / max(sum(correct), 1),
         "mean_tokens_wrong": sum(k for k, c in zip(lengths, correct, strict=True) if not c)
         / max(len(correct) - sum(correct), 1),
+        "truncated": truncated / len(correct),  # responses cut at max_new_tokens (the ramble mode's share)
         **token_balance(correct, lengths, n),
     }
 
@@ -220,10 +294,13 @@ def token_balance(correct: list[bool], lengths: list[int], n: int) -> dict[str, 
     right = [lengths[i] for i in mixed if correct[i]]
     wrong = [lengths[i] for i in mixed if not correct[i]]
     nan = float("nan")
+    mean_right = sum(right) / len(right) if right else nan
+    mean_wrong = sum(wrong) / len(wrong) if wrong else nan
     return {
         "mixed_groups": len(mixed) // n,
-        "mean_tokens_right_mixed": sum(right) / len(right) if right else nan,
-        "mean_tokens_wrong_mixed": sum(wrong) / len(wrong) if wrong else nan,
+        "mean_tokens_right_mixed": mean_right,
+        "mean_tokens_wrong_mixed": mean_wrong,
+        "wrong_right_mixed": mean_wrong / mean_right if right and wrong else nan,  # the within-group length gap
         "grpo_rho": (p / (p + q)).item() if p + q > 0 else nan,
     }
 
@@ -267,10 +344,14 @@ def main() -> None:
     ap.add_argument("--random-base", action="store_true", help="long style: add either factor, at random")
     ap.add_argument("--commute", action="store_true", help="write a+b / a*b steps in either order, at random")
     ap.add_argument("--positions", type=int, default=256, help="max_position_embeddings")
+    ap.add_argument(
+        "--ramble-share", type=float, default=0.0, help="share of solutions that never box and run to the cap"
+    )
     ap.add_argument("--measure", metavar="DIR", help="build nothing: measure a built model's bands and print them")
     args = ap.parse_args()
-    if not 0.0 <= args.long_share <= 1.0:
-        ap.error(f"--long-share is a share of the solutions, in [0, 1]; got {args.long_share}")
+    for flag, share in (("--long-share", args.long_share), ("--ramble-share", args.ramble_share)):
+        if not 0.0 <= share <= 1.0:
+            ap.error(f"{flag} is a share of the solutions, in [0, 1]; got {share}")
     if args.measure:
         print(json.dumps(measure_built(Path(args.measure), seed=args.seed), indent=1))
         return
@@ -308,8 +389,9 @@ def main() -> None:
     )
     t0, history, step = time.time(), [], 0
     for step in range(1, args.max_steps + 1):
-        batch = [sft_example(rng, args.long_share, args.random_base, args.commute) for _ in range(args.batch)]
-        x, m = encode_batch(tok, batch, "cpu")
+        style = (args.long_share, args.random_base, args.commute, args.ramble_share, 2 * args.max_new_tokens)
+        batch = [sft_example(rng, *style) for _ in range(args.batch)]
+        x, m = encode_sft(tok, batch, args.max_new_tokens)
         logits = model(input_ids=x).logits[:, :-1]
         nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none")
         loss = (nll * m[:, 1:]).sum() / m[:, 1:].sum()
