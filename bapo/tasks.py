@@ -143,6 +143,63 @@ class MixedSpec:
     p_mul: float = 0.35  # the share of operators that are '*'
 
 
+def _products(expr: str) -> tuple[list[list[int]], list[int]]:
+    """A ``mixops`` expression's products (each a list of factors) and their signs."""
+    parts = expr.split()
+    values, ops = [int(v) for v in parts[::2]], parts[1::2]
+    if len(ops) != len(values) - 1 or any(op not in "+-*" for op in ops):
+        raise ValueError(f"not a mixops expression: {expr!r}")
+    groups, signs = [[values[0]]], [1]
+    for op, v in zip(ops, values[1:], strict=True):
+        if op == "*":
+            groups[-1].append(v)
+        else:
+            groups.append([v])
+            signs.append(1 if op == "+" else -1)
+    return groups, signs
+
+
+def _left_to_right(terms: list[int], signs: list[int], lines: list[str]) -> int:
+    """Combine signed terms left to right, one line per step appended to ``lines``; returns the value."""
+    value = terms[0]
+    for t, s in zip(terms[1:], signs[1:], strict=True):
+        new = value + s * t
+        lines.append(f"{value}{'+' if s > 0 else '-'}{t}={new}")
+        value = new
+    return value
+
+
+def _worked(groups: list[list[int]], signs: list[int], rng: random.Random) -> tuple[list[str], int]:
+    """The worked lines and value of signed products: the products in a random order, then the terms combined
+    left to right or positives and negatives apart (probability 1/2 each). The one solver of both generators."""
+    lines: list[str] = []
+    terms = [g[0] for g in groups]
+    products = [i for i, g in enumerate(groups) if len(g) > 1]
+    rng.shuffle(products)
+    for i in products:
+        acc = groups[i][0]
+        for f in groups[i][1:]:
+            lines.append(f"{acc}*{f}={acc * f}")
+            acc *= f
+        terms[i] = acc
+    if len(terms) > 1 and rng.random() < 0.5:  # positives and negatives apart, then the difference
+        pos = [t for t, s in zip(terms, signs, strict=True) if s > 0]
+        neg = [t for t, s in zip(terms, signs, strict=True) if s < 0]
+        sums = []
+        for part in (pos, neg):
+            acc = part[0] if part else 0
+            for t in part[1:]:
+                lines.append(f"{acc}+{t}={acc + t}")
+                acc += t
+            sums.append(acc)
+        value = sums[0] - sums[1]
+        if neg:
+            lines.append(f"{sums[0]}-{sums[1]}={value}")
+    else:  # left to right
+        value = _left_to_right(terms, signs, lines)
+    return lines, value
+
+
 def mixed_problem(rng: random.Random, spec: MixedSpec) -> tuple[str, list[str], int]:
     """Draw one expression and a correct worked solution by one of several strategies.
 
@@ -167,35 +224,7 @@ def mixed_problem(rng: random.Random, spec: MixedSpec) -> tuple[str, list[str], 
             signs.append(1 if ops[i - 1] == "+" else -1)
         groups[-1].append(v)
     expr = str(values[0]) + "".join(f" {op} {v}" for op, v in zip(ops, values[1:], strict=True))
-    lines: list[str] = []
-    terms = [g[0] for g in groups]
-    products = [i for i, g in enumerate(groups) if len(g) > 1]
-    rng.shuffle(products)
-    for i in products:
-        acc = groups[i][0]
-        for f in groups[i][1:]:
-            lines.append(f"{acc}*{f}={acc * f}")
-            acc *= f
-        terms[i] = acc
-    if len(terms) > 1 and rng.random() < 0.5:  # positives and negatives apart, then the difference
-        pos = [t for t, s in zip(terms, signs, strict=True) if s > 0]
-        neg = [t for t, s in zip(terms, signs, strict=True) if s < 0]
-        sums = []
-        for part in (pos, neg):
-            acc = part[0] if part else 0
-            for t in part[1:]:
-                lines.append(f"{acc}+{t}={acc + t}")
-                acc += t
-            sums.append(acc)
-        value = sums[0] - sums[1]
-        if neg:
-            lines.append(f"{sums[0]}-{sums[1]}={value}")
-    else:  # left to right
-        value = terms[0]
-        for t, s in zip(terms[1:], signs[1:], strict=True):
-            new = value + s * t
-            lines.append(f"{value}{'+' if s > 0 else '-'}{t}={new}")
-            value = new
+    lines, value = _worked(groups, signs, rng)
     return expr, lines, value
 
 
@@ -210,17 +239,7 @@ def mixed_long_lines(expr: str, rng: random.Random | None = None) -> tuple[list[
     more often on it and its failures are long: the long-chain-of-thought regime of the BAPO paper, where
     failed responses outnumber the right ones in tokens (``model=tiny_longcot``).
     """
-    parts = expr.split()
-    values, ops = [int(v) for v in parts[::2]], parts[1::2]
-    if len(ops) != len(values) - 1 or any(op not in "+-*" for op in ops):
-        raise ValueError(f"not a mixops expression: {expr!r}")
-    groups, signs = [[values[0]]], [1]
-    for op, v in zip(ops, values[1:], strict=True):
-        if op == "*":
-            groups[-1].append(v)
-        else:
-            groups.append([v])
-            signs.append(1 if op == "+" else -1)
+    groups, signs = _products(expr)
     lines: list[str] = []
     terms = []
     for g in groups:
@@ -235,12 +254,7 @@ def mixed_long_lines(expr: str, rng: random.Random | None = None) -> tuple[list[
                 total += base
             acc *= f
         terms.append(acc)
-    value = terms[0]
-    for t, s in zip(terms[1:], signs[1:], strict=True):
-        new = value + s * t
-        lines.append(f"{value}{'+' if s > 0 else '-'}{t}={new}")
-        value = new
-    return lines, value
+    return lines, _left_to_right(terms, signs, lines)
 
 
 def mixed_lines(expr: str, rng: random.Random) -> tuple[list[str], int]:
@@ -251,47 +265,8 @@ def mixed_lines(expr: str, rng: random.Random) -> tuple[list[str], int]:
     it draws. A second attempt at the same problem, as the rambling style of the warm start writes one after
     another (``scripts/build_tiny_explore_model.py --ramble-share``). Returns (solution lines, value).
     """
-    parts = expr.split()
-    values, ops = [int(v) for v in parts[::2]], parts[1::2]
-    if len(ops) != len(values) - 1 or any(op not in "+-*" for op in ops):
-        raise ValueError(f"not a mixops expression: {expr!r}")
-    groups, signs = [[values[0]]], [1]
-    for op, v in zip(ops, values[1:], strict=True):
-        if op == "*":
-            groups[-1].append(v)
-        else:
-            groups.append([v])
-            signs.append(1 if op == "+" else -1)
-    lines: list[str] = []
-    terms = [g[0] for g in groups]
-    products = [i for i, g in enumerate(groups) if len(g) > 1]
-    rng.shuffle(products)
-    for i in products:
-        acc = groups[i][0]
-        for f in groups[i][1:]:
-            lines.append(f"{acc}*{f}={acc * f}")
-            acc *= f
-        terms[i] = acc
-    if len(terms) > 1 and rng.random() < 0.5:  # positives and negatives apart, then the difference
-        pos = [t for t, s in zip(terms, signs, strict=True) if s > 0]
-        neg = [t for t, s in zip(terms, signs, strict=True) if s < 0]
-        sums = []
-        for part in (pos, neg):
-            acc = part[0] if part else 0
-            for t in part[1:]:
-                lines.append(f"{acc}+{t}={acc + t}")
-                acc += t
-            sums.append(acc)
-        value = sums[0] - sums[1]
-        if neg:
-            lines.append(f"{sums[0]}-{sums[1]}={value}")
-    else:  # left to right
-        value = terms[0]
-        for t, s in zip(terms[1:], signs[1:], strict=True):
-            new = value + s * t
-            lines.append(f"{value}{'+' if s > 0 else '-'}{t}={new}")
-            value = new
-    return lines, value
+    groups, signs = _products(expr)
+    return _worked(groups, signs, rng)
 
 
 def mixed_solution(lines: Sequence[str], answer: int) -> str:
