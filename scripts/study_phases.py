@@ -1,0 +1,91 @@
+"""A study's clipping and search metrics by training phase, read from its pack (or sweep folder) alone.
+
+    python scripts/study_phases.py docs/study/v4/runs.jsonl.gz --phases 0:30 30:50
+
+report.py's tables read a run's end; a testbed whose regime fades (the rambling testbed's positive share is near
+0.4 only for its first 20-30 steps) needs the same metrics over windows of steps. For each arm x staleness and
+each window [a, b) of training steps, this prints the mean over the completed seeds of each run's mean over the
+window of:
+
+- ``rho before`` (``bapo/rho_before``: the positive share under the previous bounds, BAPO arms only) and ``rho``
+  (``clip/rho``: under the bounds the update used; every arm logs it);
+- ``engaged`` (``bapo/search_active``: the share of search units whose rho_before was under rho0, so the search
+  moved the bounds: the paper's Fig. 8 implies at least about 47%);
+- ``c_low``/``c_high`` (``clip/low``, ``clip/high``: the bounds the update used);
+- ``clip+``/``clip-`` (``learner/clip_frac_pos``, ``learner/clip_frac_neg``: clipped share of tokens with positive
+  and negative advantage), ``ratio max`` (``learner/ratio_max``) and ``truncated`` (``rollout/truncated``).
+
+Markdown on stdout; nothing is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+from scripts.report import _show, group_runs, load_runs  # noqa: E402
+
+COLUMNS = {
+    "rho before": "bapo/rho_before",
+    "rho": "clip/rho",
+    "engaged": "bapo/search_active",
+    "c_low": "clip/low",
+    "c_high": "clip/high",
+    "clip+": "learner/clip_frac_pos",
+    "clip-": "learner/clip_frac_neg",
+    "ratio max": "learner/ratio_max",
+    "truncated": "rollout/truncated",
+}
+
+
+def window_mean(steps: dict[int, dict], key: str, start: int, stop: int) -> float | None:
+    """The mean of ``key`` over the logged steps in [start, stop), or None when none logged it."""
+    vals = [row[key] for s, row in steps.items() if start <= s < stop and isinstance(row.get(key), (int, float))]
+    vals = [float(v) for v in vals if math.isfinite(float(v))]
+    return sum(vals) / len(vals) if vals else None
+
+
+def parse_phase(text: str) -> tuple[int, int]:
+    try:
+        a, b = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise SystemExit(f"--phases: {text!r} is not START:STOP (two integers, e.g. 0:30)") from None
+    if not 0 <= a < b:
+        raise SystemExit(f"--phases: {text!r} needs 0 <= START < STOP")
+    return a, b
+
+
+def table(source: Path, phases: list[tuple[int, int]]) -> str:
+    name, runs = load_runs(source)
+    groups = group_runs([r for r in runs if r.complete])
+    head = ["algo", "staleness", "steps", "seeds", *COLUMNS]
+    lines = [f"Sweep `{name}`: per-phase means over completed seeds", "", "| " + " | ".join(head) + " |"]
+    lines.append("|" + " --- |" * len(head))
+    for (label, level), members in groups.items():
+        for a, b in phases:
+            cells = []
+            for key in COLUMNS.values():
+                per_run = [m for m in (window_mean(r.steps, key, a, b) for r in members) if m is not None]
+                cells.append(f"{sum(per_run) / len(per_run):.3f}" if per_run else "—")
+            lines.append(f"| {label} | {_show(level)} | {a}-{b - 1} | {len(members)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("sweep", type=Path, help="a study's pack (runs.jsonl.gz) or a multirun folder")
+    parser.add_argument("--phases", nargs="+", default=["0:30", "30:50"], help="windows of steps, START:STOP")
+    args = parser.parse_args(argv)
+    if not args.sweep.exists():
+        raise SystemExit(f"sweep: no {args.sweep}")
+    print(table(args.sweep, [parse_phase(p) for p in args.phases]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
