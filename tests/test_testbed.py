@@ -109,7 +109,7 @@ def test_testbed_config_composes_with_every_staleness_of_the_study():
         assert (rc.algo.agg, rc.algo.advantage, rc.algo.norm_std) == ("token-mean", "grpo", True)  # as the paper
     micro = ["algo=bapo", "algo.bounds.scope=micro_batch", "learner.micro_batch_size=4"]  # the authors' search unit
     rc = run_config("experiment=study_v4", *micro, "learner.mini_batches_per_rollout=5")
-    assert rc.algo.bounds.scope == "micro_batch" and rc.learner.micro_batch_size == 4 and rc.train.steps == 100
+    assert rc.algo.bounds.scope == "micro_batch" and rc.learner.micro_batch_size == 4 and rc.train.steps == 50
     rc = run_config("experiment=study_smollm2", "algo=bapo")  # the warm-started SmolLM2, async k = 8
     assert rc.model.name_or_path.endswith("/smollm2-135m-mixops") and rc.model.answer_fallback == "none"
     assert rc.train.async_rollout and rc.buffer.max_staleness == 8 and rc.learner.mini_batches_per_rollout == 1
