@@ -104,7 +104,9 @@ def test_three_segments_under_three_versions_carry_each_tokens_version_and_log_p
         ref = learner_logp(m, samples, 1.0)
         for s, r in zip(samples, ref, strict=True):
             here = s.token_versions() == 10 + v
-            torch.testing.assert_close(s.logp[here], r[here], atol=1e-5, rtol=0)
+            # engine (cached decode) against the learner (packed forward): float32 kernels differ by up to ~2e-5
+            # on some CPUs, so the project's engine-learner tolerance, 1e-4, as every other engine test
+            torch.testing.assert_close(s.logp[here], r[here], atol=1e-4, rtol=0)
             if (~here).any() and v > 0:
                 assert (s.logp[~here] - r[~here]).abs().max() > 1e-4  # the other versions' weights differ
 
