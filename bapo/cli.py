@@ -44,8 +44,9 @@ def run_errors() -> tuple[type[BaseException], ...]:
     """A run that failed for a reason its message explains: exit status 1 (a full disk is a CheckpointError)."""
     from bapo.checkpoint import CheckpointError
     from bapo.learner.learner import TrainingDiverged
+    from bapo.workers import WorkerError
 
-    return (CheckpointError, TrainingDiverged)
+    return (CheckpointError, TrainingDiverged, WorkerError)
 
 
 def only_hydra_files(run_dir: Path) -> bool:

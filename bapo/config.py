@@ -27,6 +27,7 @@ from bapo.checkpoint import CheckpointConfig
 from bapo.checks import (
     ConfigError,
     check_finite,
+    choice,
     did_you_mean,
     require,
     resumable,
@@ -94,6 +95,9 @@ class TrainConfig:
         require(self.sync_every >= 1, "train.sync_every", "must be >= 1")
 
 
+PLACEMENT_MODES = ("colocated", "disaggregated")
+
+
 @dataclass
 class PlacementConfig:
     """``placement``: the hardware a run is written for, and the memory knobs the stages read from it
@@ -108,8 +112,34 @@ class PlacementConfig:
     max_tokens_per_micro_batch: int | None = resumable(None)
     activation_checkpointing: bool | None = resumable(None)
     cpu_offload: bool | None = resumable(None)
+    # Where rollout runs (bapo.workers): in the learner's process, or in rollout.workers processes of its own.
+    mode: str = resumable("colocated")  # colocated | disaggregated
+    host: str = resumable("127.0.0.1")  # where the learner listens for its workers
+    port: int = resumable(0)  # 0: any free port
+    worker_threads: int = resumable(1)  # torch threads of each worker
+    learner_threads: int | None = resumable(None)  # torch threads of the learner's process (None: torch's default)
+    worker_timeout_s: float = resumable(900.0)  # a worker silent this long on one request is replaced
+    worker_start_timeout_s: float = resumable(300.0)  # to connect and load its model
+    worker_restarts: int = resumable(3)  # failures in a row on one request before the run stops
 
     def __post_init__(self) -> None:
+        choice(self.mode, "placement.mode", PLACEMENT_MODES)
+        require(
+            0 <= self.port <= 65535, "placement.port", f"must be 0 (any free port) or a port number, got {self.port}"
+        )
+        require(self.worker_threads >= 1, "placement.worker_threads", f"must be >= 1, got {self.worker_threads}")
+        require(
+            self.learner_threads is None or self.learner_threads >= 1,
+            "placement.learner_threads",
+            f"must be null (torch's default) or >= 1, got {self.learner_threads}",
+        )
+        require(self.worker_timeout_s > 0, "placement.worker_timeout_s", f"must be > 0, got {self.worker_timeout_s}")
+        require(
+            self.worker_start_timeout_s > 0,
+            "placement.worker_start_timeout_s",
+            f"must be > 0, got {self.worker_start_timeout_s}",
+        )
+        require(self.worker_restarts >= 0, "placement.worker_restarts", f"must be >= 0, got {self.worker_restarts}")
         require(self.gpus >= 1, "placement.gpus", f"must be >= 1, got {self.gpus}")
         require(0 < self.gpu_memory_gib < 1e6, "placement.gpu_memory_gib", f"must be > 0, got {self.gpu_memory_gib}")
 
@@ -320,6 +350,29 @@ def check_combinations(rc: RunConfig, world: int | None = None, launched: bool |
         f"{corr} weighs the engine's log-probs against the learner's at the generating version: it needs "
         f"learner.old_logp=recompute (got {rc.learner.old_logp})",
     )
+    if rc.placement.mode == "disaggregated":
+        require(
+            world == 1,
+            "placement.mode",
+            f"disaggregated runs one learner process for now; torchrun started {world} ranks (use "
+            "placement.mode=colocated under torchrun)",
+        )
+        require(
+            rc.rollout.engine == "hf",
+            "rollout.engine",
+            f"placement.mode=disaggregated runs the hf engine in its workers (got {rc.rollout.engine!r}); vLLM's "
+            "server is not wired in yet",
+        )
+        require(
+            rc.rollout.segment_budget is None or rc.rollout.workers == 1,
+            "rollout.workers",
+            f"rollout.partial_budget keeps its pool of unfinished responses in one worker; got {rc.rollout.workers}",
+        )
+        require(
+            rc.train.prompts_per_step >= rc.rollout.workers,
+            "rollout.workers",
+            f"{rc.rollout.workers} workers for {rc.train.prompts_per_step} prompts a step: each needs at least one",
+        )
     partial = rc.rollout.segment_budget is not None  # its pool of unfinished responses lives in one process
     require(not partial or world == 1, "rollout.partial_budget", f"one process only; torchrun started {world} ranks")
     require(

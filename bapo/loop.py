@@ -37,7 +37,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from bapo import advantages, checkpoint, dist, offpolicy, rundir
+from bapo import advantages, checkpoint, dist, offpolicy, rundir, workers
 from bapo.algos import build_objective
 from bapo.buffer import ReplayBuffer
 from bapo.config import RunConfig, build, prompt_limit
@@ -99,7 +99,7 @@ def train(rc: RunConfig, cfg: DictConfig) -> dict:
         if plan.kind == "complete":
             return json.loads((rc.run_dir / "final_metrics.json").read_text())
         seed_everything(rc.seed)
-        s = build_stages(rc)
+        s = build_stages(rc, cfg)
         start, metrics = 0, {}
         if plan.kind == "resume":
             start = checkpoint.restore_run(plan.checkpoint, learner=s.learner, source=s.source, **shared_state(s))
@@ -194,18 +194,73 @@ def plan_start(rc: RunConfig, cfg: DictConfig) -> tuple[rundir.StartPlan, list]:
     return dist.broadcast_object((plan, changes))
 
 
-def build_stages(rc: RunConfig) -> Stages:
-    """Load the model once, and build every stage from its typed config group."""
+def model_files(rc: RunConfig) -> tuple[str, object, dict]:
+    """The model's local folder (converted from GGUF first if asked), its tokenizer, and how to load it."""
     m = rc.model
     path = model_path(m.name_or_path, m.gguf.package if m.gguf else None, m.gguf.file if m.gguf else None)
     tok = load_tokenizer(path, trust_remote_code=m.trust_remote_code)
     on_cuda = torch.cuda.is_available() and getattr(rc.learner, "device", "auto") != "cpu"
     kernel = attention_kernel(m.attn_implementation, on_cuda)
     load = dict(trust_remote_code=m.trust_remote_code, init=m.init, arch=m.arch, attn_implementation=kernel)
+    return path, tok, load
+
+
+def build_verifier(rc: RunConfig) -> MathVerifier:
+    r = rc.reward
+    return MathVerifier(
+        num_workers=r.num_workers, timeout_s=r.timeout_s, fallback=r.fallback, format_reward=r.format_reward
+    )
+
+
+def build_maker(
+    rc: RunConfig, *, path: str, tokenizer, engine_model, limit: int, rank: int, world: int
+) -> tuple[object, object, MathVerifier, LoadReport, list]:
+    """The rollout side of a run: its engine and the batch maker that drives it (drawing prompts from the
+    training stream, generating this rank's share, grading), the data loaders' report and the held-out
+    prompts (rendered here too, so that the report counts their skipped rows wherever it is built). Built
+    in the learner's process, or in each rollout worker (``bapo.rollout_worker``) of a disaggregated run."""
+    engine = build_rollout(
+        rc.rollout,
+        path=path,
+        tokenizer=tokenizer,
+        model=engine_model,
+        dtype=rc.model.dtype,
+        seed=rc.seed,
+        max_model_len=limit + rc.rollout.max_new_tokens,  # vLLM sizes its engine for this, not the full context
+    )
+    verifier = build_verifier(rc)
+    d = rc.data
+    train_src, heldout, report = problem_sources(d)
+    heldout = render_prompts(heldout, tokenizer, instruction=d.instruction, max_prompt_tokens=limit, report=report)
+    stream = PromptStream(train_src, tokenizer, instruction=d.instruction, max_prompt_tokens=limit, report=report)
+    maker = RolloutMaker(
+        stream,
+        engine,
+        verifier,
+        prompts_per_step=rc.train.prompts_per_step,
+        seed=rc.seed,
+        rank=rank,
+        world=world,
+        skipped=report,
+        partial_budget=rc.rollout.segment_budget,
+    )
+    if rc.algo.filter_groups:  # DAPO's dynamic sampling: informative groups only, refilled (bapo/groupfilter.py)
+        maker = GroupFilter(maker, prompts_per_step=rc.train.prompts_per_step)
+    return maker, engine, verifier, report, heldout
+
+
+def build_stages(rc: RunConfig, cfg: DictConfig | None = None) -> Stages:
+    """Load the model once, and build every stage from its typed config group (``cfg``: the composed config,
+    which rollout workers are started with under ``placement.mode=disaggregated``)."""
+    m = rc.model
+    path, tok, load = model_files(rc)
+    remote = rc.placement.mode == "disaggregated"
+    if rc.placement.learner_threads:
+        torch.set_num_threads(rc.placement.learner_threads)
     # The learner's master weights; an engine that samples with a model of this process gets its own copy in
     # model.dtype. A sharded learner with nothing to copy them into starts from the meta device and reads each
     # rank's shard of the checkpoint, and so does a KL reference (sharded too, in the dtype the policy computes in).
-    needs_copy = engine_traits(rc.rollout.engine).needs_model_copy
+    needs_copy = engine_traits(rc.rollout.engine).needs_model_copy and not remote
     lazy = rc.learner.kind != "single" and not needs_copy and m.init != "random"
     device = "meta" if lazy else "cpu"
     policy = load_model(path, dtype=master_dtype(rc.learner, m.dtype), **load, device=device)
@@ -220,61 +275,54 @@ def build_stages(rc: RunConfig) -> Stages:
         else:
             ref_model = copy.deepcopy(policy).to(DTYPE_OF[ref_dtype])
     engine_dtype = DTYPE_OF[m.dtype]
-    learner = Learner(
-        policy,
-        rc.learner,
-        objective=build_objective(rc.algo),
-        pad_id=tok.pad_token_id,
-        temperature=rc.rollout.temperature,
-        max_response_len=rc.rollout.max_new_tokens,
-        critic_cfg=rc.algo.critic,
-        agg=rc.algo.agg,
-        ref_model=ref_model,
-        weights_dtype=engine_dtype,  # engines and the export get the model's dtype, not fp32 masters
-        snapshot_dtype=None if rc.learner.old_logp == "recompute" else engine_dtype,  # recompute: the learner's
-    )
-    if engine_model is not None:
-        engine_model.to(learner.device)
     d, context = rc.data, getattr(policy.config, "max_position_embeddings", None)
     limit = prompt_limit(d.max_prompt_tokens, rc.rollout.max_new_tokens, context, model_dir=path)
-    engine = build_rollout(
-        rc.rollout,
-        path=path,
-        tokenizer=tok,
-        model=engine_model,
-        dtype=m.dtype,
-        seed=rc.seed,
-        max_model_len=limit + rc.rollout.max_new_tokens,  # vLLM sizes its engine for this, not the full context
-    )
-    verifier = MathVerifier(
-        num_workers=rc.reward.num_workers,
-        timeout_s=rc.reward.timeout_s,
-        fallback=rc.reward.fallback,
-        format_reward=rc.reward.format_reward,
-    )
-    train_src, heldout, report = problem_sources(rc.data)
-    heldout = render_prompts(heldout, tok, instruction=d.instruction, max_prompt_tokens=limit, report=report)
-    stream = PromptStream(train_src, tok, instruction=d.instruction, max_prompt_tokens=limit, report=report)
     interrupt = threading.Event()
-    maker = RolloutMaker(
-        stream,
-        engine,
-        verifier,
-        prompts_per_step=rc.train.prompts_per_step,
-        seed=rc.seed,
-        rank=dist.rank(),
-        world=dist.world_size(),
-        skipped=report,
-        partial_budget=rc.rollout.segment_budget,
-    )
-    if rc.algo.filter_groups:  # DAPO's dynamic sampling: informative groups only, refilled (bapo/groupfilter.py)
-        maker = GroupFilter(maker, prompts_per_step=rc.train.prompts_per_step)
-    source = make_source(rc, maker, engine, interrupt)
-    e, sets = rc.eval, {}
-    why = "data.max_prompt_tokens, and the model's context - rollout.max_new_tokens"
-    for n in e.sets:  # over-long prompts skipped and counted as in the held-out set (eval/<set>/skipped)
-        problems = load_evalset(named_set(n, data_dir=rc.data_dir), limit=e.sets_limit)
-        sets[n] = prepare_set(n, problems, tok, instruction=d.instruction, max_prompt_tokens=limit, limit_keys=why)
+    pool = None
+    if remote:  # the workers load their models while this process builds the learner
+        pool = workers.start_pool(rc, cfg, path=path, limit=limit, interrupt=interrupt)
+    try:
+        learner = Learner(
+            policy,
+            rc.learner,
+            objective=build_objective(rc.algo),
+            pad_id=tok.pad_token_id,
+            temperature=rc.rollout.temperature,
+            max_response_len=rc.rollout.max_new_tokens,
+            critic_cfg=rc.algo.critic,
+            agg=rc.algo.agg,
+            ref_model=ref_model,
+            weights_dtype=engine_dtype,  # engines and the export get the model's dtype, not fp32 masters
+            snapshot_dtype=None if rc.learner.old_logp == "recompute" else engine_dtype,  # recompute: the learner's
+        )
+        if engine_model is not None:
+            engine_model.to(learner.device)
+        if pool is None:
+            maker, engine, verifier, report, heldout = build_maker(
+                rc,
+                path=path,
+                tokenizer=tok,
+                engine_model=engine_model,
+                limit=limit,
+                rank=dist.rank(),
+                world=dist.world_size(),
+            )
+        else:  # the held-out set is this process's; the training stream is the workers'
+            pool.wait()
+            maker, engine = workers.remote_maker(rc, pool, tok)
+            verifier = build_verifier(rc)
+            _, heldout, report = problem_sources(rc.data)
+            heldout = render_prompts(heldout, tok, instruction=d.instruction, max_prompt_tokens=limit, report=report)
+        source = make_source(rc, maker, engine, interrupt)
+        e, sets = rc.eval, {}
+        why = "data.max_prompt_tokens, and the model's context - rollout.max_new_tokens"
+        for n in e.sets:  # over-long prompts skipped and counted as in the held-out set (eval/<set>/skipped)
+            problems = load_evalset(named_set(n, data_dir=rc.data_dir), limit=e.sets_limit)
+            sets[n] = prepare_set(n, problems, tok, instruction=d.instruction, max_prompt_tokens=limit, limit_keys=why)
+    except BaseException:
+        if pool is not None:
+            pool.stop()
+        raise
     buffer = ReplayBuffer(
         max_staleness=rc.buffer.max_staleness, capacity=rc.buffer.capacity, sampling=rc.buffer.sampling, seed=rc.seed
     )

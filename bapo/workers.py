@@ -1,0 +1,578 @@
+"""Rollout workers in other processes: the learner's side of ``placement.mode=disaggregated``.
+
+The learner process keeps the loop, the schedule and the weights; ``rollout.workers`` worker processes
+(``python -m bapo.rollout_worker``) each hold an engine, a reward pool and the prompt stream, and make
+their share of every rollout batch with the weights the learner pushes. The in-process producer
+(:class:`bapo.offpolicy.Producer`) drives them unchanged: this module gives it a batch maker
+(:class:`RemoteMaker`) and an engine to lend for evaluation (:class:`RemoteEngine`), so the schedule,
+the queue, ``run()`` and the checkpoint format are the colocated run's.
+
+Transport: libraries only. Requests and results (rollout batches, the maker's state) go over an
+authenticated ``multiprocessing.connection`` to each worker; weights go over a two-rank gloo process
+group per worker (``torch.distributed.ProcessGroupGloo`` on a ``TCPStore``), one flat buffer per dtype,
+the way a GPU trainer sends them over NCCL. One pair group per worker, so a worker can be replaced
+without disturbing the others.
+
+Determinism. Worker ``i`` of ``N`` is the rollout maker of rank ``i`` of ``N`` (``bapo.rollout_maker``):
+every worker draws the same prompts and generates its share with its share's seed, and the shares are
+joined in order. So a disaggregated run follows the schedule of the run's ``train.async_rollout`` and
+``buffer.enforce`` exactly: in sync or admission mode it is reproducible and resumes exactly, and with one
+worker it makes the batches a colocated run makes. Drop mode (free-running) generates with the newest
+weights and is not reproducible, as in one process.
+
+Faults. A worker that exits, breaks its connection or stays silent past ``placement.worker_timeout_s``
+on one request is killed and replaced (``rollout/worker_restarts`` counts them); the replacement gets
+the maker state the worker had after its last accepted batch and the weights of the batch it failed,
+and makes that batch again, so nothing accepted is lost and the batch is the one it would have been.
+After ``placement.worker_restarts`` failures in a row on one request the run stops with the last
+reason. A worker that reports an error of its own (a bad request, a model that does not match the
+learner's) is not restarted: that error is the run's. Workers watch their parent: if the learner
+dies, they exit within about a second. They ignore SIGINT, so Ctrl-C in a terminal reaches the learner,
+which stops them after its checkpoint.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import datetime
+import logging
+import os
+import pickle
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, Listener
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+
+from bapo.checks import ConfigError
+from bapo.rollout_source import Interrupted
+from bapo.samples import Prompt, RolloutBatch, Sample
+
+log = logging.getLogger(__name__)
+
+AUTHKEY_ENV = "BAPO_WORKER_AUTHKEY"
+
+
+def send(conn: Connection, obj: Any) -> None:
+    """``obj`` over ``conn`` by value. (The connection's own ``send`` pickles with multiprocessing's reducers, which
+    torch extends to pass tensors as shared-memory handles through a helper process; the standard pickler
+    copies them, which both ends can always read.)"""
+    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def recv(conn: Connection) -> Any:
+    """What :func:`send` sent (only between the learner and the workers it started: the connection is authenticated)."""
+    return pickle.loads(conn.recv_bytes())  # noqa: S301
+
+
+class WorkerError(RuntimeError):
+    """A worker reported a failure of its own (bad input): raised as the run's error, never retried."""
+
+
+class WorkerLost(Exception):
+    """A worker exited, broke its connection or timed out: the pool replaces it."""
+
+
+@dataclass
+class WorkerSpec:
+    """What every worker is started with (sent in its ``init`` message)."""
+
+    config: dict  # the run's resolved config, as plain containers
+    path: str  # the model folder the learner resolved
+    limit: int  # the longest prompt (the learner's prompt_limit), so every process filters alike
+    run_dir: str
+    threads: int = 1
+
+
+@dataclass
+class Worker:
+    """The learner's handle on one worker process."""
+
+    index: int
+    proc: subprocess.Popen
+    log_path: str
+    conn: Connection | None = None
+    pg: Any = None
+    version: int | None = None  # the weights it holds (None: not loaded by the learner yet)
+    generation: int = 0  # bumped at each restart: names its process group in the store
+    requests: int = 0
+    info: dict = field(default_factory=dict)
+
+
+def _tail(path: str, lines: int = 3) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            rows = [r.rstrip() for r in f.read().splitlines() if r.strip()]
+    except OSError:
+        return ""
+    return " | ".join(rows[-lines:])
+
+
+class WorkerPool:
+    """``count`` rollout worker processes, started, fed, replaced and stopped by the learner."""
+
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        *,
+        count: int,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        timeout_s: float = 900.0,
+        start_timeout_s: float = 300.0,
+        restarts: int = 3,
+        interrupt: threading.Event | None = None,
+        python: str | None = None,
+    ):
+        if count < 1:
+            raise ConfigError(f"rollout.workers: placement.mode=disaggregated needs at least 1 worker, got {count}")
+        self.spec, self.count = spec, count
+        self.host, self.timeout_s, self.start_timeout_s, self.max_restarts = host, timeout_s, start_timeout_s, restarts
+        self.interrupt = interrupt if interrupt is not None else threading.Event()
+        self.python = python or sys.executable
+        self.restarts = 0  # replacements so far (rollout/worker_restarts)
+        self.sync_s = 0.0  # seconds spent pushing weights since last asked
+        self.authkey = secrets.token_bytes(32)
+        try:
+            self.listener = Listener((host, port), authkey=self.authkey)
+        except OSError as e:
+            raise ConfigError(
+                f"placement.port: cannot listen on {host}:{port} for rollout workers ({e.strerror}); choose a free "
+                "port, or 0 for any"
+            ) from None
+        try:
+            self.store = tdist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=self._td(timeout_s))
+        except Exception as e:  # noqa: BLE001 (the store's errors are RuntimeErrors without a type of their own)
+            self.listener.close()
+            raise ConfigError(f"placement.host: cannot start the weight store on {host}: {e}") from None
+        self.workers: list[Worker] = []
+        self._lock = threading.RLock()  # one request at a time per pool (the producer thread, or borrow)
+        self._closed = False
+        atexit.register(self.stop)
+
+    @staticmethod
+    def _td(seconds: float) -> datetime.timedelta:
+        return datetime.timedelta(seconds=seconds)
+
+    # ------------------------------------------------------------------ starting
+
+    def spawn(self) -> None:
+        """Start every worker process (their models load in parallel, and beside the learner's)."""
+        self.workers = [self._spawn(i) for i in range(self.count)]
+
+    def wait(self) -> None:
+        """Wait for each worker to be ready; a worker that cannot start stops them all (a WorkerError)."""
+        try:
+            for w in self.workers:
+                self._handshake(w)
+        except BaseException:
+            self.stop()
+            raise
+        log.info("%d rollout worker(s) ready: pids %s", self.count, self.pids())
+
+    def _spawn(self, index: int, generation: int = 0) -> Worker:
+        fd, log_path = tempfile.mkstemp(prefix=f"bapo-rollout-worker{index}-", suffix=".log")
+        host, port = self.listener.address
+        env = dict(os.environ)
+        env[AUTHKEY_ENV] = self.authkey.hex()
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            env[var] = str(self.spec.threads)
+        env.pop("RANK", None), env.pop("WORLD_SIZE", None), env.pop("LOCAL_RANK", None)  # not a torchrun rank
+        cmd = [self.python, "-m", "bapo.rollout_worker", "--connect", f"{host}:{port}", "--index", str(index)]
+        with os.fdopen(fd, "w") as out:
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env)
+        return Worker(index, proc, log_path, generation=generation)
+
+    def _accept(self, w: Worker, deadline: float) -> Connection:
+        """The connection of worker ``w``'s process (the listener takes workers in any order; each says its index)."""
+        while True:
+            if w.proc.poll() is not None:
+                raise WorkerLost(f"exited with code {w.proc.returncode} before connecting: {_tail(w.log_path)}")
+            if time.monotonic() > deadline:
+                raise WorkerLost(f"did not connect within {self.start_timeout_s:g} s")
+            # Listener.accept blocks; the socket is polled so that a dead worker is noticed.
+            sock = self.listener._listener._socket  # noqa: SLF001 (multiprocessing's listener has no accept timeout)
+            sock.settimeout(0.5)
+            try:
+                conn = self.listener.accept()
+            except TimeoutError:
+                continue
+            except OSError as e:  # a connection that failed the authkey: not ours
+                log.warning("rollout workers: refused a connection: %s", e)
+                continue
+            hello = recv(conn)
+            if hello != ("hello", w.index, w.proc.pid):
+                conn.close()
+                log.warning("rollout workers: ignored a connection that said %r", hello)
+                continue
+            return conn
+
+    def _handshake(self, w: Worker) -> None:
+        """Connect to ``w``, send it the run, join its weight group; a worker that cannot start is the run's error."""
+        deadline = time.monotonic() + self.start_timeout_s
+        try:
+            w.conn = self._accept(w, deadline)
+            prefix = f"worker{w.index}/gen{w.generation}"
+            init = vars(self.spec) | {"share": w.index, "shares": self.count, "timeout_s": self.timeout_s}
+            send(w.conn, ("init", init | {"store": [self.host, self.store.port], "prefix": prefix}))
+            kind, payload = self._recv(w, deadline - time.monotonic(), what="start")
+        except WorkerLost as e:
+            self._kill(w)
+            raise WorkerError(f"rollout worker {w.index} could not start: {e} (log: {w.log_path})") from None
+        if kind == "error":
+            self._kill(w)
+            raise WorkerError(f"rollout worker {w.index} could not start: {payload}")
+        w.info = payload
+        store = tdist.PrefixStore(prefix, self.store)
+        w.pg = tdist.ProcessGroupGloo(store, 0, 2, self._td(self.timeout_s))
+        kind, payload = self._recv(w, self.start_timeout_s, what="join")
+        if kind != "ready":
+            self._kill(w)
+            raise WorkerError(f"rollout worker {w.index} could not join its weight group: {payload}")
+
+    # ------------------------------------------------------------------ requests
+
+    def _recv(self, w: Worker, timeout_s: float, *, what: str) -> tuple[str, Any]:
+        """The next reply of ``w``: (kind, payload). WorkerLost if it dies, breaks or stays silent."""
+        deadline = time.monotonic() + max(timeout_s, 0.0)
+        assert w.conn is not None
+        while True:
+            try:
+                if w.conn.poll(0.2):
+                    return recv(w.conn)
+            except (EOFError, OSError) as e:
+                raise WorkerLost(f"its connection broke during {what} ({type(e).__name__})") from None
+            if w.proc.poll() is not None:
+                raise WorkerLost(f"exited with code {w.proc.returncode} during {what}: {_tail(w.log_path)}")
+            if time.monotonic() > deadline:
+                raise WorkerLost(f"sent nothing for {timeout_s:g} s during {what} (placement.worker_timeout_s)")
+
+    def _send(self, w: Worker, msg: tuple) -> None:
+        assert w.conn is not None
+        try:
+            send(w.conn, msg)
+        except (OSError, ValueError) as e:
+            raise WorkerLost(f"its connection broke sending {msg[0]} ({type(e).__name__})") from None
+
+    def _reply(self, w: Worker, what: str) -> Any:
+        kind, payload = self._recv(w, self.timeout_s, what=what)
+        if kind == "error":
+            raise WorkerError(f"rollout worker {w.index}: {payload}")
+        return payload
+
+    def call(self, w: Worker, msg: tuple) -> Any:
+        """Send one request to ``w`` and return its reply's payload."""
+        self._send(w, msg)
+        return self._reply(w, msg[0])
+
+    def push_weights(self, w: Worker, weights: Mapping[str, torch.Tensor], version: int) -> float:
+        """Send ``version``'s weights to ``w`` (one flat buffer per dtype over its gloo group); the seconds taken."""
+        t0 = time.perf_counter()
+        names = list(weights)
+        tensors = [weights[n].detach() for n in names]
+        meta = [(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in zip(names, tensors, strict=True)]
+        self._send(w, ("weights", version, meta))
+        try:
+            for dtype in sorted({t.dtype for t in tensors}, key=str):
+                flat = torch.cat([t.reshape(-1).cpu() for t in tensors if t.dtype == dtype])
+                w.pg.send([flat], 1, 0).wait()
+        except RuntimeError as e:
+            raise WorkerLost(f"the weight transfer failed ({str(e).splitlines()[0]})") from None
+        self._reply(w, "weights")
+        w.version = version
+        dt = time.perf_counter() - t0
+        self.sync_s += dt
+        return dt
+
+    # ------------------------------------------------------------------ faults and stopping
+
+    def _kill(self, w: Worker) -> None:
+        with contextlib.suppress(OSError):
+            if w.conn is not None:
+                w.conn.close()
+        if w.proc.poll() is None:
+            w.proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                w.proc.wait(timeout=10)
+        w.pg = None
+
+    def replace(self, w: Worker, why: str) -> Worker:
+        """Kill ``w`` and start its replacement (which holds no weights yet)."""
+        if self._closed or self.interrupt.is_set():
+            raise Interrupted
+        self.restarts += 1
+        log.warning(
+            "rollout worker %d (pid %d) %s: restarting it (restart %d)", w.index, w.proc.pid, why, self.restarts
+        )
+        self._kill(w)
+        with contextlib.suppress(OSError):
+            os.unlink(w.log_path)
+        new = self._spawn(w.index, w.generation + 1)
+        self.workers[w.index] = new
+        try:
+            self._handshake(new)
+        except WorkerError as e:
+            raise WorkerLost(str(e)) from None
+        return new
+
+    def retrying(self, index: int, fn, recover) -> Any:
+        """``fn(worker, fresh)`` on worker ``index``; when it is lost, replace it, ``recover(new)`` (its state), and
+        call ``fn(new, True)``, up to ``placement.worker_restarts`` failures in a row."""
+        failures, why = 0, None
+        while True:
+            try:
+                if why is not None:
+                    recover(self.replace(self.workers[index], why))
+                return fn(self.workers[index], why is not None)
+            except WorkerLost as e:
+                failures, why = failures + 1, str(e)
+                if failures > self.max_restarts:
+                    raise RuntimeError(
+                        f"rollout worker {index} failed {failures} times in a row (last: {why}); its replacements "
+                        "failed too (placement.worker_restarts, placement.worker_timeout_s)"
+                    ) from None
+
+    def stop(self) -> None:
+        """Ask every worker to exit, kill those that do not within 10 s, and free the ports. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for w in self.workers:
+            with contextlib.suppress(Exception):
+                if w.conn is not None and w.proc.poll() is None:
+                    send(w.conn, ("stop",))
+        deadline = time.monotonic() + 10
+        for w in self.workers:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                w.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            self._kill(w)
+            if w.proc.returncode in (0, -signal.SIGKILL) or w.proc.returncode is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(w.log_path)
+        with contextlib.suppress(Exception):
+            self.listener.close()
+        self.store = None
+        atexit.unregister(self.stop)
+
+    def pids(self) -> list[int]:
+        return [w.proc.pid for w in self.workers]
+
+    def take_sync_s(self) -> float:
+        s, self.sync_s = self.sync_s, 0.0
+        return s
+
+
+# ----------------------------------------------------------------------------- what the producer drives
+
+
+def merge_shares(parts: list[RolloutBatch]) -> RolloutBatch:
+    """The workers' shares of one batch as one batch, in share order (group ids are already the batch's)."""
+    from bapo.rollout_maker import merge_stats
+
+    first = parts[0]
+    for p in parts[1:]:
+        if (p.index, p.version) != (first.index, first.version):
+            raise RuntimeError(
+                f"workers made different batches: {(p.index, p.version)} vs {(first.index, first.version)}"
+            )
+    if len(parts) == 1:
+        return first
+    correct = tuple(c for p in parts for c in p.correct)
+    stats = merge_stats([p.stats for p in parts])
+    stats["reward/accuracy"] = sum(correct) / max(len(correct), 1)
+    samples = tuple(s for p in parts for s in p.samples)
+    return RolloutBatch(
+        first.index,
+        first.version,
+        samples,
+        tuple(r for p in parts for r in p.rewards),
+        correct,
+        tuple(x for p in parts for x in p.extracted),
+        stats,
+        first.prompts,
+    )
+
+
+class RemoteMaker:
+    """The batch maker of a disaggregated run (:class:`bapo.offpolicy.BatchMaker`): batch t is made by every
+    worker at once, each its share, with the weights of the version the schedule gave; a lost worker is
+    replaced and its share made again from its last accepted state."""
+
+    def __init__(self, pool: WorkerPool):
+        self.pool = pool
+        self.states: list[dict | None] = [None] * pool.count  # each worker's maker state after its last batch
+
+    def recover(self, w: Worker) -> None:
+        """A replacement's maker state: the one its predecessor had after its last accepted batch."""
+        state = self.states[w.index]
+        if state is not None:
+            self.pool.call(w, ("load_state", state))
+
+    def make(self, t: int, version: int, weights: Mapping[str, torch.Tensor]) -> RolloutBatch:
+        pool = self.pool
+
+        def start(w: Worker) -> None:
+            if w.version != version:
+                pool.push_weights(w, weights, version)
+            pool._send(w, ("make", t, version))  # noqa: SLF001
+
+        def share(w: Worker, fresh: bool, started: bool) -> tuple[RolloutBatch, dict]:
+            if fresh or not started:
+                start(w)
+            return pool._reply(w, "make")  # noqa: SLF001
+
+        with pool._lock:  # noqa: SLF001
+            t0 = time.perf_counter()
+            pool.take_sync_s()  # from here on: this batch's weight pushes
+            started = []
+            for i in range(pool.count):  # every share starts before any is waited for
+                try:
+                    start(pool.workers[i])
+                    started.append(True)
+                except WorkerLost:
+                    started.append(False)  # its retry below replaces it
+            parts = []
+            for i in range(pool.count):
+                batch, state = pool.retrying(i, lambda w, fresh, i=i: share(w, fresh, started[i]), self.recover)
+                parts.append(batch)
+                self.states[i] = state
+            out = merge_shares(parts)
+            stats = dict(out.stats)
+            stats["time/sync_s"] = pool.take_sync_s() + stats.get("time/sync_s", 0.0)
+            stats["rollout/worker_restarts"] = float(pool.restarts)
+            stats["time/worker_batch_s"] = time.perf_counter() - t0
+            return dataclasses.replace(out, stats=stats)
+
+    def gather(self, item: RolloutBatch) -> RolloutBatch:
+        return item
+
+    def state_dict(self) -> dict:
+        """The rollout maker's state after the last batch made (every worker's prompt stream is at the same
+        place; worker 0's is the one a resume gives them all). Before any batch: asked of worker 0."""
+        if self.states[0] is None:
+            with self.pool._lock:  # noqa: SLF001
+                self.states[0] = self.pool.retrying(0, lambda w, fresh: self.pool.call(w, ("state",)), self.recover)
+        return self.states[0]
+
+    def load_state_dict(self, state: dict) -> None:
+        with self.pool._lock:  # noqa: SLF001
+            for i in range(self.pool.count):
+                self.states[i] = state
+                self.pool.retrying(i, lambda w, fresh: self.pool.call(w, ("load_state", state)), self.recover)
+
+
+class RemoteEngine:
+    """The engine a disaggregated run lends for evaluation: worker 0's, through its connection. Loading
+    weights keeps a reference to them (the learner does not update during an evaluation), so that a
+    worker lost mid-evaluation is replaced and given them again."""
+
+    tensor_parallel_size = 1
+
+    def __init__(
+        self, pool: WorkerPool, maker: RemoteMaker, *, n: int, temperature: float, pad_id: int, max_new_tokens: int
+    ):
+        self.pool, self.maker = pool, maker
+        self.n, self.temperature, self.pad_id, self.max_new_tokens = n, temperature, pad_id, max_new_tokens
+        self._weights: Mapping[str, torch.Tensor] | None = None
+
+    @property
+    def version(self) -> int:
+        v = self.pool.workers[0].version
+        return -1 if v is None else v
+
+    def _recover(self, w: Worker) -> None:
+        self.maker.recover(w)
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> float:
+        self._weights = weights
+        with self.pool._lock:  # noqa: SLF001
+            return self.pool.retrying(0, lambda w, fresh: self.pool.push_weights(w, weights, version), self._recover)
+
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        n: int | None = None,
+        temperature: float | None = None,
+        seed: int | None = None,
+    ) -> list[Sample]:
+        n = self.n if n is None else n
+        temperature = self.temperature if temperature is None else temperature
+        version = self.version
+
+        def gen(w: Worker, fresh: bool) -> list[Sample]:
+            if fresh:
+                if self._weights is None:
+                    raise RuntimeError("rollout worker 0 was replaced during an evaluation and no weights are held")
+                self.pool.push_weights(w, self._weights, version)
+            return self.pool.call(w, ("generate", list(prompts), n, temperature, seed))
+
+        with self.pool._lock:  # noqa: SLF001
+            return self.pool.retrying(0, gen, self._recover)
+
+    def sleep(self) -> None:
+        """Nothing to free here: the engine is in another process."""
+
+    def wake(self) -> None:
+        """Nothing to wake here."""
+
+
+@contextlib.contextmanager
+def no_sigint() -> Iterator[None]:
+    """SIGINT ignored inside the block (a worker ignores it for its whole life: the learner stops it)."""
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def start_pool(rc: Any, cfg: Any, *, path: str, limit: int, interrupt: threading.Event) -> WorkerPool:
+    """The workers of ``rc`` (``placement``, ``rollout.workers``), spawned; :meth:`WorkerPool.wait` readies them."""
+    from omegaconf import OmegaConf
+
+    if cfg is None:
+        raise ValueError("placement.mode=disaggregated: the workers need the run's composed config (cfg)")
+    p = rc.placement
+    spec = WorkerSpec(
+        config=OmegaConf.to_container(cfg, resolve=True),
+        path=path,
+        limit=limit,
+        run_dir=str(rc.run_dir),
+        threads=p.worker_threads,
+    )
+    pool = WorkerPool(
+        spec,
+        count=rc.rollout.workers,
+        host=p.host,
+        port=p.port,
+        timeout_s=p.worker_timeout_s,
+        start_timeout_s=p.worker_start_timeout_s,
+        restarts=p.worker_restarts,
+        interrupt=interrupt,
+    )
+    pool.spawn()
+    return pool
+
+
+def remote_maker(rc: Any, pool: WorkerPool, tokenizer: Any) -> tuple[RemoteMaker, RemoteEngine]:
+    """The batch maker and the evaluation engine a disaggregated run's producer drives."""
+    from bapo.rollout.base import pad_id_of
+
+    maker = RemoteMaker(pool)
+    r = rc.rollout
+    engine = RemoteEngine(
+        pool, maker, n=r.n, temperature=r.temperature, pad_id=pad_id_of(tokenizer), max_new_tokens=r.max_new_tokens
+    )
+    return maker, engine
