@@ -10,6 +10,7 @@ environment), receives the run's config, builds the rollout side exactly as a co
 - ``make`` (t, version): make its share of rollout batch t; reply with it and the maker's state after it;
 - ``state`` / ``load_state``: the maker's state (the data cursor, the partial-rollout pool);
 - ``generate`` (prompts, n, temperature, seed): an evaluation's samples;
+- ``checksum``: the sum of each weight the engine holds (a check of the transfer);
 - ``stop``.
 
 A request that fails replies with a one-line error (the traceback goes to this worker's log), which the
@@ -142,6 +143,8 @@ def serve(conn, pg, maker, engine, expected) -> None:
                     raise RuntimeError(f"batch {t} asks for version {version}, this worker holds {engine.version}")
                 batch = maker.make(int(t), int(version), None)
                 reply = (batch, maker.state_dict())
+            elif kind == "checksum":  # what the engine holds, for a test of the transfer
+                reply = {k: float(v.double().sum()) for k, v in engine.model.state_dict().items()}
             elif kind == "state":
                 reply = maker.state_dict()
             elif kind == "load_state":

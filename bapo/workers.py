@@ -157,6 +157,7 @@ class WorkerPool:
             self.listener.close()
             raise ConfigError(f"placement.host: cannot start the weight store on {host}: {e}") from None
         self.workers: list[Worker] = []
+        self._early: dict[tuple[int, int], Connection] = {}  # connections of workers not yet waited for
         self._lock = threading.RLock()  # one request at a time per pool (the producer thread, or borrow)
         self._closed = False
         atexit.register(self.stop)
@@ -197,6 +198,8 @@ class WorkerPool:
     def _accept(self, w: Worker, deadline: float) -> Connection:
         """The connection of worker ``w``'s process (the listener takes workers in any order; each says its index)."""
         while True:
+            if (w.index, w.proc.pid) in self._early:
+                return self._early.pop((w.index, w.proc.pid))
             if w.proc.poll() is not None:
                 raise WorkerLost(f"exited with code {w.proc.returncode} before connecting: {_tail(w.log_path)}")
             if time.monotonic() > deadline:
@@ -212,11 +215,13 @@ class WorkerPool:
                 log.warning("rollout workers: refused a connection: %s", e)
                 continue
             hello = recv(conn)
-            if hello != ("hello", w.index, w.proc.pid):
-                conn.close()
-                log.warning("rollout workers: ignored a connection that said %r", hello)
+            if hello == ("hello", w.index, w.proc.pid):
+                return conn
+            if isinstance(hello, tuple) and len(hello) == 3 and hello[0] == "hello":
+                self._early[(hello[1], hello[2])] = conn  # another worker, connected first: its turn comes
                 continue
-            return conn
+            conn.close()
+            log.warning("rollout workers: ignored a connection that said %r", hello)
 
     def _handshake(self, w: Worker) -> None:
         """Connect to ``w``, send it the run, join its weight group; a worker that cannot start is the run's error."""
@@ -252,6 +257,12 @@ class WorkerPool:
                 if w.conn.poll(0.2):
                     return recv(w.conn)
             except (EOFError, OSError) as e:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    w.proc.wait(timeout=2)  # a process that died closed its end: say how it ended
+                if w.proc.returncode is not None:
+                    raise WorkerLost(
+                        f"exited with code {w.proc.returncode} during {what}: {_tail(w.log_path)}"
+                    ) from None
                 raise WorkerLost(f"its connection broke during {what} ({type(e).__name__})") from None
             if w.proc.poll() is not None:
                 raise WorkerLost(f"exited with code {w.proc.returncode} during {what}: {_tail(w.log_path)}")

@@ -1,0 +1,341 @@
+"""placement=disaggregated: rollout workers in processes of their own (bapo/workers.py, bapo/rollout_worker.py).
+
+Every test here starts real worker processes. The end-to-end ones compare whole runs' metrics: one worker makes
+the colocated run's batches, a worker killed (or hung) mid-run is replaced without changing a metric, a learner
+killed with SIGKILL leaves no worker behind and resumes to the same metrics, Ctrl-C stops every process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from bapo import checkpoint, workers
+from bapo.checks import ConfigError
+from bapo.config import build
+from bapo.loop import run
+from bapo.rollout_worker import check_weights
+from tests.test_loop import _cfg
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMING = ("time/", "reward/verify_s", "rollout/tokens_per_s", "buffer/consumer_wait_s", "buffer/producer_wait_s")
+DIS = ["placement=disaggregated"]
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def untimed(rs: list[dict]) -> list[dict]:
+    drop = (*TIMING, "rollout/worker_restarts")
+    return [{k: v for k, v in r.items() if not k.startswith(drop)} for r in rs]
+
+
+def alive(pid: int) -> bool:
+    """Is ``pid`` a live process (not gone, not a zombie nobody reaped)?"""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
+def worker_pids(parent: int) -> list[int]:
+    """The rollout workers among ``parent``'s children (from /proc)."""
+    out = []
+    for task in Path(f"/proc/{parent}/task").glob("*"):
+        try:
+            kids = (task / "children").read_text().split()
+        except FileNotFoundError:
+            continue
+        for k in kids:
+            try:
+                cmd = Path(f"/proc/{k}/cmdline").read_bytes()
+            except FileNotFoundError:
+                continue
+            if b"bapo.rollout_worker" in cmd:
+                out.append(int(k))
+    return sorted(out)
+
+
+def wait_until(cond, timeout: float, what: str) -> None:
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise TimeoutError(what)
+        time.sleep(0.05)
+
+
+# ----------------------------------------------------------------------------- config and bad input (fast)
+
+
+@pytest.mark.parametrize(
+    "over, key",
+    [
+        (["rollout.workers=0"], "rollout.workers"),
+        (["placement.mode=elsewhere"], "placement.mode"),
+        (["placement.port=70000"], "placement.port"),
+        (["placement.worker_threads=0"], "placement.worker_threads"),
+        (["placement.worker_timeout_s=0"], "placement.worker_timeout_s"),
+        (["placement.worker_restarts=-1"], "placement.worker_restarts"),
+        (["rollout.workers=2", "rollout.partial_budget=12", "buffer.max_staleness=7"], "rollout.workers"),
+        (["rollout.workers=9", "train.prompts_per_step=8"], "rollout.workers"),
+    ],
+)
+def test_bad_values_are_refused_at_startup_naming_the_key(tmp_path, over, key):
+    with pytest.raises(ConfigError, match=f"^{key}"):
+        build(_cfg([*DIS, *over]), tmp_path)
+
+
+def test_a_port_in_use_is_one_line_naming_placement_port(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        spec = workers.WorkerSpec(config={}, path="", limit=1, run_dir=str(tmp_path))
+        with pytest.raises(ConfigError, match=rf"^placement.port: cannot listen on 127.0.0.1:{port}") as e:
+            workers.WorkerPool(spec, count=1, port=port)
+    assert "\n" not in str(e.value)
+
+
+def test_the_weight_check_names_the_first_difference():
+    expected = {"a.weight": (2, 3), "b.weight": (4,)}
+    check_weights([("a.weight", (2, 3), "float32"), ("b.weight", (4,), "float32")], expected)
+    with pytest.raises(ValueError, match=r"1 missing \(e.g. \['b.weight'\]\), 1 unexpected \(e.g. \['c'\]\)"):
+        check_weights([("a.weight", (2, 3), "float32"), ("c", (4,), "float32")], expected)
+    with pytest.raises(ValueError, match=r"a.weight has shape \[3, 2\], this worker's model \[2, 3\]"):
+        check_weights([("a.weight", (3, 2), "float32"), ("b.weight", (4,), "float32")], expected)
+
+
+def test_merge_shares_joins_in_share_order_and_recounts_accuracy():
+    from bapo.samples import RolloutBatch
+
+    def share(correct, stats):
+        return RolloutBatch(
+            3, 2, tuple(correct), tuple(float(c) for c in correct), tuple(correct), ("1",) * len(correct), stats, ()
+        )
+
+    a = share(
+        [True, False, False, False], {"reward/accuracy": 0.25, "time/rollout_s": 1.0, "rollout/tokens_per_s": 10.0}
+    )
+    b = share([True, True], {"reward/accuracy": 1.0, "time/rollout_s": 3.0, "rollout/tokens_per_s": 5.0})
+    m = workers.merge_shares([a, b])
+    assert m.correct == (True, False, False, False, True, True)
+    assert m.stats["reward/accuracy"] == pytest.approx(3 / 6)  # over samples, not the mean of the shares' 0.625
+    assert m.stats["time/rollout_s"] == 3.0 and m.stats["rollout/tokens_per_s"] == 15.0  # slowest; summed
+    with pytest.raises(RuntimeError, match="different batches"):
+        workers.merge_shares([a, RolloutBatch(4, 2, (), (), (), (), {}, ())])
+
+
+# ----------------------------------------------------------------------------- real workers
+
+
+def test_a_worker_that_cannot_start_is_one_error_naming_why(tmp_path):
+    cfg = _cfg(DIS)
+    from omegaconf import OmegaConf
+
+    spec = workers.WorkerSpec(
+        config=OmegaConf.to_container(cfg, resolve=True),
+        path=str(tmp_path / "no-model"),
+        limit=64,
+        run_dir=str(tmp_path),
+    )
+    pool = workers.WorkerPool(spec, count=1, start_timeout_s=120)
+    pool.spawn()
+    pids = pool.pids()
+    with pytest.raises(workers.WorkerError, match=r"^rollout worker 0 could not start: .*no-model") as e:
+        pool.wait()
+    assert "\n" not in str(e.value)
+    wait_until(lambda: not any(alive(p) for p in pids), 10, "the worker outlived its failed start")
+
+
+@pytest.mark.slow
+def test_train_py_with_a_worker_that_cannot_start_leaves_no_run_folder(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "train.py", "debug=smoke", *DIS, "placement.worker_start_timeout_s=0.001"]
+    p = subprocess.run([*cmd, f"hydra.run.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    err = [x for x in p.stderr.splitlines() if x.startswith("error:")]
+    assert p.returncode == 1, p.stderr
+    assert err == [err[0]] and "rollout worker 0 could not start" in err[0] and "worker_start_timeout" not in err[0]
+    assert not run_dir.exists()
+
+
+@pytest.fixture
+def threads():
+    """placement.learner_threads sets this process's torch threads: give the other tests theirs back."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "mode",
+    [[], ["train.async_rollout=true", "buffer.max_staleness=3", "learner.mini_batches_per_rollout=1"]],
+    ids=["sync", "async-admission-k3"],
+)
+def test_one_worker_makes_the_colocated_runs_batches(tmp_path, mode, threads):
+    common = ["train.steps=4", "checkpoint.every=0", "placement.learner_threads=1", *mode]
+    run(_cfg(common), tmp_path / "colocated")
+    run(_cfg([*common, *DIS]), tmp_path / "disaggregated")
+    a, b = rows(tmp_path / "colocated"), rows(tmp_path / "disaggregated")
+    assert len(a) == 5 and untimed(a) == untimed(b)
+    assert {r["rollout/worker_restarts"] for r in b[1:]} == {0.0}
+    if not mode:  # (admission at k = 3 makes batches 1-4 with version 0)
+        assert b[2]["time/sync_s"] > 0  # version 2's weights went over gloo for batch 2 (evaluations loaded 0 and 4)
+
+
+@pytest.mark.slow
+def test_two_workers_each_make_a_share_and_the_run_is_reproducible(tmp_path):
+    common = ["train.steps=3", "checkpoint.every=0", *DIS, "rollout.workers=2"]
+    run(_cfg(common), tmp_path / "a")
+    run(_cfg(common), tmp_path / "b")
+    run(_cfg(["train.steps=3", "checkpoint.every=0", *DIS]), tmp_path / "one")
+    a, b, one = rows(tmp_path / "a"), rows(tmp_path / "b"), rows(tmp_path / "one")
+    assert untimed(a) == untimed(b)
+    # share 1 samples with its own seed (as torchrun's rank 1 does): the batches differ from one worker's
+    assert [r["reward/accuracy"] for r in a[1:]] != [r["reward/accuracy"] for r in one[1:]]
+
+
+def _kill_worker_before(batch: int, monkeypatch, how=signal.SIGKILL, resume_after: float | None = None):
+    """Make the worker of batch ``batch`` die (or hang: SIGSTOP) right after it was asked for it."""
+    real = workers.WorkerPool._send
+    seen = {"killed": []}
+
+    def send(self, w, msg):
+        real(self, w, msg)
+        if msg[0] == "make" and msg[1] == batch and not seen["killed"]:
+            seen["killed"].append(w.proc.pid)
+            os.kill(w.proc.pid, how)
+
+    monkeypatch.setattr(workers.WorkerPool, "_send", send)
+    return seen
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["sigkill", "hang"])
+def test_a_worker_lost_mid_run_is_replaced_and_no_metric_changes(tmp_path, monkeypatch, how):
+    common = ["train.steps=4", "checkpoint.every=0", *DIS, "train.async_rollout=true", "buffer.max_staleness=2"]
+    run(_cfg(common), tmp_path / "clean")
+    sig = signal.SIGKILL if how == "sigkill" else signal.SIGSTOP
+    seen = _kill_worker_before(2, monkeypatch, sig)
+    t0 = time.monotonic()
+    run(_cfg([*common, "placement.worker_timeout_s=3"]), tmp_path / "lost")
+    assert time.monotonic() - t0 < 120
+    assert seen["killed"] and not alive(seen["killed"][0])
+    a, b = rows(tmp_path / "clean"), rows(tmp_path / "lost")
+    assert untimed(a) == untimed(b)  # the replacement made batch 2 from the state after batch 1, with its weights
+    assert [r["rollout/worker_restarts"] for r in b[1:]] == [0.0, 1.0, 1.0, 1.0]
+
+
+@pytest.mark.slow
+def test_a_worker_that_keeps_failing_stops_the_run_with_the_reason(tmp_path, monkeypatch):
+    real = workers.WorkerPool._send
+
+    def send(self, w, msg):
+        real(self, w, msg)
+        if msg[0] == "make" and msg[1] >= 2:
+            os.kill(w.proc.pid, signal.SIGKILL)
+
+    monkeypatch.setattr(workers.WorkerPool, "_send", send)
+    with pytest.raises(RuntimeError, match=r"rollout worker 0 failed 2 times in a row \(last: exited with code -9"):
+        run(_cfg(["train.steps=4", *DIS, "placement.worker_restarts=1"]), tmp_path)
+
+
+# ----------------------------------------------------------------------------- train.py: kills and Ctrl-C
+
+
+TRAIN = ["debug=smoke", *DIS, "train.steps=6", "eval.every=3", "checkpoint.every=1", "checkpoint.keep=2"]
+
+
+def launch(run_dir: Path, *extra: str, session: bool = False) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
+    cmd = [sys.executable, "train.py", *TRAIN, *extra, f"hydra.run.dir={run_dir}"]
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=session
+    )
+
+
+def wait_for_step(p: subprocess.Popen, run_dir: Path, step: int, timeout: float = 300) -> None:
+    def reached() -> bool:
+        f = run_dir / "metrics.jsonl"
+        assert p.poll() is None, p.communicate()[0]
+        lines = f.read_text().splitlines() if f.exists() else []
+        return any(json.loads(x)["step"] >= step for x in lines if x.endswith("}"))
+
+    wait_until(reached, timeout, f"step {step} not reached")
+
+
+@pytest.mark.slow
+def test_sigkill_of_the_learner_leaves_no_worker_and_resume_gives_the_same_metrics(tmp_path):
+    async_k3 = ["train.async_rollout=true", "buffer.max_staleness=3"]
+    full = launch(tmp_path / "full", *async_k3)
+    out = full.communicate(timeout=300)[0]
+    assert full.returncode == 0, out
+    p = launch(tmp_path / "killed", *async_k3)
+    wait_for_step(p, tmp_path / "killed", 3)
+    pids = worker_pids(p.pid)
+    assert len(pids) == 1
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    wait_until(lambda: not any(alive(x) for x in pids), 10, "a worker outlived its learner")
+    resumed = launch(tmp_path / "killed", *async_k3, "resume=auto")
+    out = resumed.communicate(timeout=300)[0]
+    assert resumed.returncode == 0, out
+    assert "resumed from" in out
+    a, b = rows(tmp_path / "full"), rows(tmp_path / "killed")
+    assert [r["step"] for r in b] == list(range(7))
+    assert untimed(a) == untimed(b)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_and_sigterm_save_a_checkpoint_and_stop_every_process(tmp_path, sig):
+    p = launch(tmp_path, "train.steps=50", "checkpoint.every=0", session=True)
+    wait_for_step(p, tmp_path, 1)
+    pids = worker_pids(p.pid)
+    assert len(pids) == 1
+    os.killpg(p.pid, sig)  # a terminal's Ctrl-C reaches the whole process group; SIGTERM, a scheduler's kill
+    out = p.communicate(timeout=120)[0]
+    assert p.returncode == 128 + sig, out
+    assert "resume=auto" in out
+    wait_until(lambda: not any(alive(x) for x in pids), 10, "a worker outlived its learner")
+    saved = checkpoint.step_dirs(tmp_path / "checkpoints")
+    assert [s for s, _ in saved] == [rows(tmp_path)[-1]["step"]]
+
+
+def test_weights_cross_the_gloo_group_bit_for_bit(tmp_path):
+    # random weights pushed at version 7: the worker's engine holds exactly them (sums compared exactly)
+    from omegaconf import OmegaConf
+
+    cfg = _cfg(DIS)
+    from bapo import loop
+
+    rc = build(cfg, tmp_path)
+    path, tok, load = loop.model_files(rc)
+    spec = workers.WorkerSpec(
+        config=OmegaConf.to_container(cfg, resolve=True), path=path, limit=64, run_dir=str(tmp_path)
+    )
+    pool = workers.WorkerPool(spec, count=1)
+    try:
+        pool.spawn()
+        pool.wait()
+        from bapo.modeling import load_model
+
+        model = load_model(path, dtype="float32", **load)
+        weights = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+        pool.push_weights(pool.workers[0], weights, 7)
+        got = pool.call(pool.workers[0], ("checksum",))
+        assert got == pytest.approx({k: float(v.double().sum()) for k, v in weights.items()}, rel=0, abs=0)
+        assert pool.workers[0].version == 7
+    finally:
+        pool.stop()
