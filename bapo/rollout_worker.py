@@ -169,9 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--connect", required=True, metavar="HOST:PORT")
     parser.add_argument("--index", type=int, required=True)
+    parser.add_argument("--parent", type=int, default=None, help="the learner's pid (default: this process's parent)")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's: it stops us after its checkpoint
-    watch_parent(os.getppid())
+    watch_parent(args.parent or os.getppid())  # a learner gone before this line is noticed too
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker{args.index} %(levelname)s %(message)s")
     host, port = args.connect.rsplit(":", 1)
     key = os.environ.pop(AUTHKEY_ENV, "")

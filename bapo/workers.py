@@ -190,7 +190,17 @@ class WorkerPool:
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             env[var] = str(self.spec.threads)
         env.pop("RANK", None), env.pop("WORLD_SIZE", None), env.pop("LOCAL_RANK", None)  # not a torchrun rank
-        cmd = [self.python, "-m", "bapo.rollout_worker", "--connect", f"{host}:{port}", "--index", str(index)]
+        cmd = [
+            self.python,
+            "-m",
+            "bapo.rollout_worker",
+            "--connect",
+            f"{host}:{port}",
+            "--index",
+            str(index),
+            "--parent",
+            str(os.getpid()),
+        ]
         with os.fdopen(fd, "w") as out:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env)
         return Worker(index, proc, log_path, generation=generation)

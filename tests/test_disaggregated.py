@@ -339,3 +339,25 @@ def test_weights_cross_the_gloo_group_bit_for_bit(tmp_path):
         assert pool.workers[0].version == 7
     finally:
         pool.stop()
+
+
+def test_a_busy_worker_exits_by_itself_once_its_learner_is_gone(tmp_path):
+    # A worker mid-batch does not read its connection, so it cannot see the learner's end close: the parent
+    # watch (bapo.rollout_worker.watch_parent) is what ends it. Here a "learner" starts a "worker" that only
+    # watches and sleeps, and is then killed with SIGKILL.
+    flag = tmp_path / "watching"
+    child = (
+        "from bapo.rollout_worker import watch_parent; import os, pathlib, time; watch_parent(os.getppid()); "
+        f"pathlib.Path({str(flag)!r}).touch(); time.sleep(600)"
+    )
+    parent = (
+        "import subprocess, sys, time; "
+        f"p = subprocess.Popen([sys.executable, '-c', {child!r}]); print(p.pid, flush=True); time.sleep(600)"
+    )
+    p = subprocess.Popen([sys.executable, "-c", parent], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    pid = int(p.stdout.readline())
+    wait_until(flag.exists, 60, "the worker did not start watching")
+    assert alive(pid)
+    p.kill()
+    p.wait()
+    wait_until(lambda: not alive(pid), 5, "the worker outlived its learner")
