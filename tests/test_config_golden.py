@@ -36,6 +36,11 @@ ADDED: dict[str, object] = {
     "algo.surrogate.mask_threshold": None,
     # Partial rollouts (bapo/rollout_maker.py): off, every response generated whole, as before.
     "rollout.partial_budget": None,
+    # Rollout in worker processes (bapo/workers.py): off, rollout in the learner's process, as before; one
+    # worker where it is on; the learner's torch threads torch's default, as before.
+    "rollout.workers": 1,
+    "placement.mode": "colocated",
+    "placement.learner_threads": None,
 }
 # Per composition, where an added key's value differs from ADDED's.
 ADDED_IN: dict[str, dict[str, object]] = {"algo=eps_feedback": {"algo.objective": "eps_feedback"}}
