@@ -37,7 +37,9 @@ What the intervals may be read as:
 
 Definitions (repeated in report.md):
 - staleness: `staleness_of(cfg)`, followed by how it comes about (`staleness_via`) unless on-policy:
-  `4 (5 epochs)` and `4 (5 mini-batches)` are separate groups. `buffer.max_staleness` is its own column.
+  `4 (5 epochs)` and `4 (5 mini-batches)` are separate groups. Under partial rollouts (`rollout.partial_budget`
+  b of `rollout.max_new_tokens` L) a token may wait ceil(L / b) - 1 more steps for its response's last segment:
+  `3 (partial 14/56)` is the oldest token's age. `buffer.max_staleness` is its own column.
 - a run is complete when `final_metrics.json` exists. Incomplete runs (crashed, interrupted or still
   running) are left out of the statistics, counted in the `incomplete` column and listed by name.
 - grad-norm spike: a step whose `learner/grad_norm` exceeds 3x the median of all earlier steps'
@@ -130,7 +132,16 @@ def staleness_of(cfg: dict) -> int | None:
     mini_batches = _as_int(cfg_get(cfg, "learner.mini_batches_per_rollout"))
     if epochs is None or mini_batches is None:
         return None
-    return epochs * mini_batches - 1
+    return epochs * mini_batches * (1 + partial_lag(cfg)) - 1
+
+
+def partial_lag(cfg: dict) -> int:
+    """Steps a token may wait for its response's last segment under partial rollouts (`rollout.partial_budget` b
+    of `rollout.max_new_tokens` L: ceil(L / b) - 1, as bapo.schedule.partial_lag); 0 without them."""
+    b, cap = _as_int(cfg_get(cfg, "rollout.partial_budget")), _as_int(cfg_get(cfg, "rollout.max_new_tokens"))
+    if b is None or cap is None or b >= cap:
+        return 0
+    return -(-cap // b) - 1
 
 
 def staleness_via(cfg: dict) -> str:
@@ -145,6 +156,9 @@ def staleness_via(cfg: dict) -> str:
     if epochs is None or mini_batches is None:
         return "?"
     reuse = " × ".join(f"{n} {unit}" for n, unit in ((epochs, "epochs"), (mini_batches, "mini-batches")) if n > 1)
+    if partial_lag(cfg):  # "partial 14/56": a budget of 14 of 56 tokens a step
+        budget = f"partial {cfg_get(cfg, 'rollout.partial_budget')}/{cfg_get(cfg, 'rollout.max_new_tokens')}"
+        reuse = f"{reuse}, {budget}" if reuse else budget
     if cfg_get(cfg, "train.async_rollout") is True:
         return f"async, {reuse}" if reuse else "async"
     return reuse or "on-policy"

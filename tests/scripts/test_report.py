@@ -169,6 +169,21 @@ def test_staleness_of():
     assert report.staleness_of({"learner": {"mini_batches_per_rollout": "${x}"}}) is None
 
 
+def test_partial_rollouts_add_their_lag_to_the_staleness_and_name_the_budget():
+    # budget 14 of 56 tokens: up to 4 segments, so a token waits up to 3 steps; at U = 1 it is 3 versions old,
+    # at U = 2 (2 mini-batches) 2 * 4 - 1 = 7; a budget of the whole cap (or none) interrupts nothing
+    one = {"learner": {"ppo_epochs": 1, "mini_batches_per_rollout": 1}}
+    part = one | {"rollout": {"partial_budget": 14, "max_new_tokens": 56}}
+    assert report.staleness_of(part) == 3 and report.staleness_via(part) == "partial 14/56"
+    assert report.staleness_of(one | {"rollout": {"partial_budget": 28, "max_new_tokens": 56}}) == 1
+    assert report.staleness_of(one | {"rollout": {"partial_budget": 20, "max_new_tokens": 56}}) == 2  # ceil(56/20)=3
+    two = part | {"learner": {"ppo_epochs": 1, "mini_batches_per_rollout": 2}}
+    assert report.staleness_of(two) == 7 and report.staleness_via(two) == "2 mini-batches, partial 14/56"
+    for whole in (56, 64, None):
+        cfg = one | {"rollout": {"partial_budget": whole, "max_new_tokens": 56}}
+        assert report.staleness_of(cfg) == 0 and report.staleness_via(cfg) == "on-policy"
+
+
 def test_staleness_via():
     via = report.staleness_via
     assert via({"learner": {"ppo_epochs": 1, "mini_batches_per_rollout": 1}}) == "on-policy"
