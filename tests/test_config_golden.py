@@ -36,10 +36,7 @@ ADDED: dict[str, object] = {
     "algo.surrogate.mask_threshold": None,
     # Partial rollouts (bapo/rollout_maker.py): off, every response generated whole, as before.
     "rollout.partial_budget": None,
-    # Rollout in worker processes (bapo/workers.py): off, rollout in the learner's process, as before; one
-    # worker where it is on; the learner's torch threads torch's default, as before.
-    "rollout.workers": 1,
-    "placement.mode": "colocated",
+    # The learner's torch threads (placement.learner_threads): torch's default, as before.
     "placement.learner_threads": None,
 }
 # Per composition, where an added key's value differs from ADDED's.
