@@ -364,17 +364,27 @@ def gather_batch(mine: RolloutBatch, world: int, *, tp: int = 1) -> RolloutBatch
     gathered = dist.all_gather_tensors(encode_share(mine))
     if len(gathered) != world:
         raise RuntimeError(f"gathered {len(gathered)} shares from {world} ranks")
-    parts = [decode_share(p, mine) for p in gathered[::tp]]
+    return join_shares([decode_share(p, mine) for p in gathered[::tp]])
+
+
+def join_shares(parts: list[RolloutBatch]) -> RolloutBatch:
+    """The shares of one rollout batch (ranks', or rollout workers') as one batch, in share order: samples
+    concatenated (their group ids are already the batch's), stats merged (:func:`merge_stats`), accuracy
+    recounted over all the samples."""
+    first = parts[0]
+    for p in parts[1:]:
+        if (p.index, p.version) != (first.index, first.version):
+            raise RuntimeError(f"shares of different batches: {(p.index, p.version)} vs {(first.index, first.version)}")
     correct = tuple(c for p in parts for c in p.correct)
     stats = merge_stats([p.stats for p in parts])
     stats["reward/accuracy"] = sum(correct) / max(len(correct), 1)
     return RolloutBatch(
-        mine.index,
-        mine.version,
+        first.index,
+        first.version,
         tuple(s for p in parts for s in p.samples),
         tuple(r for p in parts for r in p.rewards),
         correct,
         tuple(x for p in parts for x in p.extracted),
         stats,
-        mine.prompts,
+        first.prompts,
     )

@@ -41,13 +41,12 @@ import logging
 import os
 import pickle
 import secrets
-import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Listener
 from typing import Any
@@ -56,6 +55,7 @@ import torch
 import torch.distributed as tdist
 
 from bapo.checks import ConfigError
+from bapo.rollout.base import RolloutEngine
 from bapo.rollout_source import Interrupted
 from bapo.samples import Prompt, RolloutBatch, Sample
 
@@ -106,7 +106,6 @@ class Worker:
     pg: Any = None
     version: int | None = None  # the weights it holds (None: not loaded by the learner yet)
     generation: int = 0  # bumped at each restart: names its process group in the store
-    requests: int = 0
     info: dict = field(default_factory=dict)
 
 
@@ -378,9 +377,8 @@ class WorkerPool:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 w.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             self._kill(w)
-            if w.proc.returncode in (0, -signal.SIGKILL) or w.proc.returncode is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(w.log_path)
+            with contextlib.suppress(OSError):
+                os.unlink(w.log_path)  # a clean stop: its log has served
         with contextlib.suppress(Exception):
             self.listener.close()
         self.store = None
@@ -398,31 +396,11 @@ class WorkerPool:
 
 
 def merge_shares(parts: list[RolloutBatch]) -> RolloutBatch:
-    """The workers' shares of one batch as one batch, in share order (group ids are already the batch's)."""
-    from bapo.rollout_maker import merge_stats
+    """The workers' shares of one batch as one batch (:func:`bapo.rollout_maker.join_shares`); one worker's
+    share is the batch as it made it."""
+    from bapo.rollout_maker import join_shares
 
-    first = parts[0]
-    for p in parts[1:]:
-        if (p.index, p.version) != (first.index, first.version):
-            raise RuntimeError(
-                f"workers made different batches: {(p.index, p.version)} vs {(first.index, first.version)}"
-            )
-    if len(parts) == 1:
-        return first
-    correct = tuple(c for p in parts for c in p.correct)
-    stats = merge_stats([p.stats for p in parts])
-    stats["reward/accuracy"] = sum(correct) / max(len(correct), 1)
-    samples = tuple(s for p in parts for s in p.samples)
-    return RolloutBatch(
-        first.index,
-        first.version,
-        samples,
-        tuple(r for p in parts for r in p.rewards),
-        correct,
-        tuple(x for p in parts for x in p.extracted),
-        stats,
-        first.prompts,
-    )
+    return parts[0] if len(parts) == 1 else join_shares(parts)
 
 
 class RemoteMaker:
@@ -493,12 +471,11 @@ class RemoteMaker:
                 self.pool.retrying(i, lambda w, fresh: self.pool.call(w, ("load_state", state)), self.recover)
 
 
-class RemoteEngine:
-    """The engine a disaggregated run lends for evaluation: worker 0's, through its connection. Loading
-    weights keeps a reference to them (the learner does not update during an evaluation), so that a
+class RemoteEngine(RolloutEngine):
+    """The engine a disaggregated run lends for evaluation: worker 0's, through its connection (the
+    :class:`~bapo.rollout.base.RolloutEngine` interface: its sampling defaults, no-op ``sleep`` and ``wake``).
+    Loading weights keeps a reference to them (the learner does not update during an evaluation), so that a
     worker lost mid-evaluation is replaced and given them again."""
-
-    tensor_parallel_size = 1
 
     def __init__(
         self, pool: WorkerPool, maker: RemoteMaker, *, n: int, temperature: float, pad_id: int, max_new_tokens: int
@@ -508,7 +485,7 @@ class RemoteEngine:
         self._weights: Mapping[str, torch.Tensor] | None = None
 
     @property
-    def version(self) -> int:
+    def version(self) -> int:  # type: ignore[override]  (the worker's, not an attribute of this process)
         v = self.pool.workers[0].version
         return -1 if v is None else v
 
@@ -520,16 +497,7 @@ class RemoteEngine:
         with self.pool._lock:  # noqa: SLF001
             return self.pool.retrying(0, lambda w, fresh: self.pool.push_weights(w, weights, version), self._recover)
 
-    def generate(
-        self,
-        prompts: Sequence[Prompt],
-        *,
-        n: int | None = None,
-        temperature: float | None = None,
-        seed: int | None = None,
-    ) -> list[Sample]:
-        n = self.n if n is None else n
-        temperature = self.temperature if temperature is None else temperature
+    def _generate(self, prompts: Sequence[Prompt], n: int, temperature: float, seed: int | None) -> list[Sample]:
         version = self.version
 
         def gen(w: Worker, fresh: bool) -> list[Sample]:
@@ -541,22 +509,6 @@ class RemoteEngine:
 
         with self.pool._lock:  # noqa: SLF001
             return self.pool.retrying(0, gen, self._recover)
-
-    def sleep(self) -> None:
-        """Nothing to free here: the engine is in another process."""
-
-    def wake(self) -> None:
-        """Nothing to wake here."""
-
-
-@contextlib.contextmanager
-def no_sigint() -> Iterator[None]:
-    """SIGINT ignored inside the block (a worker ignores it for its whole life: the learner stops it)."""
-    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, old)
 
 
 def start_pool(rc: Any, cfg: Any, *, path: str, limit: int, interrupt: threading.Event) -> WorkerPool:
