@@ -352,12 +352,6 @@ def check_combinations(rc: RunConfig, world: int | None = None, launched: bool |
     )
     if rc.placement.mode == "disaggregated":
         require(
-            world == 1,
-            "placement.mode",
-            f"disaggregated runs one learner process for now; torchrun started {world} ranks (use "
-            "placement.mode=colocated under torchrun)",
-        )
-        require(
             rc.rollout.engine == "hf",
             "rollout.engine",
             f"placement.mode=disaggregated runs the hf engine in its workers (got {rc.rollout.engine!r}); vLLM's "

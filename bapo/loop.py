@@ -279,7 +279,7 @@ def build_stages(rc: RunConfig, cfg: DictConfig | None = None) -> Stages:
     limit = prompt_limit(d.max_prompt_tokens, rc.rollout.max_new_tokens, context, model_dir=path)
     interrupt = threading.Event()
     pool = None
-    if remote:  # the workers load their models while this process builds the learner
+    if remote and dist.is_main():  # rank 0's workers load their models while the ranks build the learner
         pool = workers.start_pool(rc, cfg, path=path, limit=limit, interrupt=interrupt)
     try:
         learner = Learner(
@@ -297,7 +297,7 @@ def build_stages(rc: RunConfig, cfg: DictConfig | None = None) -> Stages:
         )
         if engine_model is not None:
             engine_model.to(learner.device)
-        if pool is None:
+        if not remote:
             maker, engine, verifier, report, heldout = build_maker(
                 rc,
                 path=path,
@@ -308,7 +308,8 @@ def build_stages(rc: RunConfig, cfg: DictConfig | None = None) -> Stages:
                 world=dist.world_size(),
             )
         else:  # the held-out set is this process's; the training stream is the workers'
-            pool.wait()
+            if pool is not None:
+                pool.wait()
             maker, engine = workers.remote_maker(rc, pool, tok)
             verifier = build_verifier(rc)
             _, heldout, report = problem_sources(rc.data)

@@ -403,14 +403,30 @@ def merge_shares(parts: list[RolloutBatch]) -> RolloutBatch:
     return parts[0] if len(parts) == 1 else join_shares(parts)
 
 
+def gathered(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every entry of ``weights`` read once, in its own order, on this process's CPU. Under torchrun the
+    learner's live weights are a streamed mapping whose reads are collectives: every rank reads them here
+    together, and rank 0 keeps the copy it pushes to its workers."""
+    return {n: t.detach().cpu() for n, t in weights.items()}
+
+
 class RemoteMaker:
     """The batch maker of a disaggregated run (:class:`bapo.offpolicy.BatchMaker`): batch t is made by every
     worker at once, each its share, with the weights of the version the schedule gave; a lost worker is
-    replaced and its share made again from its last accepted state."""
+    replaced and its share made again from its last accepted state.
 
-    def __init__(self, pool: WorkerPool):
-        self.pool = pool
-        self.states: list[dict | None] = [None] * pool.count  # each worker's maker state after its last batch
+    Under torchrun only rank 0 holds the pool (``pool`` is None on the others). Every rank calls ``make``
+    together in sync mode, so the weights of a new version are read on every rank (their reads are collectives,
+    :func:`gathered`); rank 0 makes the batch, and ``gather``, on the learner's thread, broadcasts it. The
+    versions are tracked alike on every rank, so that every rank takes the same branch."""
+
+    def __init__(self, pool: WorkerPool | None, world: int = 1):
+        self.pool, self.world = pool, world
+        count = pool.count if pool is not None else 0
+        self.states: list[dict | None] = [None] * count  # each worker's maker state after its last batch
+        self.version: int | None = None  # the version of the weights the last batch read (every rank alike)
+        self.copy: dict[str, torch.Tensor] | None = None  # rank 0 under torchrun: those weights, gathered
+        self.held: int | None = None  # the version worker 0 holds, as every rank knows it (evaluation's)
 
     def recover(self, w: Worker) -> None:
         """A replacement's maker state: the one its predecessor had after its last accepted batch."""
@@ -418,8 +434,23 @@ class RemoteMaker:
         if state is not None:
             self.pool.call(w, ("load_state", state))
 
-    def make(self, t: int, version: int, weights: Mapping[str, torch.Tensor]) -> RolloutBatch:
+    def read(self, weights: Mapping[str, torch.Tensor], version: int) -> Mapping[str, torch.Tensor]:
+        """The weights to push for ``version``: as given in one process; under torchrun, read on every rank
+        when the version is new, and kept on rank 0."""
+        if self.world == 1:
+            return weights
+        if version != self.version:
+            copy = gathered(weights)
+            self.copy = copy if self.pool is not None else None
+        self.version = version
+        return self.copy if self.copy is not None else {}
+
+    def make(self, t: int, version: int, weights: Mapping[str, torch.Tensor]) -> RolloutBatch | tuple:
+        weights = self.read(weights, version)
+        self.held = version
         pool = self.pool
+        if pool is None:
+            return ("made on rank 0", t, version)  # gather() brings rank 0's batch
 
         def start(w: Worker) -> None:
             if w.version != version:
@@ -453,18 +484,32 @@ class RemoteMaker:
             stats["time/worker_batch_s"] = time.perf_counter() - t0
             return dataclasses.replace(out, stats=stats)
 
-    def gather(self, item: RolloutBatch) -> RolloutBatch:
-        return item
+    def gather(self, item: RolloutBatch | tuple) -> RolloutBatch:
+        """The batch on every rank (rank 0's, broadcast, under torchrun)."""
+        if self.world == 1:
+            return item
+        from bapo import dist
+
+        return dist.broadcast_object(item if self.pool is not None else None)
 
     def state_dict(self) -> dict:
         """The rollout maker's state after the last batch made (every worker's prompt stream is at the same
-        place; worker 0's is the one a resume gives them all). Before any batch: asked of worker 0."""
+        place; worker 0's is the one a resume gives them all). Before any batch: asked of worker 0. Under
+        torchrun rank 0's checkpoint file carries it; the other ranks hold none."""
+        if self.pool is None:
+            return {}
         if self.states[0] is None:
             with self.pool._lock:  # noqa: SLF001
                 self.states[0] = self.pool.retrying(0, lambda w, fresh: self.pool.call(w, ("state",)), self.recover)
         return self.states[0]
 
     def load_state_dict(self, state: dict) -> None:
+        if self.pool is None:
+            return
+        if not state:
+            raise ValueError(
+                "this checkpoint's rollout-maker state is empty: resume it with the world size that wrote it"
+            )
         with self.pool._lock:  # noqa: SLF001
             for i in range(self.pool.count):
                 self.states[i] = state
@@ -474,41 +519,64 @@ class RemoteMaker:
 class RemoteEngine(RolloutEngine):
     """The engine a disaggregated run lends for evaluation: worker 0's, through its connection (the
     :class:`~bapo.rollout.base.RolloutEngine` interface: its sampling defaults, no-op ``sleep`` and ``wake``).
-    Loading weights keeps a reference to them (the learner does not update during an evaluation), so that a
-    worker lost mid-evaluation is replaced and given them again."""
+    Loading weights keeps them (the learner does not update during an evaluation), so that a worker lost
+    mid-evaluation is replaced and given them again. Under torchrun every rank is one generator
+    (``tensor_parallel_size`` = the world): rank 0 asks worker 0, and broadcasts the samples."""
 
     def __init__(
-        self, pool: WorkerPool, maker: RemoteMaker, *, n: int, temperature: float, pad_id: int, max_new_tokens: int
+        self,
+        pool: WorkerPool | None,
+        maker: RemoteMaker,
+        *,
+        n: int,
+        temperature: float,
+        pad_id: int,
+        max_new_tokens: int,
+        world: int = 1,
     ):
-        self.pool, self.maker = pool, maker
+        self.pool, self.maker, self.world = pool, maker, world
+        self.tensor_parallel_size = world
         self.n, self.temperature, self.pad_id, self.max_new_tokens = n, temperature, pad_id, max_new_tokens
         self._weights: Mapping[str, torch.Tensor] | None = None
 
     @property
-    def version(self) -> int:  # type: ignore[override]  (the worker's, not an attribute of this process)
-        v = self.pool.workers[0].version
-        return -1 if v is None else v
+    def version(self) -> int:  # type: ignore[override]  (worker 0's, as every rank knows it)
+        return -1 if self.maker.held is None else self.maker.held
 
     def _recover(self, w: Worker) -> None:
         self.maker.recover(w)
 
     def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> float:
+        t0 = time.perf_counter()
+        if self.world > 1:
+            weights = gathered(weights)  # every rank reads them (collectives); rank 0 pushes them
+        self.maker.held = version
+        if self.pool is None:
+            return time.perf_counter() - t0
         self._weights = weights
         with self.pool._lock:  # noqa: SLF001
-            return self.pool.retrying(0, lambda w, fresh: self.pool.push_weights(w, weights, version), self._recover)
+            self.pool.retrying(0, lambda w, fresh: self.pool.push_weights(w, weights, version), self._recover)
+        return time.perf_counter() - t0
 
     def _generate(self, prompts: Sequence[Prompt], n: int, temperature: float, seed: int | None) -> list[Sample]:
-        version = self.version
+        samples = None
+        if self.pool is not None:
+            version = self.version
 
-        def gen(w: Worker, fresh: bool) -> list[Sample]:
-            if fresh:
-                if self._weights is None:
-                    raise RuntimeError("rollout worker 0 was replaced during an evaluation and no weights are held")
-                self.pool.push_weights(w, self._weights, version)
-            return self.pool.call(w, ("generate", list(prompts), n, temperature, seed))
+            def gen(w: Worker, fresh: bool) -> list[Sample]:
+                if fresh or w.version != version:
+                    if self._weights is None:
+                        raise RuntimeError("rollout worker 0 lacks the evaluation's weights and none are held")
+                    self.pool.push_weights(w, self._weights, version)
+                return self.pool.call(w, ("generate", list(prompts), n, temperature, seed))
 
-        with self.pool._lock:  # noqa: SLF001
-            return self.pool.retrying(0, gen, self._recover)
+            with self.pool._lock:  # noqa: SLF001
+                samples = self.pool.retrying(0, gen, self._recover)
+        if self.world == 1:
+            return samples
+        from bapo import dist
+
+        return dist.broadcast_object(samples)
 
 
 def start_pool(rc: Any, cfg: Any, *, path: str, limit: int, interrupt: threading.Event) -> WorkerPool:
@@ -539,13 +607,22 @@ def start_pool(rc: Any, cfg: Any, *, path: str, limit: int, interrupt: threading
     return pool
 
 
-def remote_maker(rc: Any, pool: WorkerPool, tokenizer: Any) -> tuple[RemoteMaker, RemoteEngine]:
-    """The batch maker and the evaluation engine a disaggregated run's producer drives."""
+def remote_maker(rc: Any, pool: WorkerPool | None, tokenizer: Any) -> tuple[RemoteMaker, RemoteEngine]:
+    """The batch maker and the evaluation engine a disaggregated run's producer drives (``pool``: rank 0's
+    workers; None on the other ranks of a torchrun job)."""
+    from bapo import dist
     from bapo.rollout.base import pad_id_of
 
-    maker = RemoteMaker(pool)
+    world = dist.world_size()
+    maker = RemoteMaker(pool, world)
     r = rc.rollout
     engine = RemoteEngine(
-        pool, maker, n=r.n, temperature=r.temperature, pad_id=pad_id_of(tokenizer), max_new_tokens=r.max_new_tokens
+        pool,
+        maker,
+        n=r.n,
+        temperature=r.temperature,
+        pad_id=pad_id_of(tokenizer),
+        max_new_tokens=r.max_new_tokens,
+        world=world,
     )
     return maker, engine

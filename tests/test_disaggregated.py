@@ -195,6 +195,23 @@ def test_one_worker_makes_the_colocated_runs_batches(tmp_path, mode, threads):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_partial_rollouts_take_new_weights_between_segments_in_the_worker(tmp_path, asynchronous, threads):
+    # In-flight weight updates: a worker continues its unfinished responses with each step's weights, every
+    # token tagged with the version that sampled it, and the run is the colocated partial run, metric for metric.
+    common = ["train.steps=4", "checkpoint.every=0", "placement.learner_threads=1"]
+    common += ["rollout.partial_budget=12", "buffer.max_staleness=7"]
+    if asynchronous:
+        common += ["train.async_rollout=true"]
+    run(_cfg(common), tmp_path / "colocated")
+    run(_cfg([*common, *DIS]), tmp_path / "disaggregated")
+    a, b = rows(tmp_path / "colocated"), rows(tmp_path / "disaggregated")
+    assert untimed(a) == untimed(b)
+    assert max(r["rollout/resumed_frac"] for r in b[1:]) > 0  # responses spanned segments
+    assert max(r["buffer/token_staleness_max"] for r in b[1:]) > 0  # ... and versions
+
+
+@pytest.mark.slow
 def test_two_workers_each_make_a_share_and_the_run_is_reproducible(tmp_path):
     common = ["train.steps=3", "checkpoint.every=0", *DIS, "rollout.workers=2"]
     run(_cfg(common), tmp_path / "a")
@@ -361,3 +378,34 @@ def test_a_busy_worker_exits_by_itself_once_its_learner_is_gone(tmp_path):
     p.kill()
     p.wait()
     wait_until(lambda: not alive(pid), 5, "the worker outlived its learner")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", [[], ["train.async_rollout=true", "buffer.max_staleness=3"]], ids=["sync", "async"])
+def test_torchrun_learner_ranks_with_workers_train_as_the_colocated_ranks_and_resume_exactly(tmp_path, mode):
+    # `torchrun --nproc_per_node=2 train.py learner=fsdp placement=disaggregated rollout.workers=2`: rank 0 holds
+    # the workers, every rank reads the FSDP weights together, and each worker makes the share its rank would
+    # have. Training metrics equal the colocated 2-rank run's; evaluation is one generator (worker 0) here
+    # where the colocated ranks are two, so its metrics are not compared.
+    import shutil
+
+    from tests.test_loop_fsdp import torchrun
+
+    dis = [*DIS, "rollout.workers=2", *mode]
+    torchrun(tmp_path / "colocated", *mode)
+    out = torchrun(tmp_path / "full", *dis)
+    assert "2 rollout worker(s) ready" in out and out.count("2 rollout worker(s) ready") == 1  # rank 0's only
+
+    def training(rs):
+        return [{k: v for k, v in r.items() if not k.startswith("eval/")} for r in untimed(rs)]
+
+    full = rows(tmp_path / "full")
+    assert [r["step"] for r in full] == [0, 1, 2, 3, 4]
+    assert training(rows(tmp_path / "colocated")) == training(full)
+    # as if killed after step 3: the step-4 checkpoint and the end of the run never happened
+    shutil.copytree(tmp_path / "full", tmp_path / "resumed")
+    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "step_000004")
+    (tmp_path / "resumed" / "final_metrics.json").unlink()
+    out = torchrun(tmp_path / "resumed", *dis, "resume=auto")
+    assert "resumed from" in out and "step_000002" in out
+    assert untimed(rows(tmp_path / "resumed")) == untimed(full)
