@@ -22,6 +22,7 @@ from bapo.checks import imported, require
 ENGINES: dict[str, str] = {
     "hf": "bapo.rollout.hf:HFRollout",
     "vllm": "bapo.rollout.vllm:VLLMRollout",
+    "vllm_server": "bapo.rollout.vllm_server:VLLMServerRollout",
 }
 
 WEIGHT_PATHS = ("in_process", "transport")

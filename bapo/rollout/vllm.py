@@ -134,6 +134,25 @@ def _repack_lm_head(worker) -> bool:
     return True
 
 
+def save_weights(weights: Mapping[str, torch.Tensor], folder: Path, dtype: torch.dtype) -> None:
+    """The learner's weights as ``folder/model.safetensors`` in ``dtype`` (read once, in their order), for a vLLM
+    worker in another process to reload; a reader never sees a half-written file (written, then renamed)."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors, seen = {}, set()
+    for name, t in weights.items():
+        t = t.detach().to(dtype) if t.is_floating_point() else t.detach()
+        key = (t.data_ptr(), t.shape)
+        if key in seen:  # a tied alias (lm_head.weight): safetensors refuses shared storage
+            continue
+        seen.add(key)
+        tensors[name] = t.cpu().contiguous()
+    tmp = folder / "model.safetensors.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.replace(folder / "model.safetensors")
+
+
 class VLLMRollout(RolloutEngine):
     """Batched sampling with vLLM's offline engine."""
 
@@ -292,19 +311,7 @@ class VLLMRollout(RolloutEngine):
 
     def _reload_from_disk(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Workers in other processes: write the weights as safetensors, and the workers reload that folder."""
-        from safetensors.torch import save_file
-
-        tensors, seen = {}, set()
-        for name, t in self._cast(weights):
-            key = (t.data_ptr(), t.shape)
-            if key in seen:  # a tied alias (lm_head.weight): safetensors refuses shared storage
-                continue
-            seen.add(key)
-            tensors[name] = t.cpu().contiguous()
-        # write then rename, so a worker never reads a half-written file
-        tmp = self._weights_dir / "model.safetensors.tmp"
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-        tmp.replace(self._weights_dir / "model.safetensors")
+        save_weights(weights, self._weights_dir, self.engine_dtype)
         self.llm.collective_rpc(
             "reload_weights", kwargs={"weights_path": str(self._weights_dir), "is_checkpoint_format": True}
         )
