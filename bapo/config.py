@@ -354,8 +354,8 @@ def check_combinations(rc: RunConfig, world: int | None = None, launched: bool |
         require(
             rc.rollout.engine == "hf",
             "rollout.engine",
-            f"placement.mode=disaggregated runs the hf engine in its workers (got {rc.rollout.engine!r}); vLLM's "
-            "server is not wired in yet",
+            f"placement.mode=disaggregated runs the hf engine in its workers (got {rc.rollout.engine!r}); for vLLM "
+            "in processes of its own use rollout=vllm_server (it starts one vLLM server per learner rank)",
         )
         require(
             rc.rollout.segment_budget is None or rc.rollout.workers == 1,

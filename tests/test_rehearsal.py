@@ -54,6 +54,8 @@ PAPER_7B_SIZES = {
     "eval.sets_limit": "2",  # all 30 problems
     "checkpoint.every": "2",  # 10 of 150 steps
 }
+# 4 GPUs train, 4 generate behind vLLM servers (docs/gpu.md, "Generation on GPUs of its own"); vLLM only
+PAPER_7B_SPLIT = "torchrun --standalone --nproc_per_node=4 train.py experiment=paper_7b placement=gpu_node_split train.async_rollout=true"
 QWEN7B = "python train.py algo=bapo model=qwen7b"
 QWEN7B_SIZES = {
     "train.steps": "2",
@@ -100,7 +102,7 @@ def sized(sizes: dict[str, str]) -> list[str]:
 # ----------------------------------------------------------------------------- the commands and their configs
 
 
-@pytest.mark.parametrize("command", [PAPER_7B, QWEN7B, SWEEP, EVAL])
+@pytest.mark.parametrize("command", [PAPER_7B, PAPER_7B_SPLIT, QWEN7B, SWEEP, EVAL])
 def test_the_rehearsed_commands_are_the_documented_ones(command):
     assert any(command in doc.read_text() for doc in DOCS), f"{command!r} is no longer in {[d.name for d in DOCS]}"
 
@@ -142,6 +144,7 @@ def with_checkpoint(user: list[str], run: str | Path) -> list[str]:
 
 CASES = {
     "paper_7b-vllm": ("config", overrides(PAPER_7B), PAPER_7B_SIZES),
+    "paper_7b_split-vllm": ("config", overrides(PAPER_7B_SPLIT), PAPER_7B_SIZES),
     "qwen7b-vllm": ("config", overrides(QWEN7B), QWEN7B_SIZES),
     "eval-vllm": ("eval_config", with_checkpoint(overrides(EVAL), "outputs/run"), EVAL_SIZES),
     "sweep_cell": ("config", [*overrides(SWEEP), *SWEEP_CELL], SWEEP_SIZES),
@@ -367,3 +370,27 @@ def test_one_cell_of_the_staleness_sweep_runs_and_a_relaunch_skips_it(world):
     assert_ran_as_composed(job, cell, env, steps=2, version=6)  # 2 steps x 3 mini-batches: staleness up to 2
     out = launch(sys.executable, args, env, torchrun=False)  # the sweep's resume=auto: a finished cell is skipped
     assert "is complete" in out and [r["step"] for r in rows(job)] == [0, 1, 2]
+
+
+@pytest.mark.slow
+def test_paper_7b_split_trains_ahead_through_vllm_servers_and_resumes_exactly(world):
+    """`torchrun train.py experiment=paper_7b placement=gpu_node_split train.async_rollout=true`: each learner rank starts a vLLM server of its
+    own, generation runs ahead of training (async, admission schedule), and a run killed after step 3 resumes to
+    the same metrics; no server outlives its run."""
+    env, base = world["env"], world["base"] / "paper_7b_split"
+    full = base / "full"
+    py, train = train_as_the_user(world, "vllm", PAPER_7B_SPLIT, PAPER_7B_SIZES, full, torchrun=True)
+    got = assert_ran_as_composed(full, train[1:], env, steps=4, version=16)
+    cfg = yaml.safe_load((full / "config.yaml").read_text())
+    assert cfg["rollout"]["engine"] == "vllm_server" and cfg["train"]["async_rollout"] is True
+    assert all(r["rollout/logp_mismatch_max"] < 1e-3 for r in got[1:] if "rollout/logp_mismatch_max" in r)
+    shutil.copytree(full, base / "resumed", symlinks=True)
+    resumed = base / "resumed"
+    shutil.rmtree(resumed / "checkpoints" / "step_000004")
+    shutil.rmtree(resumed / "export")
+    (resumed / "final_metrics.json").unlink()
+    out = launch(py, [*train, f"hydra.run.dir={resumed}", "resume=auto"], env, torchrun=True)
+    assert "resumed from" in out and "step_000002" in out
+    assert untimed(rows(resumed)) == untimed(rows(full))
+    ps = subprocess.run(["ps", "-eo", "stat,args"], capture_output=True, text=True).stdout.splitlines()
+    assert not [p for p in ps if "bapo.rollout.vllm_server" in p and not p.startswith("Z")]

@@ -71,7 +71,7 @@ class VLLMServerConfig(RolloutCommon):
     url: str | None = resumable()  # a running server (or one per torchrun rank, comma-separated); null: start one
     host: str = resumable()  # where a started server listens
     port: int = resumable()  # a started server's port (0: any free one; under torchrun, port + local rank)
-    gpus: str | None = resumable()  # a started server's CUDA_VISIBLE_DEVICES, split over the local ranks
+    gpus: str | None = resumable()  # started servers' devices (CUDA_VISIBLE_DEVICES), split evenly over local ranks
     gpu_memory_utilization: float = resumable()
     tensor_parallel_size: int = resumable()
     enforce_eager: bool = resumable()
@@ -296,12 +296,13 @@ class VLLMServerRollout(RolloutEngine):
             env.pop(k, None)  # the server is not a torchrun rank
         if gpus:
             ids = [g.strip() for g in gpus.split(",") if g.strip()]
-            per = tensor_parallel_size
+            ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size()))
+            per = len(ids) // ranks
             require(
-                len(ids) >= per * (local + 1),
+                per >= tensor_parallel_size and len(ids) % ranks == 0,
                 "rollout.gpus",
-                f"{gpus!r} has {len(ids)} devices; local rank {local}'s server needs devices "
-                f"{per * local}..{per * (local + 1) - 1} (rollout.tensor_parallel_size={per} each)",
+                f"{gpus!r} has {len(ids)} devices for {ranks} local ranks' servers: give a multiple of {ranks}, "
+                f"at least rollout.tensor_parallel_size={tensor_parallel_size} each",
             )
             env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[per * local : per * (local + 1)])
         self.log = self.dir / "server.log"
