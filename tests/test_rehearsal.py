@@ -55,7 +55,10 @@ PAPER_7B_SIZES = {
     "checkpoint.every": "2",  # 10 of 150 steps
 }
 # 4 GPUs train, 4 generate behind vLLM servers (docs/gpu.md, "Generation on GPUs of its own"); vLLM only
-PAPER_7B_SPLIT = "torchrun --standalone --nproc_per_node=4 train.py experiment=paper_7b placement=gpu_node_split train.async_rollout=true"
+PAPER_7B_SPLIT = (
+    "torchrun --standalone --nproc_per_node=4 train.py experiment=paper_7b placement=gpu_node_split "
+    "train.async_rollout=true"
+)
 QWEN7B = "python train.py algo=bapo model=qwen7b"
 QWEN7B_SIZES = {
     "train.steps": "2",
@@ -374,9 +377,9 @@ def test_one_cell_of_the_staleness_sweep_runs_and_a_relaunch_skips_it(world):
 
 @pytest.mark.slow
 def test_paper_7b_split_trains_ahead_through_vllm_servers_and_resumes_exactly(world):
-    """`torchrun train.py experiment=paper_7b placement=gpu_node_split train.async_rollout=true`: each learner rank starts a vLLM server of its
-    own, generation runs ahead of training (async, admission schedule), and a run killed after step 3 resumes to
-    the same metrics; no server outlives its run."""
+    """`torchrun train.py experiment=paper_7b placement=gpu_node_split train.async_rollout=true`: each learner rank
+    starts a vLLM server of its own, generation runs ahead of training (async, admission schedule), and a run
+    killed after step 3 resumes to the same metrics; no server outlives its run."""
     env, base = world["env"], world["base"] / "paper_7b_split"
     full = base / "full"
     py, train = train_as_the_user(world, "vllm", PAPER_7B_SPLIT, PAPER_7B_SIZES, full, torchrun=True)
