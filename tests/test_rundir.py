@@ -418,6 +418,8 @@ HAND_KEPT = {
     *("learner.cpu_offload", "learner.max_consecutive_skips", "rollout.batch_size", "rollout.gpu_memory_utilization"),
     *("rollout.tensor_parallel_size", "rollout.enable_sleep_mode", "rollout.sleep_level", "rollout.enforce_eager"),
     *("placement.*", "model.attn_implementation"),
+    *("rollout.url", "rollout.host", "rollout.port", "rollout.gpus", "rollout.server_args"),  # where the server is
+    *("rollout.start_timeout_s", "rollout.request_timeout_s", "rollout.weights_dir"),
     "rollout.workers",  # like a new torchrun world size: share 1 on samples with its own seed from the resume on
 }
 
