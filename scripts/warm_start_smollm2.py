@@ -44,8 +44,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from build_tiny_explore_model import HELDOUT_FRAC, N_HELDOUT, SPEC, SPLIT_SEED, measure, sft_problem  # noqa: E402
-from build_tiny_model import encode_batch, write_model_folder  # noqa: E402
+from build_tiny_explore_model import (  # noqa: E402
+    HELDOUT_FRAC,
+    N_HELDOUT,
+    SPEC,
+    SPLIT_SEED,
+    encode_sft,
+    measure,
+    sft_problem,
+)
+from build_tiny_model import write_model_folder  # noqa: E402
 
 from bapo.checkpoint import staged_folder  # noqa: E402
 from bapo.data import Problem, render_prompt  # noqa: E402
@@ -66,6 +74,22 @@ def load(path: Path):
     if tok.pad_token_id is None:
         raise SystemExit(f"{path}: the tokenizer has no pad token")
     return model, tok
+
+
+def sft_batch(
+    rng: random.Random, tok, size: int, *, max_new_tokens: int, commute: bool = False, ramble_share: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One supervised batch: ``size`` training-split problems rendered with the product's prompt and their worked
+    solutions (token ids and the loss mask over the solutions). With ``ramble_share`` > 0 that share of the
+    solutions, drawn alike for every problem, never boxes an answer and is cut at ``max_new_tokens`` with no end
+    token (the rambling testbed's mode, ``build_tiny_explore_model.ramble``); at 0 and without ``commute`` the
+    draws and tensors are the original warm start's."""
+    render = prompt_text(tok)
+    pairs = []
+    for _ in range(size):
+        text, solution = sft_problem(rng, commuted=commute, ramble_share=ramble_share, ramble_chars=2 * max_new_tokens)
+        pairs.append((render(Problem(id="", problem=text, answer="", source="mixops")), solution))
+    return encode_sft(tok, pairs, max_new_tokens)
 
 
 def bands(model, tok, *, seed: int, max_new_tokens: int) -> dict[str, float]:
@@ -99,11 +123,17 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=20)
     ap.add_argument("--probe", type=int, default=48, help="held-out problems the early stop samples (x 4 each)")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="as conf/model/smollm2_135m_mixops.yaml")
+    ap.add_argument("--commute", action="store_true", help="write each a+b / a*b step in either order at random")
+    ap.add_argument(
+        "--ramble-share", type=float, default=0.0, help="share of solutions that never box and run to the cap"
+    )
     ap.add_argument("--measure", metavar="DIR", help="train nothing: measure a warm-started model's bands")
     args = ap.parse_args()
     for key in ("max_steps", "batch", "eval_every", "probe", "max_new_tokens"):
         if getattr(args, key) < 1:
             ap.error(f"--{key.replace('_', '-')} must be at least 1; got {getattr(args, key)}")
+    if not 0.0 <= args.ramble_share < 1.0:
+        ap.error(f"--ramble-share is a share in [0, 1); got {args.ramble_share}")
     if not 0.0 < args.target <= 1.0:
         ap.error(f"--target is an accuracy in (0, 1]; got {args.target}")
     if args.measure:
@@ -138,11 +168,14 @@ def main() -> None:
 
     if probe_now(0, float("nan")) < args.target:
         for step in range(1, args.max_steps + 1):
-            pairs = []
-            for _ in range(args.batch):
-                text, solution = sft_problem(rng)
-                pairs.append((render(Problem(id="", problem=text, answer="", source="mixops")), solution))
-            x, m = encode_batch(tok, pairs, "cpu")
+            x, m = sft_batch(
+                rng,
+                tok,
+                args.batch,
+                max_new_tokens=args.max_new_tokens,
+                commute=args.commute,
+                ramble_share=args.ramble_share,
+            )
             logits = model(input_ids=x).logits[:, :-1]
             nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none")
             loss = (nll * m[:, 1:]).sum() / m[:, 1:].sum()

@@ -42,12 +42,47 @@ def test_measure_refuses_a_folder_this_script_did_not_build(tmp_path):
         (["--target", "1.5"], "--target"),
         (["--batch", "0"], "--batch"),
         (["--eval-every", "0"], "--eval-every"),
+        (["--ramble-share", "1"], "--ramble-share"),
+        (["--ramble-share", "-0.1"], "--ramble-share"),
     ],
 )
 def test_bad_arguments_are_refused_by_name(args, named, tmp_path):
     proc = _run(*args, "--out", str(tmp_path / "m"), timeout=120)
     assert proc.returncode == 2 and named in proc.stderr, proc.stderr[-500:]
     assert not (tmp_path / "m").exists()
+
+
+def test_sft_batch_rambles_run_to_the_cap_without_an_end_token():
+    # the rambling warm start (study v4 on SmolLM2): a share of the solutions never box and are fitted cut at the
+    # cap with no end token, so the model learns a mode that runs to max_new_tokens on any problem
+    import random
+
+    from transformers import AutoTokenizer
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from build_tiny_model import encode_batch
+
+    mod, tok = _script(), AutoTokenizer.from_pretrained(ROOT / "assets" / "tiny-ramble")
+    cap, end = 24, tok.convert_tokens_to_ids("<|im_end|>")
+    x, m = mod.sft_batch(random.Random(3), tok, 64, max_new_tokens=cap, commute=True, ramble_share=0.5)
+    rambles = 0
+    for row, mask in zip(x.tolist(), m.tolist(), strict=True):
+        sol = [t for t, k in zip(row, mask, strict=True) if k]
+        if end in sol:
+            assert sol[-1] == end and sol.count(end) == 1 and "\\boxed{" in tok.decode(sol)
+        else:  # a ramble: exactly the cap, no box
+            rambles += 1
+            assert len(sol) == cap and "boxed" not in tok.decode(sol)
+    assert 20 <= rambles <= 44  # half of 64, drawn
+    # without a ramble share or commuted steps: the original warm start's draws and tensors, bit for bit
+    rng = random.Random(3)
+    pairs = []
+    for _ in range(8):
+        text, solution = mod.sft_problem(rng)
+        pairs.append((mod.prompt_text(tok)(mod.Problem(id="", problem=text, answer="", source="mixops")), solution))
+    want = encode_batch(tok, pairs, "cpu")
+    got = mod.sft_batch(random.Random(3), tok, 8, max_new_tokens=cap)
+    assert got[0].equal(want[0]) and got[1].equal(want[1])
 
 
 def test_a_missing_base_is_named(tmp_path):
