@@ -160,7 +160,7 @@ def test_last_exception_reads_tracebacks_and_one_line_errors(tmp_path):
 # ------------------------------------------------------------------- the committed studies regenerate
 
 STUDIES = sorted(
-    p.parent for p in (ROOT / "docs" / "study").glob("*/runs.jsonl.gz") if (p.parent / "report.md").is_file()
+    p.parent for p in (ROOT / "docs" / "study").rglob("runs.jsonl.gz") if (p.parent / "report.md").is_file()
 )
 
 
@@ -168,7 +168,7 @@ def test_a_committed_study_has_raw_data():
     assert STUDIES, "no docs/study/<name>/ holds both runs.jsonl.gz and report.md"
 
 
-@pytest.mark.parametrize("study", STUDIES, ids=[s.name for s in STUDIES])
+@pytest.mark.parametrize("study", STUDIES, ids=[s.relative_to(ROOT / "docs" / "study").as_posix() for s in STUDIES])
 def test_committed_report_regenerates_from_committed_data(study, tmp_path):
     """``scripts/report.py <pack>`` with the options the report names gives the committed report.md, byte for
     byte, and every plot it links."""
