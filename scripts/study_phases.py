@@ -8,7 +8,12 @@ each window [a, b) of training steps, this prints the mean over the completed se
 window of:
 
 - ``rho before`` (``bapo/rho_before``: the positive share under the previous bounds, BAPO arms only) and ``rho``
-  (``clip/rho``: under the bounds the update used; every arm logs it);
+  (``clip/rho``: under the bounds the update used; every arm logs it). An update with no advantage-carrying token
+  logs rho = 1 by convention (nothing to search), so where many carry none (small batches, a low accuracy) these
+  means lean towards 1;
+- ``rho pooled``: sum P / (sum P + sum N) of ``clip/P`` and ``clip/N`` over the window's steps, the positive share
+  of the window's updates taken together: updates without a signal add nothing to it;
+- ``signal`` (``bapo/signal``, BAPO arms): the share of search units in which some token carried an advantage;
 - ``engaged`` (``bapo/search_active``: the share of search units whose rho_before was under rho0, so the search
   moved the bounds: the paper's Fig. 8 implies at least about 47%);
 - ``c_low``/``c_high`` (``clip/low``, ``clip/high``: the bounds the update used);
@@ -33,6 +38,8 @@ from scripts.report import _show, group_runs, load_runs  # noqa: E402
 COLUMNS = {
     "rho before": "bapo/rho_before",
     "rho": "clip/rho",
+    "rho pooled": "clip/P, clip/N",
+    "signal": "bapo/signal",
     "engaged": "bapo/search_active",
     "c_low": "clip/low",
     "c_high": "clip/high",
@@ -41,6 +48,8 @@ COLUMNS = {
     "ratio max": "learner/ratio_max",
     "truncated": "rollout/truncated",
 }
+POOLED = COLUMNS["rho pooled"]
+P_KEY, N_KEY = "clip/P", "clip/N"
 
 
 def window_mean(steps: dict[int, dict], key: str, start: int, stop: int) -> float | None:
@@ -48,6 +57,19 @@ def window_mean(steps: dict[int, dict], key: str, start: int, stop: int) -> floa
     vals = [row[key] for s, row in steps.items() if start <= s < stop and isinstance(row.get(key), (int, float))]
     vals = [float(v) for v in vals if math.isfinite(float(v))]
     return sum(vals) / len(vals) if vals else None
+
+
+def window_pooled_rho(steps: dict[int, dict], start: int, stop: int) -> float | None:
+    """sum P / (sum P + sum N) of ``clip/P`` and ``clip/N`` over the logged steps in [start, stop); None when no
+    step in the window logged both, or when they sum to 0 (no update carried a signal)."""
+    p = n = 0.0
+    seen = False
+    for s, row in steps.items():
+        a, b = row.get(P_KEY), row.get(N_KEY)
+        if start <= s < stop and isinstance(a, (int, float)) and isinstance(b, (int, float)):
+            if math.isfinite(float(a)) and math.isfinite(float(b)):
+                p, n, seen = p + float(a), n + float(b), True
+    return p / (p + n) if seen and p + n > 0 else None
 
 
 def parse_phase(text: str) -> tuple[int, int]:
@@ -70,7 +92,10 @@ def table(source: Path, phases: list[tuple[int, int]]) -> str:
         for a, b in phases:
             cells = []
             for key in COLUMNS.values():
-                per_run = [m for m in (window_mean(r.steps, key, a, b) for r in members) if m is not None]
+                if key == POOLED:
+                    per_run = [m for m in (window_pooled_rho(r.steps, a, b) for r in members) if m is not None]
+                else:
+                    per_run = [m for m in (window_mean(r.steps, key, a, b) for r in members) if m is not None]
                 cells.append(f"{sum(per_run) / len(per_run):.3f}" if per_run else "—")
             lines.append(f"| {label} | {_show(level)} | {a}-{b - 1} | {len(members)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -56,3 +56,33 @@ def test_a_bad_phase_is_one_line_naming_the_option():
     with pytest.raises(SystemExit, match="--phases: '5:5' needs 0 <= START < STOP"):
         study_phases.parse_phase("5:5")
     assert json.dumps(study_phases.parse_phase("0:30")) == "[0, 30]"
+
+
+def test_pooled_rho_weighs_updates_by_their_mass_and_ignores_empty_ones():
+    # step 1 carried no signal (P = N = 0, logged rho 1 by convention): the pooled share ignores it; the plain mean
+    # of clip/rho does not. Steps 0-2: (1 + 3) / (1 + 3 + 3 + 1) = 0.5; the mean of rho is (0.25 + 1 + 0.75) / 3
+    steps = {
+        0: {"clip/P": 1.0, "clip/N": 3.0, "clip/rho": 0.25},
+        1: {"clip/P": 0.0, "clip/N": 0.0, "clip/rho": 1.0},
+        2: {"clip/P": 3.0, "clip/N": 1.0, "clip/rho": 0.75},
+        3: {"clip/P": 2.0},  # N not logged: left out
+    }
+    assert study_phases.window_pooled_rho(steps, 0, 4) == pytest.approx(0.5)
+    assert study_phases.window_mean(steps, "clip/rho", 0, 3) == pytest.approx(2 / 3)
+    assert study_phases.window_pooled_rho(steps, 0, 1) == pytest.approx(0.25)
+    assert study_phases.window_pooled_rho(steps, 1, 2) is None  # no signal in the window: no share
+    assert study_phases.window_pooled_rho(steps, 3, 4) is None
+
+
+def test_the_table_pools_rho_per_run_then_averages_over_seeds(tmp_path):
+    rows1 = [{"step": 0, "clip/P": 1.0, "clip/N": 3.0, "bapo/signal": 1.0}, {"step": 1, "clip/P": 0.0, "clip/N": 0.0,
+             "bapo/signal": 0.0}]  # fmt: skip
+    rows2 = [{"step": 0, "clip/P": 2.0, "clip/N": 2.0, "bapo/signal": 0.5}, {"step": 1, "clip/P": 2.0, "clip/N": 0.0,
+             "bapo/signal": 1.0}]  # fmt: skip
+    pack = _pack(tmp_path, [(["algo=bapo", "seed=1"], rows1), (["algo=bapo", "seed=2"], rows2)])
+    text = study_phases.table(pack, [(0, 2)])
+    head = [c.strip() for c in text.splitlines()[2].strip("|").split("|")]
+    line = next(ln for ln in text.splitlines() if ln.startswith("| bapo"))
+    row = dict(zip(head, (c.strip() for c in line.strip("|").split("|")), strict=True))
+    # seed 1: 1 / 4 = 0.25 (step 1 empty); seed 2: 4 / 6; mean (0.25 + 0.6667) / 2 = 0.4583; signal (0.5 + 0.75) / 2
+    assert (row["rho pooled"], row["signal"]) == ("0.458", "0.625")
