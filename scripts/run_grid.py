@@ -63,7 +63,7 @@ def run_one(experiment: str, overrides: list[str], root: Path, log_dir: Path) ->
     return name, rc, secs
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("experiment", help="a conf/experiment name with a hydra.sweep.dir")
     ap.add_argument("cells", nargs="+", help="overrides of one cell, space-separated, in a single argument")
@@ -71,7 +71,11 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--sweep-dir", help="instead of the experiment's hydra.sweep.dir (e.g. a control run)")
     ap.add_argument("--pack", type=Path, help="where to pack the sweep at the end (default <sweep dir>/runs.jsonl.gz)")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     root = ROOT / (args.sweep_dir or sweep_dir(args.experiment))
     log_dir = root / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)

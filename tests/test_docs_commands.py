@@ -294,13 +294,12 @@ def check_script(cmd: DocCommand) -> str:
     used = {a.split("=")[0] for a in args if a.startswith("--")}
     assert used <= known, f"{cmd.where}: {script.name} has no {sorted(used - known)} (it has {sorted(known)})"
     if script.name == "run_grid.py":
-        positional = [a for a in args if not a.startswith("-")]
-        experiment, cells = positional[0], positional[1:]
-        flag_values = {a for a in args if a.isdigit()}
-        for cell in cells:
-            if cell in flag_values:
-                continue
-            validate([f"experiment={experiment}", *cell.split()], 1)
+        spec = importlib.util.spec_from_file_location("run_grid", script)
+        run_grid = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(run_grid)
+        parsed = run_grid.build_parser().parse_args(args)  # its own parser: flag values are never read as cells
+        for cell in parsed.cells:
+            validate([f"experiment={parsed.experiment}", *cell.split()], 1)
         return "a grid of full runs (each cell composed and validated)"
     return "runs a build or a study for minutes, or reads a folder a run writes"
 
