@@ -1,6 +1,6 @@
 """Every command in the documentation is a test: a README that lies is a bug.
 
-The fenced shell blocks of README.md and docs/*.md are read as they are (continuation lines joined,
+The fenced shell blocks of README.md and every docs/**/*.md are read as they are (continuation lines joined,
 comments dropped; an untagged block counts when every line is a command, and a ``$ cmd`` line followed
 by an ``error: <Class>: <message>`` transcript must fail with exactly that message). Each command is then
 checked the cheapest way that proves it:
@@ -35,7 +35,7 @@ from unittest import mock
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]  # the studies' READMEs too
 ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled")
 SHELL_LANGS = {"bash", "sh", "shell", "console", "zsh"}
 COMMAND_START = ("python", "make", "torchrun", "pip", "bash", ".venv", "$ ", "srun")
@@ -201,6 +201,14 @@ def compose_train(overrides: list[str]):
     return cfg, hydra_cfg
 
 
+def _sweep_values(override) -> list[str]:
+    """A parsed override's values: those of a sweep, or the one value of a key the sweeper fixes
+    (``learner.ppo_epochs: 5`` under ``hydra.sweeper.params``, which Hydra's basic sweeper accepts)."""
+    if override.is_sweep_override():
+        return [str(x) for x in override.sweep_string_iterator()]
+    return [override.get_value_element_as_str()]
+
+
 def sweep_points(overrides: list[str]) -> list[list[str]]:
     """The override lists of a sweep that together use every value of every swept key at least once
     (the command line's sweeps and the experiment's ``hydra.sweeper.params``; the command line wins)."""
@@ -215,7 +223,7 @@ def sweep_points(overrides: list[str]) -> list[list[str]]:
         params.pop(o.split("=", 1)[0], None)
     for o in swept:
         params[o.split("=", 1)[0]] = o.split("=", 1)[1]
-    values = {k: [str(x) for x in parser.parse_override(f"{k}={v}").sweep_string_iterator()] for k, v in params.items()}
+    values = {k: _sweep_values(parser.parse_override(f"{k}={v}")) for k, v in params.items()}
     n = max((len(v) for v in values.values()), default=1)
     return [fixed + [f"{k}={v[i % len(v)]}" for k, v in values.items()] for i in range(n)]
 
