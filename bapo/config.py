@@ -118,7 +118,7 @@ class PlacementConfig:
     port: int = resumable(0)  # 0: any free port
     worker_threads: int = resumable(1)  # torch threads of each worker
     learner_threads: int | None = resumable(None)  # torch threads of the learner's process (None: torch's default)
-    worker_timeout_s: float = resumable(900.0)  # a worker silent this long on one request is replaced
+    worker_timeout_s: float = resumable(900.0)  # a worker silent this long (no reply, no heartbeat) is replaced
     worker_start_timeout_s: float = resumable(300.0)  # to connect and load its model
     worker_restarts: int = resumable(3)  # failures in a row on one request before the run stops
 

@@ -13,9 +13,12 @@ environment), receives the run's config, builds the rollout side exactly as a co
 - ``checksum``: the sum of each weight the engine holds (a check of the transfer);
 - ``stop``.
 
-A request that fails replies with a one-line error (the traceback goes to this worker's log), which the
-learner raises as the run's error. The worker ignores SIGINT (the learner stops it after its checkpoint)
-and exits on its own within about a second when the learner's process is gone.
+While it builds and while it serves a request, a thread of its own sends a heartbeat every second or
+so (``beat``), so the learner tells a slow worker from a frozen or unreachable one: silence past
+``placement.worker_timeout_s`` is a lost worker, however long a request takes. A request that fails
+replies with a one-line error (the traceback goes to this worker's log), which the learner raises as the
+run's error. The worker ignores SIGINT (the learner stops it after its checkpoint) and exits on its own
+within about a second when the learner's process is gone.
 """
 
 from __future__ import annotations
@@ -48,6 +51,37 @@ def watch_parent(parent: int, period_s: float = 0.5) -> None:
             time.sleep(period_s)
 
     threading.Thread(target=loop, name="bapo-parent-watch", daemon=True).start()
+
+
+class Heart:
+    """The worker's end of ``conn``: replies and heartbeats, sent one at a time.
+
+    While :attr:`busy` is set, a daemon thread sends ``("beat", None)`` every ``period_s``. It beats only while the
+    worker works, so an idle worker's socket never fills while the learner is busy elsewhere."""
+
+    def __init__(self, conn, period_s: float):
+        self.conn, self.period_s = conn, period_s
+        self.busy = threading.Event()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._beat, name="bapo-heartbeat", daemon=True).start()
+
+    def send(self, msg) -> None:
+        with self._lock:
+            send(self.conn, msg)
+
+    def _beat(self) -> None:
+        while True:
+            time.sleep(self.period_s)
+            if self.busy.is_set():
+                try:
+                    self.send(("beat", None))
+                except (OSError, ValueError):  # the learner is gone: the parent watch ends this process
+                    return
+
+
+def beat_period(timeout_s: float) -> float:
+    """Heartbeats come every second, or 5 to a timeout shorter than 5 s."""
+    return min(1.0, timeout_s / 5)
 
 
 def one_line(e: BaseException) -> str:
@@ -121,7 +155,7 @@ def receive_weights(pg, meta: list) -> dict[str, torch.Tensor]:
     return out
 
 
-def serve(conn, pg, maker, engine, expected) -> None:
+def serve(conn, heart: Heart, pg, maker, engine, expected) -> None:
     """Answer the learner's requests until it says stop or goes away."""
     while True:
         try:
@@ -131,6 +165,7 @@ def serve(conn, pg, maker, engine, expected) -> None:
         kind = msg[0]
         if kind == "stop":
             return
+        heart.busy.set()
         try:
             if kind == "weights":
                 _, version, meta = msg
@@ -158,9 +193,11 @@ def serve(conn, pg, maker, engine, expected) -> None:
         except Exception as e:  # noqa: BLE001 (every failure goes back to the learner as one line)
             traceback.print_exc()
             sys.stderr.flush()
-            send(conn, ("error", one_line(e)))
+            heart.busy.clear()
+            heart.send(("error", one_line(e)))
             continue
-        send(conn, ("ok", reply))
+        heart.busy.clear()
+        heart.send(("ok", reply))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,22 +218,27 @@ def main(argv: list[str] | None = None) -> int:
     kind, init = recv(conn)
     if kind != "init":
         return 2
+    timeout_s = float(init.get("timeout_s", 900))
+    heart = Heart(conn, beat_period(timeout_s))
+    heart.busy.set()
     try:
         maker, engine, verifier, engine_model = build(init)
     except Exception as e:  # noqa: BLE001 (a worker that cannot start says why in one line)
         traceback.print_exc()
-        send(conn, ("error", one_line(e)))
+        heart.busy.clear()
+        heart.send(("error", one_line(e)))
         return 1
-    send(conn, ("started", {"pid": os.getpid(), "threads": torch.get_num_threads()}))
+    heart.send(("started", {"pid": os.getpid(), "threads": torch.get_num_threads()}))
     import torch.distributed as tdist
 
     store_host, store_port = init["store"]
-    timeout = datetime.timedelta(seconds=float(init.get("timeout_s", 900)))
+    timeout = datetime.timedelta(seconds=timeout_s)
     store = tdist.TCPStore(store_host, int(store_port), is_master=False, timeout=timeout)
     pg = tdist.ProcessGroupGloo(tdist.PrefixStore(init["prefix"], store), 1, 2, timeout)
-    send(conn, ("ready", None))
+    heart.busy.clear()
+    heart.send(("ready", None))
     try:
-        serve(conn, pg, maker, engine, expected_weights(engine_model))
+        serve(conn, heart, pg, maker, engine, expected_weights(engine_model))
     finally:
         verifier.close()
     return 0

@@ -21,9 +21,11 @@ worker it makes the batches a colocated run makes. Drop mode (free-running) gene
 weights and is not reproducible, as in one process.
 
 Faults. A worker that exits, breaks its connection or stays silent past ``placement.worker_timeout_s``
-on one request is killed and replaced (``rollout/worker_restarts`` counts them); the replacement gets
-the maker state the worker had after its last accepted batch and the weights of the batch it failed,
-and makes that batch again, so nothing accepted is lost and the batch is the one it would have been.
+(neither a reply nor a heartbeat: a worker at work beats about every second, so a slow request is not
+a fault, a frozen, stopped or unreachable process is) is killed and replaced (``rollout/worker_restarts``
+counts them); the replacement gets the maker state the worker had after its last accepted batch and the
+weights of the batch it failed, and makes that batch again, so nothing accepted is lost and the batch
+is the one it would have been.
 After ``placement.worker_restarts`` failures in a row on one request the run stops with the last
 reason. A worker that reports an error of its own (a bad request, a model that does not match the
 learner's) is not restarted: that error is the run's. Workers watch their parent: if the learner
@@ -240,7 +242,7 @@ class WorkerPool:
             prefix = f"worker{w.index}/gen{w.generation}"
             init = vars(self.spec) | {"share": w.index, "shares": self.count, "timeout_s": self.timeout_s}
             send(w.conn, ("init", init | {"store": [self.host, self.store.port], "prefix": prefix}))
-            kind, payload = self._recv(w, deadline - time.monotonic(), what="start")
+            kind, payload = self._recv(w, deadline - time.monotonic(), what="start", extend=False)
         except WorkerLost as e:
             self._kill(w)
             raise WorkerError(f"rollout worker {w.index} could not start: {e} (log: {w.log_path})") from None
@@ -250,21 +252,30 @@ class WorkerPool:
         w.info = payload
         store = tdist.PrefixStore(prefix, self.store)
         w.pg = tdist.ProcessGroupGloo(store, 0, 2, self._td(self.timeout_s))
-        kind, payload = self._recv(w, self.start_timeout_s, what="join")
+        kind, payload = self._recv(w, self.start_timeout_s, what="join", extend=False)
         if kind != "ready":
             self._kill(w)
             raise WorkerError(f"rollout worker {w.index} could not join its weight group: {payload}")
 
     # ------------------------------------------------------------------ requests
 
-    def _recv(self, w: Worker, timeout_s: float, *, what: str) -> tuple[str, Any]:
-        """The next reply of ``w``: (kind, payload). WorkerLost if it dies, breaks or stays silent."""
+    def _recv(self, w: Worker, timeout_s: float, *, what: str, extend: bool = True) -> tuple[str, Any]:
+        """The next reply of ``w``: (kind, payload). WorkerLost if it dies, breaks or stays silent for ``timeout_s``.
+
+        A worker at work sends a heartbeat about every second (:class:`bapo.rollout_worker.Heart`); with ``extend``
+        each one restarts the silence window, so only a frozen or unreachable worker times out, not a slow one.
+        Without it, ``timeout_s`` bounds the whole wait (a worker's start)."""
         deadline = time.monotonic() + max(timeout_s, 0.0)
         assert w.conn is not None
         while True:
             try:
                 if w.conn.poll(0.2):
-                    return recv(w.conn)
+                    msg = recv(w.conn)
+                    if msg[0] != "beat":
+                        return msg
+                    if extend:
+                        deadline = time.monotonic() + timeout_s
+                    continue
             except (EOFError, OSError) as e:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     w.proc.wait(timeout=2)  # a process that died closed its end: say how it ended

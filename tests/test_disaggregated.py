@@ -255,6 +255,18 @@ def test_a_worker_lost_mid_run_is_replaced_and_no_metric_changes(tmp_path, monke
 
 
 @pytest.mark.slow
+def test_a_slow_worker_beats_and_is_not_replaced(tmp_path):
+    # Silence is a lost worker, slowness is not: each batch takes several times the timeout, and the worker's
+    # heartbeats keep it (without them every batch would time out and the run would stop after 3 restarts).
+    timeout = 0.5
+    big = ["train.prompts_per_step=96", "rollout.n=8", "eval.every=0"]
+    run(_cfg(["train.steps=2", "checkpoint.every=0", *big, *DIS, f"placement.worker_timeout_s={timeout}"]), tmp_path)
+    rs = rows(tmp_path)[1:]
+    assert min(r["time/worker_batch_s"] for r in rs) > 2 * timeout  # the test means something on this machine
+    assert [r["rollout/worker_restarts"] for r in rs] == [0.0, 0.0]
+
+
+@pytest.mark.slow
 def test_a_worker_that_keeps_failing_stops_the_run_with_the_reason(tmp_path, monkeypatch):
     real = workers.WorkerPool._send
 
