@@ -69,6 +69,11 @@ class Heart:
         with self._lock:
             send(self.conn, msg)
 
+    def reply(self, msg) -> None:
+        """The work is done: stop beating and send its answer."""
+        self.busy.clear()
+        self.send(msg)
+
     def _beat(self) -> None:
         while True:
             time.sleep(self.period_s)
@@ -193,11 +198,9 @@ def serve(conn, heart: Heart, pg, maker, engine, expected) -> None:
         except Exception as e:  # noqa: BLE001 (every failure goes back to the learner as one line)
             traceback.print_exc()
             sys.stderr.flush()
-            heart.busy.clear()
-            heart.send(("error", one_line(e)))
+            heart.reply(("error", one_line(e)))
             continue
-        heart.busy.clear()
-        heart.send(("ok", reply))
+        heart.reply(("ok", reply))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -225,8 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         maker, engine, verifier, engine_model = build(init)
     except Exception as e:  # noqa: BLE001 (a worker that cannot start says why in one line)
         traceback.print_exc()
-        heart.busy.clear()
-        heart.send(("error", one_line(e)))
+        heart.reply(("error", one_line(e)))
         return 1
     heart.send(("started", {"pid": os.getpid(), "threads": torch.get_num_threads()}))
     import torch.distributed as tdist
@@ -235,8 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     timeout = datetime.timedelta(seconds=timeout_s)
     store = tdist.TCPStore(store_host, int(store_port), is_master=False, timeout=timeout)
     pg = tdist.ProcessGroupGloo(tdist.PrefixStore(init["prefix"], store), 1, 2, timeout)
-    heart.busy.clear()
-    heart.send(("ready", None))
+    heart.reply(("ready", None))
     try:
         serve(conn, heart, pg, maker, engine, expected_weights(engine_model))
     finally:
