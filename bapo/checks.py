@@ -22,10 +22,16 @@ This module imports nothing else of bapo, so ``bapo/algos/`` (the pure math) can
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import difflib
 import importlib
 import math
-from collections.abc import Callable
+import re
+import types
+import typing
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -101,6 +107,7 @@ def typed(key: str, node: Any, schema: type, tree: Any = None) -> Any:
     does not have (:func:`did_you_mean`); default ``node``."""
     if not isinstance(node, dict):
         raise ConfigError(f"{key}: expected a group of keys, got {node!r}")
+    check_bools(key, node, schema)
     try:
         merged = OmegaConf.merge(OmegaConf.structured(schema), node)
         return OmegaConf.to_object(merged)
@@ -112,6 +119,32 @@ def typed(key: str, node: Any, schema: type, tree: Any = None) -> Any:
         hits = did_you_mean(key, unknown, node if tree is None else tree) if isinstance(unknown, str) else []
         hint = f"; did you mean {' or '.join(hits)}?" if hits else ""
         raise ConfigError(f"{full}: {msg}{hint}") from None
+
+
+def _members(tp: Any) -> set:
+    """The types a field's annotation admits: each member of a union (``bool | None``), else the type itself; an
+    annotation left as a string (unresolvable) is split on ``|``."""
+    if isinstance(tp, str):
+        return {{"bool": bool, "None": type(None)}.get(t.strip(), t.strip()) for t in tp.split("|")}
+    return set(typing.get_args(tp)) if typing.get_origin(tp) in (typing.Union, types.UnionType) else {tp}
+
+
+def check_bools(key: str, node: dict, schema: type) -> None:
+    """Refuse anything but true or false (or null, where the field allows it) for every ``bool`` field of ``schema``
+    and of the schemas nested in it, naming the key: OmegaConf would read ``2``, ``"yes"`` or ``"0"`` as a boolean."""
+    try:
+        hints = typing.get_type_hints(schema)
+    except Exception:  # noqa: BLE001 (a name only its module's type checker sees: fall back to the annotation text)
+        hints = {}
+    for f in dataclasses.fields(schema):
+        if f.name not in node:
+            continue
+        value, full, members = node[f.name], f"{key}.{f.name}" if key else f.name, _members(hints.get(f.name, f.type))
+        if bool in members and not isinstance(value, bool):
+            require(value is None and type(None) in members, full, f"must be true or false, got {value!r}")
+        for m in members:
+            if dataclasses.is_dataclass(m) and isinstance(value, dict):
+                check_bools(full, value, m)
 
 
 def variant(key: str, node: Any, selector: str, schemas: dict[str, type]) -> Any:
@@ -141,3 +174,40 @@ def check_finite(node: Any, prefix: str = "") -> None:
             check_finite(v, f"{prefix}[{i}]")
     elif isinstance(node, float) and not math.isfinite(node):
         raise ConfigError(f"{prefix}: must be a finite number, got {node}")
+
+
+def unknown_option(e: BaseException) -> ConfigError | None:
+    """Hydra's error for a config group option that does not exist (``experiment=paper_8b``) as one line naming the
+    group and its closest options (``experiment: 'paper_8b' is not an option of this config group; did you mean
+    paper_7b?``); None for any other error. The one rule of ``train.py`` and ``eval.py`` (``bapo.cli.hydra_entry``)
+    and of ``--plan`` (``bapo.plan``, through :func:`known_options`).
+
+    Hydra raises that error only for a group whose default is not ``optional``: an optional default skips a
+    missing option, and an override keeps the default's ``optional`` flag, so ``experiment=paper_8b`` on an
+    ``- optional experiment: null`` default composed nothing and trained the defaults. conf/ therefore declares
+    its placeholder groups as ``- experiment: null``."""
+    options, missing = getattr(e, "options", None), getattr(e, "missing_cfg_file", None)
+    if not isinstance(missing, str) or "/" not in missing or not type(e).__name__ == "MissingConfigException":
+        return None
+    group, _, name = missing.rpartition("/")
+    if options is None:  # an item of a list (eval=[arith,aime2x]): Hydra names no options, its search path does
+        roots = re.findall(r"path=file://(\S+)", str(e))
+        options = sorted({p.stem for root in roots for p in Path(root, group).glob("*.yaml")})
+    if not options:
+        return None
+    lower = {o.lower(): o for o in options}
+    close = [lower[o] for o in difflib.get_close_matches(name.lower(), list(lower), n=3, cutoff=0.6)]
+    hint = f"did you mean {' or '.join(close)}?" if close else f"choose from {', '.join(sorted(options))}"
+    return ConfigError(f"{group}: {name!r} is not an option of this config group; {hint}")
+
+
+@contextlib.contextmanager
+def known_options() -> Iterator[None]:
+    """Raise :func:`unknown_option`'s ConfigError in place of Hydra's error for an unknown group option."""
+    try:
+        yield
+    except Exception as e:
+        err = unknown_option(e)
+        if err is None:
+            raise
+        raise err from None

@@ -107,9 +107,13 @@ def hydra_entry(main: Callable[[], Any]) -> Any:
     os.environ["HYDRA_FULL_ERROR"] = "1"
     from hydra.errors import CompactHydraException
 
+    from bapo.checks import unknown_option
+
     try:
         return main()
     except CompactHydraException as e:  # composition, override syntax, a missing group option
+        if (unknown := unknown_option(e)) is not None:
+            fail(unknown, 2)  # a mistyped option: its closest options
         hint = override_hint(e)
         text = compact_hydra_message(e, drop_append=bool(hint))
         fail(e, 2, f"{text.rstrip('.')}; {hint}" if hint else text)

@@ -412,7 +412,7 @@ def build(cfg: DictConfig, run_dir: str | Path) -> RunConfig:
     require(not extra, extra[0] if extra else "", f"unknown top-level key(s) {extra}")
     check_finite(plain)
     seed = plain.get("seed")
-    require(isinstance(seed, int) and not isinstance(seed, bool), "seed", f"must be an integer, got {seed!r}")
+    require(type(seed) is int and 0 <= seed < 2**32, "seed", f"must be an integer in [0, 2**32), got {seed!r}")
     resume = plain.get("resume")
     require(resume is None or isinstance(resume, str), "resume", f"must be null, auto or a path, got {resume!r}")
     overwrite = plain.get("overwrite", False)

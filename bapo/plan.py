@@ -600,9 +600,10 @@ def compose(overrides: list[str]):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
+    from bapo.checks import known_options
     from bapo.config import ROOT
 
-    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf"), job_name="train"):
+    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf"), job_name="train"), known_options():
         return hydra_compose(config_name="config", overrides=overrides)
 
 
