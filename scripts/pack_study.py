@@ -31,6 +31,13 @@ What a run's line keeps, and why:
   wall-time column sums); ``process_s``: the seconds ``scripts/run_grid.py`` measured for the whole process,
   start-up and export included, summed over its attempts (null when the run did not come from run_grid).
 - ``problems``: every line or file that could not be read, as ``<run>/<file>[:<line>]: <problem>``.
+- ``folder`` (only when false): a run that ``scripts/run_grid.py`` queued or started (``logs/grid.jsonl``), or a
+  cell of ``python train.py -m`` that failed (``sweep_summary.jsonl``), and that left no run folder: a start-up
+  error may remove the folder it made (``bapo/cli.py``), and an interrupted grid never starts the rest. Its
+  ``overrides`` are the ones its launcher gave it, its ``exception`` the ``error:`` line of run_grid's log of it or
+  of the sweep summary (``run_grid: queued, never started`` when it has no attempt), and its ``config`` and
+  ``metrics`` are empty. Such a run is listed, never dropped. (A run with a folder whose logs name no failure
+  takes the sweep summary's error line, if it has one.)
 
 The same runs give the same bytes: keys sorted, compact separators, runs in folder order, and a gzip header
 with no file name and mtime 0 (for a given zlib; the regenerate test compares reports, not packs).
@@ -43,14 +50,31 @@ import gzip
 import json
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from omegaconf import OmegaConf
 
 FORMAT, VERSION = "bapo-study", 1
 SKIP_DIRS = {".hydra", ".submitit", "checkpoints", "export", "wandb"}
-GRID_LOG = "grid.jsonl"  # scripts/run_grid.py: one line per attempt, in <sweep dir>/logs/
+GRID_LOG = "grid.jsonl"  # scripts/run_grid.py: one line per run queued and per attempt, in <sweep dir>/logs/
+SWEEP_SUMMARY = "sweep_summary.jsonl"  # python train.py -m: a row per cell run, in the sweep folder (bapo/sweep.py)
+NEVER_STARTED = "run_grid: queued, never started"  # the exception of a queued run with no attempt (an interrupted grid)
 # Metrics of runs written before the clip window moved to clip/*: read under their new names.
 RENAMED = {"bapo/ratio_low": "clip/low", "bapo/ratio_high": "clip/high", "bapo/rho": "clip/rho"}
+
+
+class UsageParser(argparse.ArgumentParser):
+    """argparse whose bad arguments are one line on stderr, ``error: UsageError: <what>``, and exit status 2 (the
+    entry points' convention, ``bapo/cli.py``), not argparse's usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        usage_error(f"{message} (see {self.prog} --help)")
+
+
+def usage_error(message: str) -> NoReturn:
+    """Bad input to a script: one line, exit status 2."""
+    print(f"error: UsageError: {' '.join(message.split())}", file=sys.stderr)
+    sys.exit(2)
 
 
 def parse_metrics(path: Path, where: str | None = None) -> tuple[dict[int, dict], list[str]]:
@@ -84,9 +108,14 @@ def parse_metrics(path: Path, where: str | None = None) -> tuple[dict[int, dict]
 
 
 def last_exception(path: Path) -> str | None:
-    """The last failure a log records: the exception line of its last traceback, or the entry points' one-line
-    ``error: <Class>: <message>`` (``bapo/cli.py``), whichever comes later; cut to 120 characters."""
-    lines = path.read_text(errors="replace").splitlines()
+    """The last failure a log records (:func:`last_exception_in`)."""
+    return last_exception_in(path.read_text(errors="replace"))
+
+
+def last_exception_in(text: str) -> str | None:
+    """The last failure a log's text records: the exception line of its last traceback, or the entry points'
+    one-line ``error: <Class>: <message>`` (``bapo/cli.py``), whichever comes later; cut to 120 characters."""
+    lines = text.splitlines()
     found = None
     i = 0
     while i < len(lines):
@@ -128,6 +157,17 @@ def _process_s(run_dir: Path) -> float | None:
     return total
 
 
+def _load_config(path: Path):
+    """A run's config as a plain container. ``config.yaml`` is written resolved; Hydra's ``.hydra/config.yaml`` (a run
+    that died before writing its own) keeps its interpolations (``data.train_seed: ${seed}``), resolved here so it
+    reads as its finished siblings do, and kept as written when they cannot be (a resolver only Hydra has)."""
+    raw = OmegaConf.load(path)
+    try:
+        return OmegaConf.to_container(raw, resolve=True)
+    except Exception:
+        return OmegaConf.to_container(raw, resolve=False)
+
+
 def _relative(path: Path, sweep: Path) -> str:
     return path.relative_to(sweep).as_posix() if path != sweep else "."
 
@@ -148,7 +188,7 @@ def read_run(run_dir: Path, sweep: Path | None = None) -> dict:
         cfg_file = run_dir / ".hydra" / "config.yaml"  # written by Hydra before the job starts
     if cfg_file.is_file():
         try:
-            cfg = OmegaConf.to_container(OmegaConf.load(cfg_file), resolve=False)
+            cfg = _load_config(cfg_file)
         except Exception as e:
             problems.append(f"{rel(cfg_file)}: unreadable config ({str(e).splitlines()[0]})")
     else:
@@ -219,8 +259,77 @@ def is_training_run(record: dict) -> bool:
 
 
 def read_folder(sweep: Path) -> list[dict]:
-    """Every training run under ``sweep``, as pack records in folder order."""
-    return [r for r in (read_run(d, sweep) for d in find_runs(sweep)) if is_training_run(r)]
+    """Every training run under ``sweep``, as pack records in folder order, then every run a launcher queued or
+    started that left no folder (by name): ``launched_runs``."""
+    records = [r for r in (read_run(d, sweep) for d in find_runs(sweep)) if is_training_run(r)]
+    launched = launched_runs(sweep)
+    for r in records:  # a failure the run's own logs do not name: its launcher's line for it
+        error = launched.get(r["run"], {}).get("error")
+        if r["status"] == "incomplete" and error:
+            r["status"], r["exception"] = "failed", error
+    found = {r["run"] for r in records}
+    return records + [_folderless(sweep, n, launched[n]) for n in sorted(launched) if n not in found]
+
+
+def launched_runs(sweep: Path) -> dict[str, dict]:
+    """The runs the launchers of this sweep queued or started, name -> ``overrides``, ``started`` and ``error`` (the
+    error line of its last failure, after where it was read): scripts/run_grid.py's ``logs/grid.jsonl`` (a line
+    per run queued, a line per attempt) and ``python train.py -m``'s ``sweep_summary.jsonl`` (a row per cell run:
+    ``bapo/sweep.py``), the later line winning. A cell whose last row says complete is left out. Unreadable lines
+    are skipped."""
+    runs: dict[str, dict] = {}
+    for row in _json_lines(sweep / "logs" / GRID_LOG):
+        if isinstance(row.get("run"), str):
+            run = runs.setdefault(row["run"], {"overrides": [], "started": False, "error": None})
+            if isinstance(row.get("overrides"), list):
+                run["overrides"] = [str(o) for o in row["overrides"]]
+            if "rc" in row:
+                error = row.get("error") if row["rc"] and isinstance(row.get("error"), str) else None
+                run["started"], run["error"] = True, f"run_grid: {error}" if error else None
+    for row in _json_lines(sweep / SWEEP_SUMMARY):
+        if isinstance(row.get("cell"), str):
+            if row.get("status") == "complete":
+                runs.pop(row["cell"], None)
+                continue
+            run = runs.setdefault(row["cell"], {"overrides": [], "started": True, "error": None})
+            if isinstance(row.get("overrides"), list):
+                run["overrides"] = [str(o) for o in row["overrides"]]
+            error = row.get("error") if isinstance(row.get("error"), str) else None
+            run["started"], run["error"] = True, f"sweep summary: {error}" if error else None
+    return runs
+
+
+def _json_lines(path: Path) -> list[dict]:
+    """The JSON objects of a log of one object a line; other lines are skipped (a line cut short by a kill)."""
+    rows = []
+    for line in path.read_text(errors="replace").splitlines() if path.is_file() else []:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def _folderless(sweep: Path, name: str, launched: dict) -> dict:
+    """The record of a run a launcher queued or started that has no folder (module docstring, ``folder``)."""
+    log = sweep / "logs" / f"{name}.log"
+    exception = last_exception(log) if log.is_file() else None
+    exception = f"run_grid log: {exception}" if exception else launched["error"]
+    return {
+        "run": name,
+        "config": {},
+        "overrides": launched["overrides"],
+        "status": "failed" if exception else "incomplete",
+        "exception": exception if exception or launched["started"] else NEVER_STARTED,
+        "checkpoint": False,
+        "wall_s": 0.0,
+        "process_s": _process_s(sweep / name),
+        "metrics": {"step": []},
+        "problems": [],
+        "folder": False,
+    }
 
 
 def sweep_name(sweep: Path) -> str:
@@ -274,7 +383,7 @@ def read_pack(path: Path) -> tuple[str, list[dict]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = UsageParser(description=__doc__.split("\n")[0])
     parser.add_argument("sweep", type=Path, help="a multirun folder (or a single run folder)")
     parser.add_argument("--out", type=Path, required=True, help="the pack to write, e.g. docs/study/v4/runs.jsonl.gz")
     args = parser.parse_args(argv)
@@ -286,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"error: FileNotFoundError: no runs under {args.sweep} (no config.yaml or metrics.jsonl)", file=sys.stderr
         )
-        return 1
+        return 2
     write_pack(sweep_name(args.sweep), records, args.out)
     by_status = {s: sum(r["status"] == s for r in records) for s in ("complete", "failed", "incomplete")}
     counts = ", ".join(f"{n} {s}" for s, n in by_status.items() if n)

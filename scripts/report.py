@@ -5,8 +5,9 @@
 
 Every folder under the sweep that holds `config.yaml`, `.hydra/config.yaml` or `metrics.jsonl` is a
 run; a pack (`scripts/pack_study.py`, written at the end of `scripts/run_grid.py`) holds the same runs, and the
-report made from it is the report made from the folder, byte for byte. Runs are grouped by algo x staleness and
-written to DIR (default `<sweep>/report`, or the pack's folder):
+report made from it is the report made from the folder, byte for byte. Runs are pooled into cells (`group_runs`:
+runs that differ in nothing but the seed), shown by algo x staleness, and written to DIR (default `<sweep>/report`,
+or the pack's folder):
 
 - `report.md`: one row per algo x staleness with final and best held-out accuracy, entropy at the
   end, grad-norm spikes and wall time (mean ± std over the completed seeds), a table of incomplete
@@ -40,8 +41,14 @@ Definitions (repeated in report.md):
   `4 (5 epochs)` and `4 (5 mini-batches)` are separate groups. Under partial rollouts (`rollout.partial_budget`
   b of `rollout.max_new_tokens` L) a token may wait ceil(L / b) - 1 more steps for its response's last segment:
   `3 (partial 14/56)` is the oldest token's age. `buffer.max_staleness` is its own column.
+- a cell: the runs whose configs differ in the seed alone (`cell_config`: every key but `seed`, the values
+  composed from it and the bookkeeping keys `logger`, `resume`, `overwrite`), and whose arm labels agree. A cell is
+  shown as its algo label and staleness; cells that share both are named by the keys that tell them apart,
+  `bapo (learner.lr=0.001)`, and a paired comparison is made only between cells that agree on those keys.
 - a run is complete when `final_metrics.json` exists. Incomplete runs (crashed, interrupted or still
-  running) are left out of the statistics, counted in the `incomplete` column and listed by name.
+  running) are left out of the statistics, counted in the `incomplete` column and listed by name, with the last
+  `error:` line or exception of their logs; so are the runs `scripts/run_grid.py` queued or started that left
+  no run folder (a start-up error removes the folder it made).
 - grad-norm spike: a step whose `learner/grad_norm` exceeds 3x the median of all earlier steps'
   grad norms; steps with fewer than 5 earlier values are never counted.
 - wall time: the sum of `time/step_s` (which includes that step's eval) plus step 0's `time/eval_s`.
@@ -51,11 +58,11 @@ Definitions (repeated in report.md):
 
 from __future__ import annotations
 
-import argparse
+import json
 import math
 import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
@@ -68,7 +75,15 @@ import numpy as np  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # scripts/ is read as a namespace package, as gpu_check.py does
-from scripts.pack_study import PackError, read_folder, read_pack, read_run, record_steps, sweep_name  # noqa: E402
+from scripts.pack_study import (  # noqa: E402
+    PackError,
+    UsageParser,
+    read_folder,
+    read_pack,
+    read_run,
+    record_steps,
+    sweep_name,
+)
 from scripts.study_stats import (  # noqa: E402
     FLOOR_SHARE,
     LEVEL,
@@ -195,14 +210,20 @@ class Run:
     problems: list[str]  # file names relative to the sweep
     exception: str | None = None  # "<log>: <last exception line>" of a run that is not complete
     checkpoint: bool = False
+    overrides: tuple[str, ...] = ()
+    folder: bool = True  # False: run_grid queued or started it, and it left no run folder
+    cell: str = ""  # the name of its cell in the report (`group_runs`): the label, and what tells it apart
+    apart: tuple[str, ...] = ()  # the config keys that tell its cell from the others of its label and staleness
+    defining: dict[str, str] = field(default_factory=dict)  # its cell_config as group_runs compares it
 
     @classmethod
     def from_record(cls, record: dict) -> Run:
-        cfg = record["config"]
+        cfg, overrides = record["config"], record.get("overrides", [])
         return cls(
             name=record["run"], cfg=cfg, steps=record_steps(record), complete=record["status"] == "complete",
-            label=label_of(record.get("overrides", []), cfg), problems=list(record.get("problems", [])),
+            label=label_of(overrides, cfg), problems=list(record.get("problems", [])),
             exception=record.get("exception"), checkpoint=bool(record.get("checkpoint")),
+            overrides=tuple(str(o) for o in overrides or []), folder=record.get("folder", True) is not False,
         )  # fmt: skip
 
     @property
@@ -215,7 +236,8 @@ class Run:
 
     @property
     def seed(self):
-        return cfg_get(self.cfg, "seed", DASH)
+        given = [o.split("=", 1)[1] for o in self.overrides if o.lstrip("+~").startswith("seed=")]
+        return cfg_get(self.cfg, "seed", given[-1] if given else DASH)
 
     def series(self, key: str) -> tuple[np.ndarray, np.ndarray]:
         pts = [(s, m[key]) for s, m in self.steps.items() if key in m]
@@ -282,6 +304,8 @@ class Run:
         return np.array([at[int(s)] for s in x], dtype=float), y
 
     def status(self) -> str:
+        if not self.folder:
+            return f"no run folder; {self.exception}" if self.exception else "no run folder"
         planned = _as_int(cfg_get(self.cfg, "train.steps")) or "?"
         done = max(self.steps) if self.steps else None
         text = f"incomplete at step {done} of {planned}" if done is not None else f"no metrics logged (of {planned})"
@@ -290,9 +314,11 @@ class Run:
 
 
 def label_of(overrides: list[str], cfg: dict) -> str:
-    """algo.name, plus any algo.* and algo/<group> command-line overrides (ablations keep the algo's name)."""
-    name = str(cfg_get(cfg, "algo.name", "?"))
+    """algo.name (the ``algo=`` override for a run without a config), plus any algo.* and algo/<group> command-line
+    overrides (ablations keep the algo's name)."""
     given = [str(o).lstrip("+~") for o in overrides or []]
+    chosen = [o[len("algo=") :] for o in given if o.startswith("algo=")]
+    name = str(cfg_get(cfg, "algo.name", chosen[-1] if chosen else "?"))
     extra = [o[len("algo.") :] for o in given if o.startswith("algo.")]
     extra += [o[len("algo/") :] for o in given if o.startswith("algo/")]  # a sub-group: algo/correction=tis
     return f"{name}[{','.join(extra)}]" if extra else name
@@ -316,11 +342,80 @@ def _level_key(level: Level) -> tuple:
     return (level.staleness is None, level.staleness or 0, level.via)
 
 
+BOOKKEEPING = ("logger", "resume", "overwrite")  # where a run's metrics go, how its folder starts: not what it computes
+
+
+def cell_config(cfg: dict) -> dict[str, str]:
+    """What defines a run's cell: every leaf of its config as ``dotted.key -> JSON``, less the seed (``seed``, and a
+    ``*seed*`` key equal to it: a value composed from it, ``data.train_seed: ${seed}``) and the BOOKKEEPING keys."""
+    seed = cfg.get("seed")
+    out: dict[str, str] = {}
+
+    def walk(node: dict, prefix: str) -> None:
+        for key, value in node.items():
+            dotted = f"{prefix}{key}"
+            if isinstance(value, dict) and value:
+                walk(value, dotted + ".")
+            elif not (dotted == "seed" or ("seed" in str(key) and type(value) is type(seed) and value == seed)):
+                out[dotted] = json.dumps(value, sort_keys=True)
+
+    walk({k: v for k, v in cfg.items() if k not in BOOKKEEPING}, "")
+    return out
+
+
+def schema_drift(configs: list[dict[str, str]]) -> set[str]:
+    """Keys that some configs lack and the others all give one value: a key the code of some runs did not have yet
+    (or no longer had), not a setting anyone chose. (A key with two values somewhere is a setting: a run without
+    it is a cell of its own.)"""
+    keys = {k for c in configs for k in c}
+    return {k for k in keys if any(k not in c for c in configs) and len({c[k] for c in configs if k in c}) == 1}
+
+
 def group_runs(runs: list[Run]) -> dict[tuple[str, Level], list[Run]]:
+    """The report's cells, (name, staleness) -> runs, sorted by staleness then name.
+
+    Runs pool into one cell when their labels and their ``cell_config`` agree: they differ in the seed alone. An
+    override of anything else (a learning rate, a model, a step budget) changes the config, and so the cell; how
+    the override was spelled, or which launcher gave it, does not. A key that only some runs have (``schema_drift``)
+    is not compared. A cell is named by its label; where several cells share a label and a staleness, each name
+    adds the keys that tell them apart, ``bapo (learner.lr=0.001)``. Runs with no folder (``Run.folder``) are in no
+    cell: the report lists them, and pools nothing with them."""
+    placed = [r for r in runs if r.folder]
+    configs = [cell_config(r.cfg) for r in placed]
+    drift = schema_drift(configs)
+    cells: dict[tuple, list[Run]] = {}
+    for run, config in zip(placed, configs, strict=True):
+        run.defining = {k: v for k, v in config.items() if k not in drift}
+        cells.setdefault((run.label, tuple(sorted(run.defining.items()))), []).append(run)
+    by_arm: dict[tuple[str, Level], list[list[Run]]] = {}
+    for members in cells.values():
+        by_arm.setdefault((members[0].label, members[0].level), []).append(members)
     groups: dict[tuple[str, Level], list[Run]] = {}
-    for run in runs:
-        groups.setdefault((run.label, run.level), []).append(run)
+    for (label, level), arm in by_arm.items():
+        values = [members[0].defining for members in arm]
+        apart = sorted({k for v in values for k in v if len({other.get(k) for other in values}) > 1})
+        for members, v in zip(arm, values, strict=True):
+            name = f"{label} ({', '.join(f'{k}={_value(v.get(k))}' for k in apart)})" if apart else label
+            for run in members:
+                run.cell, run.apart = name, tuple(apart)
+            groups[(name, level)] = members
     return dict(sorted(groups.items(), key=lambda kv: (_level_key(kv[0][1]), kv[0][0])))
+
+
+def _value(encoded: str | None) -> str:
+    """A config value as a cell's name shows it: strings bare, the rest as JSON; a dash for a key the run lacks."""
+    if encoded is None:
+        return DASH
+    value = json.loads(encoded)
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def same_conditions(a: list[Run], b: list[Run]) -> bool:
+    """Two cells of two arms compare like for like: they agree on every key outside ``algo`` that tells either apart
+    from the other cells of its own arm (a learning rate swept for both arms pairs grpo at 1e-3 with bapo at 1e-3,
+    never with bapo at 1e-5)."""
+    keys = {k for k in (*a[0].apart, *b[0].apart) if not k.startswith("algo.")}
+    return all(a[0].defining.get(k) == b[0].defining.get(k) for k in keys)
 
 
 def mean_std(xs, fmt: str = "{:.3f}") -> str:
@@ -582,8 +677,9 @@ def paired_rows(groups, reference: str) -> list[dict]:
     both completed at the same staleness, with its raw p and (for those that enter the correction) Holm's."""
     rows = []
     for (label, level), runs in groups.items():
-        ref = groups.get((reference, level))
-        if label == reference or not ref:
+        refs = [g for (_, lv), g in groups.items() if lv == level and g[0].label == reference]
+        ref = next((g for g in refs if same_conditions(runs, g)), None)
+        if runs[0].label == reference or not ref:
             continue
         for key in ("final", "best"):
             arm = {r.seed: r.summary()[key] for r in runs if r.complete}
@@ -683,11 +779,14 @@ def render(
     reference: str = "bapo", smooth: int = 1,
 ) -> str:  # fmt: skip
     bad = [r for r in runs if not r.complete]
+    failed = sum(r.exception is not None or not r.folder for r in bad)
     options = f"--reference {reference} --smooth {smooth}" + (" --intervals" if intervals else "")
+    named = sorted({r.cell for g in groups.values() for r in g if r.apart})
     lines = [
         "# Sweep report",
         "",
-        f"Sweep `{sweep}`: {len(runs)} runs, {len(runs) - len(bad)} complete, {len(bad)} incomplete.",
+        f"Sweep `{sweep}`: {len(runs)} runs, {len(runs) - len(bad)} complete, {len(bad)} incomplete"
+        + (f" ({failed} failed or never started: listed under *Incomplete runs*)." if failed else "."),
         "",
         "Mean ± std (sample std) over the completed seeds of each algo × staleness. Staleness is "
         "`ppo_epochs × mini_batches_per_rollout − 1` (with `train.async_rollout`, `buffer.max_staleness`), "
@@ -699,6 +798,16 @@ def render(
         f"`time/step_s`. An accuracy under {FLOOR_SHARE:.0%} is marked `(floor)`. Incomplete runs are not in the "
         "statistics; they are listed below.",
         "",
+    ]
+    if named:  # only then: a report whose cells are all alone at their algo x staleness reads as before
+        lines += [
+            "Runs are pooled only when they differ in the seed alone. Cells that share an algo and a staleness "
+            "but differ in other keys are rows of their own, named by those keys: "
+            + ", ".join(f"`{n}`" for n in named)
+            + ".",
+            "",
+        ]
+    lines += [
         f"Options: `{options}` (`scripts/report.py <sweep or pack> {options}` makes this report again).",
         "",
         "## Results",
@@ -727,7 +836,8 @@ def render(
     if bad:
         lines += [_row(["run", "algo", "staleness", "seed", "status"]), _row(["---"] * 5)]
         for r in bad:
-            lines.append(_row([f"`{r.name}`", r.label, _show(r.level), r.seed, r.status()]))
+            level = _show(r.level) if r.folder else DASH
+            lines.append(_row([f"`{r.name}`", r.cell or r.label, level, r.seed, r.status()]))
     else:
         lines.append("None.")
     problems = [_where(sweep, p) for r in runs for p in r.problems]
@@ -739,24 +849,29 @@ def render(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    """Bad input (a missing or empty folder, a damaged pack, a bad option) is one ``error:`` line and exit status 2,
+    with nothing written."""
+    parser = UsageParser(description=__doc__.split("\n")[0])
     parser.add_argument("sweep", type=Path, help="a multirun folder (or a single run folder), or a study's pack")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: <sweep>/report, or the pack's)")
-    parser.add_argument("--smooth", type=int, default=1, help="trailing mean over K points in the plots")
+    parser.add_argument("--smooth", type=int, default=1, help="trailing mean over K >= 1 points in the plots")
     parser.add_argument("--intervals", action="store_true", help="interval, paired and pathology tables always")
     parser.add_argument("--reference", default="bapo", help="the arm the paired comparison is against")
     args = parser.parse_args(argv)
+    if args.smooth < 1:
+        parser.error(f"argument --smooth: must be at least 1 (1: no smoothing), got {args.smooth}")
     if not args.sweep.exists():
-        parser.error(f"no such folder or pack: {args.sweep}")
+        return _error("FileNotFoundError", f"no such folder or pack: {args.sweep}")
     try:
         sweep, runs = load_runs(args.sweep)
     except PackError as e:
-        print(f"error: PackError: {e}", file=sys.stderr)
-        return 2
+        return _error("PackError", str(e))
     if not runs:
-        print(f"no runs under {args.sweep} (no config.yaml or metrics.jsonl)", file=sys.stderr)
-        return 1
+        return _error("FileNotFoundError", f"no runs under {args.sweep} (no config.yaml or metrics.jsonl)")
     out = args.out or (args.sweep / "report" if args.sweep.is_dir() else args.sweep.parent)
+    blocked = next((p for p in (out, *out.parents) if p.exists()), None)
+    if blocked is not None and not blocked.is_dir():
+        return _error("NotADirectoryError", f"--out {out}: {blocked} is a file, not a folder")
     out.mkdir(parents=True, exist_ok=True)
     groups = group_runs(runs)
     plots = plot_curves(groups, out, args.smooth) + plot_bapo(groups, out, args.smooth)
@@ -767,9 +882,17 @@ def main(argv: list[str] | None = None) -> int:
     (out / "report.md").write_text(text)
     for problem in (p for r in runs for p in r.problems):
         print(f"warning: {_where(sweep, problem)}", file=sys.stderr)
+    for r in runs:
+        if not r.complete and (r.exception is not None or not r.folder):
+            print(f"failed: {r.name}: {r.status()}", file=sys.stderr)
     n_bad = sum(not r.complete for r in runs)
     print(f"{out / 'report.md'}: {len(runs)} runs ({n_bad} incomplete), {len(plots)} plots")
     return 0
+
+
+def _error(kind: str, message: str) -> int:
+    print(f"error: {kind}: {message}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -116,6 +116,79 @@ def test_report_from_pack_equals_report_from_folder(sweep, tmp_path):
     assert plots == sorted(p.name for p in (tmp_path / "from_folder").glob("*.png")) and plots
 
 
+def test_runs_run_grid_queued_that_left_no_folder_are_packed_and_reported(sweep, tmp_path):
+    """A start-up error removes its run folder, and an interrupted grid never starts the rest: run_grid's plan and
+    log still name them, and the pack and the report list them (today's pack had no trace of either)."""
+    bad, later = "algo=grpo,learner.lr=-1,seed=1", "algo=grpo,learner.lr=-1,seed=2"
+    with (sweep / "logs" / "grid.jsonl").open("a") as f:
+        for name in (bad, later):
+            f.write(json.dumps({"run": name, "overrides": ["algo=grpo", "learner.lr=-1", f"seed={name[-1]}"]}) + "\n")
+        f.write("not json\n" + json.dumps({"run": bad, "rc": 2, "seconds": 3.5}) + "\n")
+    (sweep / "logs" / f"{bad}.log").write_text("error: ConfigError: learner.lr: must be > 0, got -1.0\n")
+    records = {r["run"]: r for r in pack_study.read_folder(sweep)}
+    assert list(records)[-2:] == [bad, later]  # after the folders, by name
+    assert {k: records[bad][k] for k in ("status", "exception", "folder", "process_s", "config", "overrides")} == {
+        "status": "failed", "exception": "run_grid log: error: ConfigError: learner.lr: must be > 0, got -1.0",
+        "folder": False, "process_s": 3.5, "config": {}, "overrides": ["algo=grpo", "learner.lr=-1", "seed=1"],
+    }  # fmt: skip
+    assert (records[later]["status"], records[later]["exception"]) == ("incomplete", pack_study.NEVER_STARTED)
+    assert "folder" not in records["algo=bapo,seed=1"]  # a run with a folder: the record as before
+    pack = tmp_path / "pack" / "runs.jsonl.gz"
+    assert pack_study.main([str(sweep), "--out", str(pack)]) == 0
+    assert report.main([str(sweep), "--out", str(tmp_path / "from_folder")]) == 0
+    assert report.main([str(pack)]) == 0
+    md = (tmp_path / "pack" / "report.md").read_text()
+    assert md == (tmp_path / "from_folder" / "report.md").read_text()
+    assert f"| `{bad}` | grpo | — | 1 | no run folder; run_grid log: error: ConfigError: learner.lr: must be > 0" in md
+    assert f"| `{later}` | grpo | — | 2 | no run folder; run_grid: queued, never started |" in md
+    assert "8 runs, 5 complete, 3 incomplete (3 failed or never started" in md
+
+
+def test_failed_cells_of_train_py_m_are_read_from_the_sweep_summary(sweep, tmp_path):
+    """``python train.py -m`` records each cell in ``sweep_summary.jsonl`` (bapo/sweep.py): a failed cell without a
+    folder is listed from it, and one whose folder's logs name nothing takes its line."""
+    quiet = "algo=grpo,seed=2"  # complete in the fixture: make it a failure whose own logs say nothing
+    (sweep / quiet / "final_metrics.json").unlink()
+    rows = [
+        {"cell": "algo=grpo,learner.lr=-1,seed=1", "overrides": ["algo=grpo", "learner.lr=-1", "seed=1"],
+         "status": "failed", "exit": 2, "error": "error: ConfigError: learner.lr: must be > 0, got -1.0"},
+        {"cell": quiet, "overrides": ["algo=grpo", "seed=2"], "status": "failed", "exit": 1,
+         "error": "RuntimeError: boom"},
+        {"cell": "algo=bapo,seed=9", "overrides": ["algo=bapo", "seed=9"], "status": "failed", "exit": 2,
+         "error": "error: ConfigError: x"},
+        {"cell": "algo=bapo,seed=9", "overrides": ["algo=bapo", "seed=9"], "status": "complete", "exit": 0,
+         "error": None},  # relaunched and complete (its folder since removed): not a failure
+    ]  # fmt: skip
+    (sweep / "sweep_summary.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"cell": "cut')
+    records = {r["run"]: r for r in pack_study.read_folder(sweep)}
+    bad = records["algo=grpo,learner.lr=-1,seed=1"]
+    assert (bad["status"], bad["folder"], bad["overrides"]) == (
+        "failed",
+        False,
+        ["algo=grpo", "learner.lr=-1", "seed=1"],
+    )
+    assert bad["exception"] == "sweep summary: error: ConfigError: learner.lr: must be > 0, got -1.0"
+    assert (records[quiet]["status"], records[quiet]["exception"]) == ("failed", "sweep summary: RuntimeError: boom")
+    assert "algo=bapo,seed=9" not in records
+    assert report.main([str(sweep), "--out", str(tmp_path / "rep")]) == 0
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "| `algo=grpo,learner.lr=-1,seed=1` | grpo | — | 1 | no run folder; sweep summary: error: ConfigError" in md
+
+
+def test_a_config_hydra_wrote_unresolved_reads_as_the_finished_runs_do(tmp_path):
+    """A run that died before writing config.yaml has only Hydra's .hydra/config.yaml, interpolations and all."""
+    d = tmp_path / "run" / ".hydra"
+    d.mkdir(parents=True)
+    (d / "config.yaml").write_text("seed: 3\ndata:\n  train_seed: ${seed}\nlogger:\n  tags: ['seed=${seed}']\n")
+    assert pack_study.read_run(d.parent)["config"] == {
+        "seed": 3,
+        "data": {"train_seed": 3},
+        "logger": {"tags": ["seed=3"]},
+    }
+    (d / "config.yaml").write_text("seed: 3\nx: ${now:%Y}\n")  # a resolver only Hydra has: kept as written
+    assert pack_study.read_run(d.parent)["config"] == {"seed": 3, "x": "${now:%Y}"}
+
+
 def test_bad_packs_fail_with_file_and_line(tmp_path, capsys):
     not_gzip = tmp_path / "a.jsonl.gz"
     not_gzip.write_text("{}")

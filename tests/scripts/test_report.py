@@ -153,8 +153,41 @@ def test_default_out_is_inside_the_sweep_and_rerun_is_stable(sweep):
     assert (sweep / "report" / "report.md").read_text() == first
 
 
-def test_empty_folder_fails(tmp_path):
-    assert report.main([str(tmp_path)]) == 1
+def tree(root) -> dict:
+    """Every path under ``root`` with its bytes (None for a folder): a snapshot to compare before and after."""
+    return {p.relative_to(root).as_posix(): None if p.is_dir() else p.read_bytes() for p in sorted(root.rglob("*"))}
+
+
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    return err
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["missing folder", "empty folder", "not a pack", "--smooth 0", "--smooth x", "unknown flag", "--out a file"],
+)
+def test_bad_input_is_one_error_line_exit_2_and_writes_nothing(case, sweep, tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "notes.txt").write_text("not a pack\n")
+    argv = {
+        "missing folder": [str(tmp_path / "nope")],
+        "empty folder": [str(tmp_path / "empty")],
+        "not a pack": [str(tmp_path / "notes.txt")],
+        "--smooth 0": [str(sweep), "--smooth", "0"],
+        "--smooth x": [str(sweep), "--smooth", "x"],
+        "unknown flag": [str(sweep), "--colour"],
+        "--out a file": [str(sweep), "--out", str(tmp_path / "notes.txt" / "report")],
+    }[case]
+    before = tree(tmp_path)
+    try:
+        status = report.main(argv)
+    except SystemExit as e:  # argparse's errors leave through UsageParser.error
+        status = e.code
+    assert status == 2
+    one_error_line(capsys)
+    assert tree(tmp_path) == before
 
 
 def test_staleness_of():
@@ -225,7 +258,7 @@ def test_label_keeps_algo_overrides(tmp_path):
     (tmp_path / ".hydra").mkdir()
     overrides = ["algo=bapo", "algo.contribution=gradient", "seed=2"]
     (tmp_path / ".hydra" / "overrides.yaml").write_text(json.dumps(overrides))
-    assert report.load_run(tmp_path).label == "?[contribution=gradient]"  # read from the folder; no config
+    assert report.load_run(tmp_path).label == "bapo[contribution=gradient]"  # no config: the algo= override
     assert report.label_of(overrides, {"algo": {"name": "bapo"}}) == "bapo[contribution=gradient]"
     # a sub-group override (a rollout correction) is an arm of its own, not the plain algorithm
     overrides = ["algo=grpo", "algo/correction=tis", "learner.old_logp=recompute"]
@@ -279,3 +312,106 @@ def test_pathology_counts_updates_and_updates_with_a_signal(tmp_path):
     p = report.load_run(d).pathology()
     assert p["rho_below_share"] == pytest.approx(6 / 20)
     assert p["rho_below_signal_share"] == pytest.approx(6 / 11)
+
+
+# ------------------------------------------------------------------------------------ cells
+
+
+def lr_sweep(root, lrs=(1e-5, 1e-3), seeds=(1,), accs=None):
+    """grpo and bapo at each learning rate, one folder per run as Hydra names them; final accuracy ``accs[lr]``
+    (default: 0.2 at the first lr, 0.6 at the second), grpo 0.1 below bapo."""
+    accs = accs or {lrs[0]: 0.2, lrs[1]: 0.6}
+    kw = {"grad_norm": [1] * STEPS, "entropy": [0.5] * STEPS, "step_s": 6.0}
+    for algo in ("grpo", "bapo"):
+        for lr in lrs:
+            for seed in seeds:
+                acc = accs[lr] - (0.1 if algo == "grpo" else 0.0) + 0.01 * seed
+                d = write_run(root / f"lr={lr}", algo, 2, seed, acc=[0.1, acc, acc], **kw)
+                overrides = json.loads((d / ".hydra" / "overrides.yaml").read_text())
+                (d / ".hydra" / "overrides.yaml").write_text(json.dumps([*overrides, f"learner.lr={lr}"]))
+                cfg = json.loads((d / "config.yaml").read_text())
+                cfg["learner"]["lr"] = lr
+                cfg["data"] = {"train_seed": seed}  # composed from the seed: not a difference
+                (d / "config.yaml").write_text(json.dumps(cfg))
+
+
+def test_runs_that_differ_in_anything_but_the_seed_are_never_pooled(tmp_path):
+    """learner.lr=1e-5,1e-3 at seed 1: two cells of one seed each, never one cell of "2 seeds" with an interval
+    (today's code pooled them by algo x staleness: grpo's final accuracy read 0.110 + 0.510 over 2 = 0.310 ± 0.283)."""
+    root = tmp_path / "sweep"
+    lr_sweep(root)
+    out = tmp_path / "out"
+    assert report.main([str(root), "--out", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    rows = {r["algo"]: r for r in table(md, "Results")}
+    assert sorted(rows) == [f"{a} (learner.lr={lr})" for a in ("bapo", "grpo") for lr in ("0.001", "1e-05")]
+    for name, row in rows.items():
+        assert (row["seeds"], row["incomplete"]) == ("1", "0"), name
+    assert rows["grpo (learner.lr=1e-05)"]["final acc"] == "0.110"  # 0.2 - 0.1 + 0.01, alone
+    assert rows["grpo (learner.lr=0.001)"]["final acc"] == "0.510"
+    assert "## Intervals over seeds" not in md  # no cell has two seeds
+    assert "named by those keys: `bapo (learner.lr=0.001)`" in md
+
+
+def test_a_cell_pools_its_seeds_and_pairs_with_the_reference_at_the_same_settings(tmp_path):
+    root = tmp_path / "sweep"
+    lr_sweep(root, seeds=(1, 2, 3, 4, 5))
+    # a key only one run's code wrote, with the value every run had (a config schema change): not a setting
+    d = root / "lr=0.001" / "algo=bapo,learner.mini_batches_per_rollout=2,seed=5"
+    cfg = json.loads((d / "config.yaml").read_text())
+    (d / "config.yaml").write_text(json.dumps(cfg | {"rollout": {"workers": 1}}))
+    _, runs = report.load_runs(root)
+    groups = report.group_runs(runs)
+    assert {name: len(g) for (name, _), g in groups.items()} == {
+        f"{a} (learner.lr={lr})": 5 for a in ("bapo", "grpo") for lr in ("0.001", "1e-05")
+    }
+    rows = report.paired_rows(groups, "bapo")
+    # grpo is 0.1 below bapo at every seed and either lr: each pair is of one lr
+    assert {(r["arm"], r["key"]): round(r["stat"].mean, 6) for r in rows} == {
+        (f"grpo (learner.lr={lr})", key): -0.1 for lr in ("0.001", "1e-05") for key in ("final", "best")
+    }
+    assert all(r["stat"].n == 5 for r in rows)
+
+
+def test_a_key_with_two_values_is_a_setting_even_where_a_run_lacks_it(tmp_path):
+    root = tmp_path / "sweep"
+    lr_sweep(root)
+    for lr, width in ((1e-5, 2), (1e-3, 4)):
+        d = root / f"lr={lr}" / "algo=grpo,learner.mini_batches_per_rollout=2,seed=1"
+        cfg = json.loads((d / "config.yaml").read_text())
+        (d / "config.yaml").write_text(json.dumps(cfg | {"rollout": {"workers": width}}))
+    extra = write_run(root / "old", "grpo", 2, 1, acc=[0.1, 0.3, 0.3], grad_norm=[1] * 8, entropy=ENT + [0.5], step_s=6)
+    cfg = json.loads((extra / "config.yaml").read_text())
+    (extra / "config.yaml").write_text(json.dumps(cfg | {"learner": cfg["learner"] | {"lr": 1e-5}}))
+    _, runs = report.load_runs(root)
+    names = sorted(name for name, _ in report.group_runs(runs) if name.startswith("grpo"))
+    assert names == [
+        "grpo (learner.lr=0.001, rollout.workers=4)",
+        "grpo (learner.lr=1e-05, rollout.workers=2)",
+        "grpo (learner.lr=1e-05, rollout.workers=—)",
+    ]
+
+
+def test_cell_config_leaves_out_the_seed_and_the_bookkeeping():
+    cfg = {
+        "seed": 3,
+        "data": {"train_seed": 3, "heldout_seed": 1234, "path": "a.jsonl"},
+        "learner": {"lr": 1e-5, "betas": [0.9, 0.999], "packing": True},
+        "logger": {"tags": ["seed=3"], "mode": "online"},
+        "resume": "auto",
+        "overwrite": False,
+        "eval": {"sets": {}},
+    }
+    assert report.cell_config(cfg) == {
+        "data.heldout_seed": "1234",
+        "data.path": '"a.jsonl"',
+        "learner.lr": "1e-05",
+        "learner.betas": "[0.9, 0.999]",
+        "learner.packing": "true",
+        "eval.sets": "{}",
+    }
+    # a *seed* key that is not the run's seed is a setting; True == 1 is not mistaken for seed 1
+    assert report.cell_config({"seed": 1, "data": {"train_seed": 7}, "x": {"seeded": True}}) == {
+        "data.train_seed": "7",
+        "x.seeded": "true",
+    }
