@@ -121,6 +121,7 @@ class RolloutMaker:
                 "time/reward_s": rstats.verify_s,
                 "time/sync_s": t_sync,
             }
+            | {f"time/sync_{k}_s": v for k, v in (getattr(self.engine, "sync_parts", {}) if t_sync else {}).items()}
         )
         if self.skipped is not None:
             stats["data/skipped_rows"] = float(self.skipped.skipped)

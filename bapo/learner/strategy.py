@@ -93,6 +93,8 @@ class StreamedWeights(Mapping):
     an optimizer step between two reads changes what the second returns.
     """
 
+    collective = True  # every rank reads it at the same time (an engine may coordinate its ranks meanwhile)
+
     def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype | None = None):
         self._sd = model.state_dict(keep_vars=True)  # the DTensor parameters themselves: tied names share one
         self._device = device

@@ -51,6 +51,7 @@ class RolloutEngine(ABC):
     version: int = 0
     pad_id: int
     tensor_parallel_size: int = 1  # ranks per engine (vLLM under torchrun may span several)
+    sync_parts: Mapping[str, float] = {}  # the last load_weights' seconds by part (write, reload, ...), if it splits
 
     @abstractmethod
     def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> float:

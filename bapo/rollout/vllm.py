@@ -66,6 +66,7 @@ from bapo.checks import ConfigError, choice, require, resumable
 from bapo.rollout.base import EngineContext, RolloutEngine, check_top_p, make_sample
 from bapo.rollout.config import RolloutCommon
 from bapo.rollout.registry import EngineTraits
+from bapo.rollout.staging import check_reply, save_weights
 from bapo.samples import Prompt, Sample
 
 SLEEP_LEVELS = (1, 2)  # vLLM's: 1 offloads the weights to host memory, 2 discards them
@@ -134,23 +135,21 @@ def _repack_lm_head(worker) -> bool:
     return True
 
 
-def save_weights(weights: Mapping[str, torch.Tensor], folder: Path, dtype: torch.dtype) -> None:
-    """The learner's weights as ``folder/model.safetensors`` in ``dtype`` (read once, in their order), for a vLLM
-    worker in another process to reload; a reader never sees a half-written file (written, then renamed)."""
-    from safetensors.torch import save_file
+def _reload_stream(worker, weights_iterator) -> int:
+    """Runs inside each worker: vLLM's in-place reload of the streamed weights, refusing one that leaves a
+    parameter without weights (:func:`bapo.rollout.staging.reload_checked`)."""
+    from bapo.rollout.staging import reload_checked
 
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors, seen = {}, set()
-    for name, t in weights.items():
-        t = t.detach().to(dtype) if t.is_floating_point() else t.detach()
-        key = (t.data_ptr(), t.shape)
-        if key in seen:  # a tied alias (lm_head.weight): safetensors refuses shared storage
-            continue
-        seen.add(key)
-        tensors[name] = t.cpu().contiguous()
-    tmp = folder / "model.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    tmp.replace(folder / "model.safetensors")
+    return reload_checked(worker, weights_iterator)
+
+
+def _reload_folder(worker, path: str) -> dict:
+    """Runs inside each worker: reload a staged folder, checking it against its manifest."""
+    from bapo.rollout.staging import Reader, reload_checked
+
+    reader = Reader(path)
+    reload_checked(worker, iter(reader))
+    return reader.check()
 
 
 class VLLMRollout(RolloutEngine):
@@ -298,9 +297,7 @@ class VLLMRollout(RolloutEngine):
         t0 = time.perf_counter()
         self.wake(("weights",))
         if self.in_process:
-            self.llm.collective_rpc(
-                "reload_weights", kwargs={"weights_iterator": self._cast(weights), "is_checkpoint_format": True}
-            )
+            self.llm.collective_rpc(_reload_stream, kwargs={"weights_iterator": self._cast(weights)})
         else:
             self._reload_from_disk(weights)
         if self.tied and self.on_cpu:
@@ -311,10 +308,8 @@ class VLLMRollout(RolloutEngine):
 
     def _reload_from_disk(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Workers in other processes: write the weights as safetensors, and the workers reload that folder."""
-        save_weights(weights, self._weights_dir, self.engine_dtype)
-        self.llm.collective_rpc(
-            "reload_weights", kwargs={"weights_path": str(self._weights_dir), "is_checkpoint_format": True}
-        )
+        staged = save_weights(weights, self._weights_dir, self.engine_dtype)
+        check_reply(staged, self.llm.collective_rpc(_reload_folder, args=(str(self._weights_dir),)), "rollout=vllm")
 
     def _segments(
         self, rows: list[list[int]], caps: list[int], seeds: list[int], offsets: list[int]

@@ -17,6 +17,7 @@ import torch
 pytest.importorskip("vllm")
 
 from bapo.config import ConfigError  # noqa: E402
+from bapo.rollout.staging import MANIFEST, WEIGHTS_FILE, digest, fingerprint, save_weights  # noqa: E402
 from bapo.rollout.vllm_server import ServerError, VLLMServerRollout  # noqa: E402
 from tests.conftest import perturbed  # noqa: E402
 from tests.rollout.checks import assert_tagged_and_shaped, rows  # noqa: E402
@@ -63,10 +64,41 @@ def test_logp_equal_the_learners_after_a_weight_update(server, ref_model, tiny_t
         assert {s.version for s in samples} == {3}
         assert _learner_logp_diff(new, samples, 0.7, server.pad_id) < 1e-4
         assert _learner_logp_diff(ref_model, samples, 0.7, server.pad_id) > 1e-2  # the update reached the server
-        assert len(list(server.dir.glob("v*"))) == 1  # the older folders are gone
+        assert list(server.dir.glob("v*")) == []  # the server holds them now: no staged copy stays
+        assert set(server.sync_parts) == {"write", "reload", "reset"}
+        # what the workers read is what the learner holds, fingerprinted here on its own
+        want = {k: fingerprint(v.to(torch.float32)) for k, v in new.state_dict().items()}
+        assert server.fingerprint() == [{"tensors": len(want), "digest": digest(want)}]
     finally:
         server.load_weights(ref_model.state_dict(), version=0)
     assert _learner_logp_diff(ref_model, server.generate(prompts, n=2), 0.7, server.pad_id) < 1e-4
+
+
+@pytest.mark.parametrize(
+    "drop, why",
+    [
+        ("model.layers.1.mlp.down_proj.weight", "vLLM loaded no weights for 1 parameter"),  # a layer of its own
+        ("model.layers.2.self_attn.q_proj.weight", "vLLM got only part of 1 fused layer"),  # a third of qkv_proj
+    ],
+)
+def test_a_sync_missing_a_tensor_is_refused_by_the_server(server, ref_model, tiny_tok, tmp_path, drop, why):
+    """A folder that lacks a tensor (file and manifest agree: a learner-side bug) is refused by the workers:
+    vLLM itself would keep the old weights of the layer, or fill the missing third of a fused layer."""
+    from safetensors.torch import load_file, save_file
+
+    try:
+        staged = save_weights(perturbed(ref_model).state_dict(), tmp_path / "v", torch.float32)
+        tensors = load_file(staged.folder / WEIGHTS_FILE)
+        del tensors[drop]
+        save_file(tensors, str(staged.folder / WEIGHTS_FILE))
+        manifest = json.loads((staged.folder / MANIFEST).read_text())
+        del manifest["tensors"][drop]
+        (staged.folder / MANIFEST).write_text(json.dumps(manifest))
+        with pytest.raises(ServerError, match=why):
+            server._rpc("bapo_reload", path=str(staged.folder))
+    finally:
+        server.load_weights(ref_model.state_dict(), version=0)
+    assert _learner_logp_diff(ref_model, server.generate(_prompts(tiny_tok, 4), n=2), 0.7, server.pad_id) < 1e-4
 
 
 def test_partial_segments_continue_the_prefix(server, tiny_tok):
@@ -105,7 +137,7 @@ def test_bad_addresses_are_one_line_errors(tiny_tok):
 
 
 def test_a_server_that_cannot_start_says_why(tiny_tok):
-    with pytest.raises(ServerError, match=r"the server exited with code \d+ before it was ready: .*no-such-flag"):
+    with pytest.raises(ConfigError, match=r"the server exited with code \d+ before it was ready: .*no-such-flag"):
         VLLMServerRollout(str(TINY), tiny_tok, server_args=["--no-such-flag"], **KW)
 
 
