@@ -1,0 +1,251 @@
+"""``rollout=vllm_server`` against a loopback stand-in for vLLM's server (no vLLM needed): the HTTP side of the
+engine under the behaviour a GPU server has and a CPU one never shows (a generation longer than the request
+timeout, a KV cache that holds few sequences, a server started with other flags, a prefix cache that refuses to
+reset, a server given by URL that holds other weights).
+
+The stand-in answers the routes the engine uses: ``/v1/models``, ``/collective_rpc`` (``bapo_describe`` and
+``bapo_reload``: it reads the staged folder with the real :class:`bapo.rollout.staging.Reader`), ``/v1/completions``
+(streamed, token ids and log-probs in vLLM's chunk format) and ``/reset_prefix_cache``."""
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
+
+import pytest
+
+from bapo.checks import ConfigError
+from bapo.rollout.staging import Reader
+from bapo.rollout.vllm_server import UNSYNCED, ServerError, VLLMServerRollout, server_devices
+from tests.conftest import TINY
+
+IDENTITY = json.loads((TINY / "config.json").read_text())
+
+
+class Fake:
+    """The stand-in's behaviour, set per test."""
+
+    def __init__(self, **kw):
+        self.describe = {
+            "max_model_len": 256,
+            "logprobs_mode": "processed_logprobs",
+            "generation_config": "vllm",
+            "kv_tokens": None,
+            "max_num_seqs": 256,
+        } | {k: IDENTITY.get(k) for k in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers",
+                                          "num_attention_heads", "intermediate_size")}  # fmt: skip
+        self.tokens = 6  # per response
+        self.gap_s = 0.0  # between streamed chunks
+        self.keepalive_s = None  # send ": keep-alive" comments this often while waiting
+        self.silent = False  # never answer a completion
+        self.reset_ok = True
+        self.bodies: list[dict] = []
+        self.reloads: list[str] = []
+        self.in_flight = self.most_in_flight = 0
+        self.lock = threading.Lock()
+        self.__dict__.update(kw)
+
+
+def _handler(fake: Fake):
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def _json(self, obj, code=200):
+            data = json.dumps(obj).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self._json({"data": [{"id": "bapo-policy"}]})
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+            if self.path == "/collective_rpc":
+                if body["method"] == "bapo_describe":
+                    return self._json({"results": [fake.describe]})
+                reader = Reader(body["kwargs"]["path"])
+                for _ in reader:
+                    pass
+                fake.reloads.append(body["kwargs"]["path"])
+                return self._json({"results": [reader.check()]})
+            if self.path == "/reset_prefix_cache":
+                return self._json({"success": fake.reset_ok})
+            fake.bodies.append(body)
+            with fake.lock:
+                fake.in_flight += 1
+                fake.most_in_flight = max(fake.most_in_flight, fake.in_flight)
+            try:
+                self._complete(body)
+            finally:
+                with fake.lock:
+                    fake.in_flight -= 1
+
+        def _complete(self, body):
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            if fake.silent:
+                time.sleep(30)
+                return
+            for k in range(fake.tokens):
+                waited = 0.0
+                while waited < fake.gap_s:  # a long first token (queueing, prefill) or a slow decode
+                    step = min(fake.keepalive_s or fake.gap_s, fake.gap_s - waited)
+                    time.sleep(step)
+                    waited += step
+                    if fake.keepalive_s:
+                        self.wfile.write(b": keep-alive\n\n")
+                        self.wfile.flush()
+                for i in range(body["n"]):
+                    last = k == fake.tokens - 1
+                    choice = {"index": i, "token_ids": [10 + k], "finish_reason": "length" if last else None,
+                              "logprobs": {"token_logprobs": [-0.5]}}  # fmt: skip
+                    self.wfile.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
+                    self.wfile.flush()
+            self.wfile.write(b"data: [DONE]\n\n")
+
+    return Handler
+
+
+@pytest.fixture()
+def fake_server():
+    servers = []
+
+    def start(**kw):
+        fake = Fake(**kw)
+        httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(fake))
+        httpd.daemon_threads = True
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        servers.append(httpd)
+        return fake, f"http://127.0.0.1:{httpd.server_address[1]}"
+
+    yield start
+    for s in servers:
+        s.shutdown()
+
+
+def _engine(url, tiny_tok, **kw):
+    return VLLMServerRollout(str(TINY), tiny_tok, n=2, max_new_tokens=6, url=url, max_model_len=128, **kw)
+
+
+def _prompts(tiny_tok, k):
+    from tests.rollout.test_vllm import _prompts as make
+
+    return make(tiny_tok, k)
+
+
+def test_a_generation_longer_than_the_timeout_succeeds_while_the_server_streams(fake_server, tiny_tok):
+    """Each response takes 6 x 0.4 s = 2.4 s against a 1 s timeout; chunks (and keep-alive comments within the
+    first token's long wait) keep the stream alive."""
+    fake, url = fake_server(gap_s=0.4)
+    e = _engine(url, tiny_tok, request_timeout_s=1.0)
+    t0 = time.monotonic()
+    samples = e.generate(_prompts(tiny_tok, 2))
+    assert time.monotonic() - t0 > 2.0  # longer than the timeout: only silence counts
+    assert [s.response_ids.tolist() for s in samples] == [[10, 11, 12, 13, 14, 15]] * 4
+    assert all(s.logp.tolist() == [-0.5] * 6 for s in samples)
+    fake.gap_s, fake.keepalive_s = 2.5, 0.3  # a first token after 2.5 s: the server says it is alive meanwhile
+    fake.tokens = 1
+    assert len(e.generate(_prompts(tiny_tok, 1))) == 2
+
+
+def test_a_silent_server_is_named_in_one_line(fake_server, tiny_tok):
+    fake, url = fake_server(silent=True)
+    e = _engine(url, tiny_tok, request_timeout_s=0.5)
+    with pytest.raises(ServerError) as info:
+        e.generate(_prompts(tiny_tok, 1))
+    msg = str(info.value)
+    assert "\n" not in msg and msg.startswith("rollout.request_timeout_s: the server at http://127.0.0.1:")
+    assert "sent nothing for 0.5 s" in msg
+
+
+def test_requests_in_flight_fit_the_servers_kv_cache(fake_server, tiny_tok):
+    """kv_tokens 300: one request of n=2 x (prompt + 6) tokens fits twice at most, so no more are sent at once."""
+    prompt_len = len(_prompts(tiny_tok, 1)[0].ids)
+    per = 2 * (prompt_len + 6)
+    fake, url = fake_server(gap_s=0.05)
+    fake.describe["kv_tokens"] = 2 * per + per // 2
+    e = _engine(url, tiny_tok)
+    e.generate(_prompts(tiny_tok, 8))
+    assert len(fake.bodies) == 8 and fake.most_in_flight == 2
+    fake.describe["kv_tokens"], fake.most_in_flight = None, 0
+    fake.describe["max_num_seqs"] = 4  # 2 requests of n = 2
+    e = _engine(url, tiny_tok)
+    e.generate(_prompts(tiny_tok, 8))
+    assert fake.most_in_flight == 2
+
+
+def test_every_sampling_key_is_sent(fake_server, tiny_tok):
+    """Keys a request omits take the server's defaults (the checkpoint's, under --generation-config auto)."""
+    fake, url = fake_server()
+    _engine(url, tiny_tok, temperature=0.6).generate(_prompts(tiny_tok, 1), seed=3)
+    body = fake.bodies[0]
+    assert {k: body[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                                  "presence_penalty", "frequency_penalty", "min_tokens", "max_tokens",
+                                  "ignore_eos", "logprobs", "stream")} == {  # fmt: skip
+        "temperature": 0.6, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
+        "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_tokens": 0, "max_tokens": 6,
+        "ignore_eos": True, "logprobs": 0, "stream": True,
+    }  # fmt: skip
+    assert body["stop_token_ids"] and isinstance(body["seed"], int)
+
+
+@pytest.mark.parametrize(
+    "key, value, why",
+    [
+        ("logprobs_mode", "raw_logprobs", "returns raw_logprobs .*log-probs before temperature"),
+        ("generation_config", "auto", "runs with --generation-config auto: keys a request omits"),
+    ],
+)
+def test_a_server_started_with_other_flags_is_refused(fake_server, tiny_tok, key, value, why):
+    fake, url = fake_server()
+    fake.describe[key] = value
+    with pytest.raises(ConfigError, match=f"^rollout.url: the server at {url} {why}.*--logprobs-mode processed"):
+        _engine(url, tiny_tok)
+
+
+def test_a_server_given_by_url_gets_the_learners_weights_before_its_first_batch(fake_server, tiny_tok):
+    from bapo.modeling import load_model
+    from bapo.rollout_maker import RolloutMaker
+
+    fake, url = fake_server()
+    e = _engine(url, tiny_tok)
+    assert e.version == UNSYNCED
+    prompts = iter(_prompts(tiny_tok, 4))
+    maker = RolloutMaker(prompts, e, _Grader(), prompts_per_step=2, seed=0)
+    batch = maker.make(0, 0, load_model(str(TINY)).state_dict())
+    assert len(fake.reloads) == 1 and e.version == 0 and {s.version for s in batch.samples} == {0}
+    assert {"time/sync_write_s", "time/sync_reload_s", "time/sync_reset_s"} <= set(batch.stats)
+    assert not list(e.dir.glob("v*"))  # loaded, then removed
+    maker.make(1, 0, load_model(str(TINY)).state_dict())  # the same version: no second sync
+    assert len(fake.reloads) == 1
+
+
+class _Grader:
+    def grade(self, texts, answers):
+        grades = [SimpleNamespace(reward=0.0, correct=False, extracted=None) for _ in answers]
+        return grades, SimpleNamespace(as_dict=lambda: {}, verify_s=0.0)
+
+
+def test_a_prefix_cache_that_never_resets_fails_the_sync(fake_server, tiny_tok):
+    from bapo.modeling import load_model
+
+    fake, url = fake_server(reset_ok=False)
+    e = _engine(url, tiny_tok)
+    with pytest.raises(ServerError, match="refused to reset its prefix cache 20 times"):
+        e.load_weights(load_model(str(TINY)).state_dict(), 1)
+
+
+def test_server_gpus_are_indices_into_the_parents_visible_devices():
+    assert server_devices("4,5,6,7", None, 4, 1, 1) == "5"
+    assert server_devices("4,5,6,7", "0,1,2,3,8,9,10,11", 4, 2, 1) == "10"  # a node shared with another job
+    assert server_devices("4,5,6,7", "0,1,2,3,8,9,10,11", 2, 1, 2) == "10,11"  # two GPUs a server
+    with pytest.raises(ConfigError, match=r"rollout.gpus: \['7'\] are not indices into .*devices 0-3"):
+        server_devices("4,5,6,7", "0,1,2,3", 4, 3, 1)
+    with pytest.raises(ConfigError, match="has 3 devices for 2 local ranks"):
+        server_devices("1,2,3", None, 2, 0, 1)
