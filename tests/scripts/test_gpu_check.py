@@ -134,10 +134,29 @@ def test_the_wheelhouse_carries_the_dependencies_but_torch_and_the_large_binarie
     assert "transformers>=5.19,<6" in reqs  # pyproject.toml's specifiers, as written there
 
 
-@pytest.mark.slow  # a venv and an offline pip install: about 30 s
+def torch_behind_a_pth(tmp_path: Path) -> str:
+    """A Python whose torch is reached only through a .pth file of its site folder (a venv of this Python's base
+    interpreter, torch and its requirements linked in from here): a base whose packages a plain path line misses."""
+    site = Path(torch.__file__).parents[1]
+    linked = tmp_path / "torchsite"
+    linked.mkdir()
+    names = ("torch", "torchgen", "functorch", "sympy", "mpmath", "networkx", "jinja2", "markupsafe", "filelock")
+    names += ("fsspec", "typing_extensions.py", "numpy", "numpy.libs")
+    for p in site.iterdir():
+        if p.name in names or p.name.split("-")[0] in {n.split(".")[0] for n in names} and p.suffix == ".dist-info":
+            (linked / p.name).symlink_to(p)
+    base = tmp_path / "base"
+    subprocess.run([sys._base_executable, "-m", "venv", "--without-pip", str(base)], check=True, timeout=300)
+    py = base / "bin" / "python"
+    own = subprocess.run([py, "-c", "import site; print(site.getsitepackages()[0])"], capture_output=True, text=True)
+    (Path(own.stdout.strip()) / "torchsite.pth").write_text(f"{linked}\n")
+    return str(py)
+
+
+@pytest.mark.slow  # two venvs and an offline pip install: about a minute
 def test_a_venv_over_a_venvs_torch_installs_offline_from_the_wheelhouse(tmp_path, monkeypatch):
-    # a one-module wheel built here offline stands for the wheelhouse; this venv (a venv, as the H200 image's
-    # python3 is) stands for the GPU machine's torch
+    # a one-module wheel built here offline stands for the wheelhouse; a venv whose torch sits behind a .pth file
+    # stands for the GPU machine's python3 (the H200 image's is a venv)
     pkg = tmp_path / "src"
     (pkg / "gpucheckdemo").mkdir(parents=True)
     (pkg / "gpucheckdemo" / "__init__.py").write_text("VALUE = 42\n")
@@ -146,15 +165,19 @@ def test_a_venv_over_a_venvs_torch_installs_offline_from_the_wheelhouse(tmp_path
     pip = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-index", "--no-build-isolation", "-w"]
     subprocess.run([*pip, str(house), str(pkg)], check=True, capture_output=True, timeout=300)
     (house / "requirements.txt").write_text("gpucheckdemo==1.0\n")
+    base = torch_behind_a_pth(tmp_path)
     monkeypatch.setenv("GPU_CHECK_VENV", str(tmp_path / "venv"))
-    python, installed = gpu_check.venv_from_wheelhouse(sys.executable, house)
+    python, installed = gpu_check.venv_from_wheelhouse(base, house)
     assert installed == ["gpucheckdemo-1.0"]
     code = "import torch, gpucheckdemo; print(torch.__file__, gpucheckdemo.__file__, gpucheckdemo.VALUE)"
-    torch_file, demo_file, value = subprocess.run([python, "-c", code], capture_output=True, text=True).stdout.split()
-    assert torch_file == torch.__file__ and demo_file.startswith(str(tmp_path / "venv")) and value == "42"
+    p = subprocess.run([python, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-500:]
+    torch_file, demo_file, value = p.stdout.split()
+    assert torch_file == str(tmp_path / "torchsite" / "torch" / "__init__.py")  # the base's torch, not another
+    assert demo_file.startswith(str(tmp_path / "venv")) and value == "42"
     (house / "requirements.txt").write_text("not-in-the-wheelhouse==1.0\n")
     with pytest.raises(gpu_check.UsageError, match="installing from .* failed .*not-in-the-wheelhouse"):
-        gpu_check.venv_from_wheelhouse(sys.executable, house)
+        gpu_check.venv_from_wheelhouse(base, house)
 
 
 # ----------------------------------------------------------------------------- the dry runs
