@@ -2,8 +2,13 @@
 
 ``python train.py <overrides> --plan [--nproc N] [--gpu-memory GiB]`` prints the run's memory plan
 (per-GPU peaks of generation and of the update, host memory per node: ``bapo.plan``) and exits
-without starting anything or creating a run folder."""
+without starting anything or creating a run folder.
 
+``python train.py -m <grid>`` runs a sweep: a failed cell is recorded and the next one runs, each cell
+resumes (``resume=auto``) unless told otherwise, and ``-m <grid> --cfg job`` prints every cell's
+config (``bapo.sweep``)."""
+
+import os
 import sys
 from pathlib import Path
 
@@ -14,12 +19,20 @@ from omegaconf import DictConfig
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from bapo.cli import guarded
+    from bapo.cli import guarded, hydra_files
     from bapo.loop import run
+    from bapo.sweep import cell_of, default_resume
 
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
-    metrics = guarded(lambda: run(cfg, run_dir), run_dir)  # bad input: one line, exit 2; no folder left behind
-    if "stopped_by_signal" in metrics:  # SIGTERM / Ctrl-C: checkpoint saved; say so the conventional way
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
+    files = hydra_files(cfg)  # .hydra/, written once the folder is held (conf/config.yaml: output_subdir null)
+    cell = cell_of(hc)
+    if cell is not None:
+        default_resume(cfg, hc.overrides.task)  # a relaunched sweep skips its complete cells
+    rank0 = os.environ.get("RANK", "0") == "0"  # under torchrun rank 0 holds the shared folder
+    # the folder's lock first; bad input: one line, exit 2, the folder left as it was; a sweep goes on
+    metrics = guarded(lambda: run(cfg, run_dir), run_dir, hold=rank0, files=files if rank0 else None, cell=cell)
+    if metrics and "stopped_by_signal" in metrics:  # SIGTERM / Ctrl-C: checkpoint saved; say so the conventional way
         sys.exit(128 + int(metrics["stopped_by_signal"]))
 
 
@@ -30,4 +43,9 @@ if __name__ == "__main__":
         sys.exit(cli(sys.argv[1:]))
     from bapo.cli import hydra_entry
 
+    if "-m" in sys.argv[1:] or "--multirun" in sys.argv[1:]:
+        from bapo.sweep import show_cells, wants_cells
+
+        if wants_cells(sys.argv[1:]):  # Hydra refuses -m with --cfg: every cell's config instead
+            sys.exit(hydra_entry(lambda: show_cells(sys.argv[1:], Path(__file__).parent / "conf")))
     hydra_entry(main)  # Hydra's own start-up errors (a bad override, an unwritable run folder): one line too

@@ -9,27 +9,50 @@ Anything else is a bug and keeps its traceback.
 
 Two layers: :func:`hydra_entry` wraps the ``@hydra.main`` function and catches what Hydra raises
 before the job starts (composition, override syntax, creating the run folder and its log file);
-:func:`guarded` wraps the job itself. A start-up error leaves no run folder behind: when the folder
-held nothing but what Hydra wrote at job start (``.hydra/``, the job's log) and the run folder's
-lock, it is removed again, and so are the folders above it that became empty, up to ``outputs/``
-(Hydra's date folder).
+:func:`guarded` wraps the job itself.
+
+A refused start leaves the run folder exactly as it found it. ``train.py`` takes the folder's lock
+(``bapo.rundir.RunFolder``) before anything else, so a start refused because another run holds the
+folder touches nothing in it. Hydra writes nothing there first: conf/config.yaml sets
+``hydra.output_subdir: null``, and :func:`guarded` writes Hydra's record of the job (``.hydra/``) once
+the lock is held. Hydra does create the folder and open the job's log (``train.log``) before the job;
+the log is appended to, never rewritten. Holding the lock, a start that fails before the run wrote
+anything (a config error, a refused resume) puts back what it changed: ``.hydra/`` as it was, the
+log cut back to its length, the lock file removed if this start created it, and a folder that held
+nothing before this start removed with the folders above it that became empty, up to ``outputs/`` or
+``multirun/`` (Hydra's date folder). A run that failed after it wrote its files keeps them, and its log
+ends with the error line (``scripts/pack_study.py`` reads it).
+
+In a sweep (``train.py -m``) a failed cell does not end the sweep: its error line goes to stderr, to
+the cell's log (the cell's folder keeps its ``.hydra/`` and log, so the failure stays visible), and to
+the sweep's ``sweep_summary.jsonl`` (``bapo.sweep``), and the next cell runs. ``eval.py`` keeps the
+simpler rule: its folder is removed when it holds nothing but Hydra's files.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+import logging
 import os
 import shutil
 import sys
+import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from bapo.rundir import RunFolder
+    from bapo.sweep import Cell
 
 T = TypeVar("T")
 
 FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
 NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
 RUN_ROOTS = ("outputs", "multirun")  # Hydra's default roots: empty folders below them are removed with a run's
+HYDRA_DIR = ".hydra"  # Hydra's record of a job: config.yaml, hydra.yaml, overrides.yaml
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -53,7 +76,7 @@ def only_hydra_files(run_dir: Path) -> bool:
     """Nothing in the folder but what Hydra wrote at job start (.hydra/, the job's log) and the run folder's lock."""
     from bapo.rundir import LOCK_NAME
 
-    ok = (".hydra", LOCK_NAME)
+    ok = (HYDRA_DIR, LOCK_NAME)
     return run_dir.is_dir() and all(p.name in ok or p.suffix == ".log" for p in run_dir.iterdir())
 
 
@@ -61,6 +84,11 @@ def remove_run_folder(run_dir: Path) -> None:
     """Remove a start-up failure's run folder, and the folders above it that are left empty, up to (not including)
     ``outputs/`` or ``multirun/``. Outside those roots only the run folder itself goes."""
     shutil.rmtree(run_dir, ignore_errors=True)
+    remove_empty_parents(run_dir)
+
+
+def remove_empty_parents(run_dir: Path) -> None:
+    """The folders above ``run_dir`` that are empty, up to (not including) ``outputs/`` or ``multirun/``."""
     parents = list(run_dir.absolute().parents)
     root = next((i for i, p in enumerate(parents) if p.name in RUN_ROOTS), None)
     for p in parents[: root or 0]:
@@ -70,16 +98,72 @@ def remove_run_folder(run_dir: Path) -> None:
             break
 
 
+def error_line(e: BaseException, message: str | None = None) -> str:
+    """``error: <Class>: <message>`` in one line."""
+    text = " ".join((str(e) if message is None else message).split("\n")).strip()
+    return f"error: {type(e).__name__}: {text}"
+
+
 def fail(e: BaseException, status: int, message: str | None = None) -> None:
     """Print ``error: <Class>: <message>`` (one line) to stderr and exit with ``status``."""
-    text = " ".join((str(e) if message is None else message).split("\n")).strip()
-    print(f"error: {type(e).__name__}: {text}", file=sys.stderr)
+    print(error_line(e, message), file=sys.stderr)
     sys.exit(status)
 
 
-def guarded(fn: Callable[[], T], run_dir: str | Path) -> T:
-    """``fn()``, with the errors above turned into one line and an exit status (module docstring)."""
+def guarded(
+    fn: Callable[[], T],
+    run_dir: str | Path,
+    *,
+    hold: bool = False,
+    files: dict[str, str] | None = None,
+    cell: Cell | None = None,
+) -> T | None:
+    """``fn()``, with the errors above turned into one line and an exit status (module docstring).
+
+    ``hold`` (train.py, rank 0): take the run folder's lock first, then write ``files`` (``.hydra/<name>`` ->
+    text: Hydra's record of the job, :func:`hydra_files`), and on a failure put the folder back as it was found
+    (or keep the run's files if it wrote any). ``cell``: this job is a cell of a sweep; a failure is recorded in
+    the sweep's summary and returns None instead of exiting, and so does a bug (with its traceback), so that the
+    sweep goes on. Without ``hold``: the folder is removed when it holds nothing but Hydra's files (eval.py)."""
     run_dir = Path(run_dir)
+    if not hold:
+        return _guarded_unheld(fn, run_dir)
+    user, failed = user_errors(), run_errors()
+    began, start = time.time(), None
+    try:
+        start = StartedFolder.take(run_dir, files or {})  # before anything: a busy folder is left as it was
+        result = fn()
+    except user + failed as e:
+        status, line = (2 if isinstance(e, user) else 1), error_line(e)
+        if start is not None:
+            start.leave(line, keep_log=cell is not None)
+        if cell is None:
+            fail(e, status)
+        print(line, file=sys.stderr)
+        cell.record("failed", status, line, began)
+        return None
+    except Exception as e:  # a bug: in a sweep, recorded with its traceback, and the next cell runs
+        if cell is None:
+            raise
+        text = traceback.format_exc()
+        print(text, end="", file=sys.stderr)
+        if start is not None:
+            start.leave(text.rstrip("\n"), keep_log=True)
+        cell.record("failed", 1, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", began)
+        return None
+    except BaseException:  # a signal's exit, Ctrl-C: the run saved what it could; the lock goes with the process
+        if start is not None:
+            start.folder.close()
+        raise
+    start.folder.close()
+    if cell is not None:
+        stopped = isinstance(result, dict) and "stopped_by_signal" in result
+        code = 128 + int(result["stopped_by_signal"]) if stopped else 0
+        cell.record("stopped" if stopped else "complete", code, None, began)
+    return result
+
+
+def _guarded_unheld(fn: Callable[[], T], run_dir: Path) -> T:
     fresh = not run_dir.exists() or only_hydra_files(run_dir)
     user, failed = user_errors(), run_errors()
     try:
@@ -88,6 +172,193 @@ def guarded(fn: Callable[[], T], run_dir: str | Path) -> T:
         if fresh and only_hydra_files(run_dir):  # a start-up error leaves no run folder behind
             remove_run_folder(run_dir)
         fail(e, 2 if isinstance(e, user) else 1)
+
+
+def hydra_files(cfg: Any) -> dict[str, str]:
+    """What Hydra would write to ``<run>/.hydra/`` at job start (its ``output_subdir``), as name -> YAML text: the
+    job's config ``cfg``, Hydra's config and the command line's overrides. Call it in the job, before ``cfg`` is
+    edited; :func:`guarded` writes them once the run folder is held."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    hydra_cfg = HydraConfig.instance().cfg  # {"hydra": ...}, with the job's runtime filled in
+    return {
+        "config.yaml": OmegaConf.to_yaml(cfg),
+        "hydra.yaml": OmegaConf.to_yaml(hydra_cfg),
+        "overrides.yaml": OmegaConf.to_yaml(hydra_cfg.hydra.overrides.task),
+    }
+
+
+# ----------------------------------------------------------------------------- a run folder held
+
+
+@dataclasses.dataclass
+class StartedFolder:
+    """A run folder this process holds (``folder``), with what it held when the lock was taken: enough to put it
+    back exactly after a start that fails before the run wrote anything."""
+
+    folder: RunFolder
+    entries: dict[str, tuple[bool, int, int]]  # every other entry: name -> (is a folder, size, mtime_ns)
+    hydra: dict[str, tuple[bytes, int, int]] | None  # .hydra/<file> -> (content, atime_ns, mtime_ns); None: none
+    hydra_times: tuple[int, int] | None  # .hydra/'s own (atime_ns, mtime_ns)
+    logs: dict[Path, tuple[int, int, int]]  # the job's log files -> (size, atime_ns, mtime_ns)
+    times: tuple[int, int] | None  # the folder's own (atime_ns, mtime_ns) before this start locked it
+    new: bool  # the folder held nothing before this start (Hydra made it, and its empty log, for this process)
+
+    @classmethod
+    def take(cls, run_dir: Path, files: dict[str, str]) -> StartedFolder:
+        """Lock ``run_dir`` (:class:`bapo.rundir.RunFolderBusy` at once if another process holds it: nothing is
+        touched), note what it holds, then write ``files`` into ``.hydra/``."""
+        from bapo.rundir import RunFolder
+
+        try:
+            st = run_dir.stat()  # before the lock file is made in it
+            times = (st.st_atime_ns, st.st_mtime_ns)
+        except FileNotFoundError:
+            times = None
+        folder = RunFolder.open(run_dir)
+        try:
+            logs = _job_logs(run_dir)
+            hydra_dir = run_dir / HYDRA_DIR
+            hydra, hydra_times = None, None
+            if hydra_dir.is_dir():
+                hydra, hd = {}, hydra_dir.stat()
+                hydra_times = (hd.st_atime_ns, hd.st_mtime_ns)
+                for f in sorted(hydra_dir.iterdir()):
+                    if f.is_file():
+                        st = f.stat()
+                        hydra[f.name] = (f.read_bytes(), st.st_atime_ns, st.st_mtime_ns)
+            log_state = {}
+            for log in logs:
+                if log.is_file():
+                    ls = log.stat()
+                    log_state[log] = (ls.st_size, ls.st_atime_ns, ls.st_mtime_ns)
+            entries = _entries(run_dir, logs)
+            new = folder.lock_created and not entries and hydra is None and all(v[0] == 0 for v in log_state.values())
+            start = cls(folder, entries, hydra, hydra_times, log_state, times, new)
+            if files:
+                hydra_dir.mkdir(exist_ok=True)
+                for name, text in files.items():
+                    with open(hydra_dir / name, "w", encoding="utf-8") as f:  # in place: the folder's entries stay
+                        f.write(text)
+        except BaseException:
+            folder.close(discard=True)
+            raise
+        return start
+
+    @property
+    def path(self) -> Path:
+        return self.folder.path
+
+    def untouched(self) -> bool:
+        """The run wrote nothing: every entry but ``.hydra/``, the lock and the job's log is as it was found."""
+        return _entries(self.path, list(self.logs)) == self.entries
+
+    def leave(self, line: str, *, keep_log: bool) -> None:
+        """Release the folder after a failure whose error is ``line``. A start that wrote nothing puts the folder
+        back as it found it; with ``keep_log`` (a sweep's cell) its log keeps the line, and a folder this start
+        made keeps ``.hydra/`` too, so the failed cell is there to see. A run that wrote its files keeps them, and
+        its log ends with the line."""
+        if not self.untouched():
+            self._append(line)
+            self.folder.close()
+            return
+        if self.new and not keep_log:
+            self._remove()
+            return
+        if not self.new:
+            self._restore_hydra()
+        if keep_log:
+            self._append(line)
+        else:
+            self._restore_logs()
+        self.folder.close(discard=True)
+        if not keep_log and self.times is not None:
+            os.utime(self.path, ns=self.times)
+
+    def _append(self, line: str) -> None:
+        for h in _file_handlers(self.path):
+            h.flush()
+            with open(h.baseFilename, "a", encoding="utf-8") as f:
+                f.write(line + "\n")
+
+    def _restore_hydra(self) -> None:
+        hydra_dir = self.path / HYDRA_DIR
+        if self.hydra is None:
+            shutil.rmtree(hydra_dir, ignore_errors=True)
+            return
+        for f in hydra_dir.iterdir() if hydra_dir.is_dir() else ():
+            if f.is_file() and f.name not in self.hydra:
+                f.unlink()
+        for name, (content, atime, mtime) in self.hydra.items():
+            (hydra_dir / name).write_bytes(content)
+            os.utime(hydra_dir / name, ns=(atime, mtime))
+        if self.hydra_times is not None:
+            os.utime(hydra_dir, ns=self.hydra_times)
+
+    def _restore_logs(self) -> None:
+        for h in _file_handlers(self.path):
+            h.flush()
+        for log, (size, atime, mtime) in self.logs.items():
+            os.truncate(log, size)
+            os.utime(log, ns=(atime, mtime))
+
+    def _remove(self) -> None:
+        """Remove what this start made in a folder that held nothing before it: ``.hydra/``, the log, the lock
+        (``close(discard=True)``), then the folder and the empty folders above it, if nothing else appeared."""
+        shutil.rmtree(self.path / HYDRA_DIR, ignore_errors=True)
+        for log in self.logs:
+            log.unlink(missing_ok=True)
+        self.folder.close(discard=True)
+        try:
+            self.path.rmdir()
+        except OSError:
+            return  # something appeared meanwhile: not ours to remove
+        remove_empty_parents(self.path)
+
+
+def _entries(run_dir: Path, logs: list[Path]) -> dict[str, tuple[bool, int, int]]:
+    from bapo.rundir import LOCK_NAME
+
+    skip = {HYDRA_DIR, LOCK_NAME, *(log.name for log in logs)}
+    out = {}
+    for p in run_dir.iterdir():
+        if p.name not in skip:
+            st = p.lstat()
+            out[p.name] = (p.is_dir(), st.st_size, st.st_mtime_ns)
+    return out
+
+
+def _file_handlers(run_dir: Path) -> list[logging.FileHandler]:
+    """The root logger's file handlers that write into ``run_dir`` (Hydra's job log, ``<job name>.log``)."""
+    here = os.path.realpath(run_dir)
+    return [
+        h
+        for h in logging.getLogger().handlers
+        if isinstance(h, logging.FileHandler) and os.path.dirname(os.path.realpath(h.baseFilename)) == here
+    ]
+
+
+def _job_logs(run_dir: Path) -> list[Path]:
+    """The job's log files in ``run_dir``; a handler whose file another process's failed start removed (it held
+    the folder then) opens the file at its path again, so this run's log is not written to a deleted file."""
+    logs = []
+    for h in _file_handlers(run_dir):
+        path = Path(h.baseFilename)
+        try:
+            same = h.stream is not None and os.fstat(h.stream.fileno()).st_ino == os.stat(path).st_ino
+        except (FileNotFoundError, ValueError, OSError):
+            same = False
+        if not same:
+            h.acquire()
+            try:
+                if h.stream is not None:
+                    h.stream.close()
+                h.stream = h._open()
+            finally:
+                h.release()
+        logs.append(path)
+    return logs
 
 
 # ----------------------------------------------------------------------------- Hydra's own errors

@@ -6,7 +6,9 @@ Order of a start (the loop wires it; nothing here reads the loop's state):
    the folder is only created in step 2;
 2. :meth:`RunFolder.open` creates the folder and takes an exclusive lock on it (``.lock``: an ``flock`` on an
    open descriptor, so a killed holder releases it with its process; the file names the holder for the
-   error message only, so a stale file left by a dead run never blocks);
+   error message only, so a stale file left by a dead run never blocks). ``train.py`` takes it first of all,
+   before the config is validated (``bapo.cli.guarded``): a start refused because another run holds the
+   folder then leaves it exactly as it was; the loop's own open of the same folder shares that lock;
 3. :func:`plan_start` decides fresh / resume-from-checkpoint / nothing-to-do, logs it in one line, and refuses
    a fresh start over another run's checkpoints or metrics unless ``overwrite=true``;
 4. a resume compares the run's ``config.yaml`` with the new composition (:func:`resume_changes`): harmless
@@ -76,6 +78,9 @@ class RunFolderBusy(RuntimeError):
 _HELD: set[int] = set()  # lock descriptors of this process
 
 
+_OPEN: dict[str, RunFolder] = {}  # folders this process holds, by real path: a second open shares the lock
+
+
 def _close_held_in_child() -> None:
     # A forked child (a reward worker) would otherwise share the lock and keep it after the trainer is
     # killed. Closing the child's copy leaves the parent's lock in place: flock belongs to the open file.
@@ -85,6 +90,7 @@ def _close_held_in_child() -> None:
         except OSError:
             pass
     _HELD.clear()
+    _OPEN.clear()
 
 
 os.register_at_fork(after_in_child=_close_held_in_child)
@@ -104,24 +110,40 @@ def _holder(lock: Path) -> str:
 class RunFolder:
     """A run folder this process holds: created and locked by :meth:`open`, released by :meth:`close`.
 
-    Use it as a context manager around everything the run does in the folder."""
+    Use it as a context manager around everything the run does in the folder. ``lock_created``: this open
+    created the lock file (the folder had none), so leaving the folder as it was means removing it again."""
 
-    def __init__(self, path: Path, fd: int, created: bool) -> None:
+    def __init__(
+        self, path: Path, fd: int, created: bool, lock_created: bool, owner: bool = True, found: tuple | None = None
+    ) -> None:
         self.path = path
         self.lock_path = path / LOCK_NAME
+        self.lock_created = lock_created
+        self._found = found  # a lock file that was there: (its content, atime_ns, mtime_ns), put back by discard
         self._fd: int | None = fd
         self._created = created
+        self._owner = owner  # False: a second open in this process, which shares the first one's lock
 
     @classmethod
     def open(cls, path: str | Path) -> RunFolder:
         """Create ``path`` if needed and lock it; raises :class:`RunFolderBusy` (naming the holder) at once
-        if another process holds it. Call it after the config is validated."""
+        if another process holds it. A folder this process already holds is shared: the second handle's
+        :meth:`close` leaves the lock to the first."""
         path = Path(path)
+        held = _OPEN.get(os.path.realpath(path))
+        if held is not None and held._fd is not None:
+            return cls(path, held._fd, False, False, owner=False)
         created = not path.exists()
         while True:
             path.mkdir(parents=True, exist_ok=True)
             lock = path / LOCK_NAME
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited across exec (PEP 446)
+            try:  # not inherited across exec (PEP 446)
+                fd, lock_created = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+            except FileExistsError:
+                try:
+                    fd, lock_created = os.open(lock, os.O_RDWR), False
+                except FileNotFoundError:  # its holder removed it meanwhile: try again
+                    continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
@@ -139,11 +161,17 @@ class RunFolder:
             if same:
                 break
             os.close(fd)  # a closing holder removed the file we locked: lock the one at the path now
+        found = None
+        if not lock_created:  # a dead run's file: what it said, so that a refused start can put it back
+            st = os.fstat(fd)
+            found = (os.pread(fd, max(st.st_size, 1), 0), st.st_atime_ns, st.st_mtime_ns)
         info = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(info).encode(), 0)
         _HELD.add(fd)
-        return cls(path, fd, created)
+        folder = cls(path, fd, created, lock_created, found=found)
+        _OPEN[os.path.realpath(path)] = folder
+        return folder
 
     def clear(self) -> list[Path]:
         """Remove a previous run's files (:data:`RUN_FILES`), for ``overwrite=true``; returns what went."""
@@ -157,14 +185,28 @@ class RunFolder:
                 p.unlink()
         return gone
 
-    def close(self) -> None:
-        """Release the lock. A folder this open created and left holding nothing but the lock is removed."""
+    def close(self, discard: bool = False) -> None:
+        """Release the lock. A folder this open created and left holding nothing but the lock is removed.
+        ``discard``: leave the lock file as this open found it (a refused start leaves the folder as it found it):
+        removed if this open created it, else its old content and times put back. A shared handle (a second open
+        in this process) only forgets the folder."""
         if self._fd is None:
             return
         fd, self._fd = self._fd, None
+        if not self._owner:
+            return
+        _OPEN.pop(os.path.realpath(self.path), None)
         try:
-            if self._created and [p.name for p in self.path.iterdir()] == [LOCK_NAME]:
-                self.lock_path.unlink()  # still locked here: a concurrent opener sees the inode change
+            if discard and self._found is not None:
+                content, atime, mtime = self._found
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, content, 0)
+                os.utime(fd, ns=(atime, mtime))
+            if (discard and self.lock_created) or (
+                self._created and [p.name for p in self.path.iterdir()] == [LOCK_NAME]
+            ):
+                self.lock_path.unlink(missing_ok=True)  # still locked here: a concurrent opener sees the inode change
+            if self._created and not any(self.path.iterdir()):
                 try:
                     self.path.rmdir()
                 except OSError:

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -442,3 +443,52 @@ def test_an_unmarked_field_is_not_resumable(monkeypatch):
     monkeypatch.setattr(config, "resumable_fields", marked)
     keys = config.resumable_keys()
     assert "checkpoint.every" in keys and "checkpoint.*" not in keys and "checkpoint.keep" not in keys
+
+
+# ------------------------------------------------------------------------------- train.py on a held folder
+
+TRAIN_ENV = dict(ENV, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
+
+
+@pytest.mark.slow
+def test_three_starts_on_one_folder_one_runs_and_the_refused_touch_nothing(tmp_path):
+    """The issue's sequence: a first start, and once it holds the folder (its lock and .hydra/ written, its model
+    still loading) two more at once. Before: a start refused as busy removed the folder (it held only .hydra/,
+    the log and the lock: the live run's start-up), its Hydra had rewritten the live run's .hydra/ first, and a
+    third start then ran beside the first (metrics.jsonl rows 0,0,1,1,...)."""
+    run, steps = tmp_path / "run", 6
+
+    def start(seed: int) -> subprocess.Popen:
+        cmd = [sys.executable, "train.py", "debug=smoke", f"train.steps={steps}", "eval.every=0", f"seed={seed}"]
+        return subprocess.Popen(
+            [*cmd, f"hydra.run.dir={run}"], cwd=ROOT, env=TRAIN_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+
+    first = start(1)
+    try:
+        deadline = time.time() + 300
+        while not (run / ".hydra" / "overrides.yaml").is_file() and first.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        held = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in (run / ".hydra").iterdir()}
+        lock = (run / LOCK_NAME).read_bytes()
+        others = [start(2), start(3)]  # at once, while the first starts up
+        for p in others:
+            _, err = p.communicate(timeout=600)
+            assert p.returncode == 2 and err.strip().splitlines() == [err.strip()], err[-3000:]
+            assert err.startswith(f"error: RunFolderBusy: {run} is in use by another run: pid {first.pid} "), err
+        assert first.poll() is None, "the first run had finished: the refusals were not tested against a live run"
+        assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in (run / ".hydra").iterdir()} == held
+        assert (run / LOCK_NAME).read_bytes() == lock
+        _, err = first.communicate(timeout=600)
+        assert first.returncode == 0, err[-3000:]
+    finally:
+        first.kill()
+        first.wait(timeout=60)
+    rows = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows == list(range(steps + 1))  # one run's steps, once each
+    assert "seed=1" in (run / ".hydra" / "overrides.yaml").read_text()
+    assert OmegaConf.load(run / "config.yaml").seed == 1
+    log = (run / "train.log").read_text()
+    assert log.count("starting fresh") == 1 and "error:" not in log and "Traceback" not in log
+    assert (run / "final_metrics.json").is_file() and (run / "export" / "config.json").is_file()

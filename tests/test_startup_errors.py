@@ -309,3 +309,172 @@ def test_hydra_entry_leaves_other_errors_and_a_users_full_error_alone(monkeypatc
 
     with pytest.raises(OSError):
         hydra_entry(full)
+
+
+# ------------------------------------------------------------------- a refused start leaves the folder as it was
+
+
+def tree(root: Path) -> dict[str, tuple]:
+    """Every path under ``root`` (and ``root``) with its mtime, and a file's content: what 'as it was' compares."""
+    out = {".": (None, root.stat().st_mtime_ns)} if root.exists() else {}
+    for p in sorted(root.rglob("*")):
+        out[str(p.relative_to(root))] = (None if p.is_dir() else p.read_bytes(), p.lstat().st_mtime_ns)
+    return out
+
+
+@pytest.fixture()
+def job_log():
+    """Hydra's job log as the root logger's file handler (``<run>/train.log``, opened in append mode before the job,
+    as Hydra's configure_log does); ``job_log(run_dir)`` installs it, and it is removed after the test."""
+    import logging
+
+    handlers = []
+
+    def install(run_dir: Path) -> Path:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        h = logging.FileHandler(run_dir / "train.log")
+        logging.getLogger().addHandler(h)
+        handlers.append(h)
+        return run_dir / "train.log"
+
+    yield install
+    for h in handlers:
+        logging.getLogger().removeHandler(h)
+        h.close()
+
+
+HYDRA_FILES = {"config.yaml": "seed: 2\n", "hydra.yaml": "hydra: {}\n", "overrides.yaml": "- seed=2\n"}
+
+
+def _old_run(run_dir: Path) -> None:
+    """A finished run's folder: its .hydra/, log, metrics and a dead holder's lock file, all dated in the past."""
+    (run_dir / ".hydra").mkdir(parents=True)
+    for name in HYDRA_FILES:
+        (run_dir / ".hydra" / name).write_text(f"the old run's {name}\n")
+    (run_dir / "train.log").write_text("the old run's log\n")
+    (run_dir / "metrics.jsonl").write_text('{"step": 0}\n')
+    (run_dir / ".lock").write_text('{"pid": 1, "host": "old", "since": "2020"}')
+    for p in [*run_dir.rglob("*"), run_dir]:
+        os.utime(p, ns=(1_000_000_000, 1_000_000_000))
+
+
+def _refuse(_=None):
+    raise ConfigError("resume=null starts a fresh run, but the folder holds another run")
+
+
+def test_a_refused_start_in_a_run_folder_puts_back_hydra_files_the_log_and_the_lock_file(tmp_path, job_log, capsys):
+    """Before: the refused start's Hydra had rewritten .hydra/, and a start-up error deleted a folder holding only
+    Hydra's files and the lock, a live run's included."""
+    import logging
+
+    from bapo.cli import guarded
+
+    run_dir = tmp_path / "run"
+    _old_run(run_dir)
+    before = tree(run_dir)
+    job_log(run_dir)
+
+    def start():
+        logging.getLogger("bapo.test").warning("a line this start logged")
+        _refuse()
+
+    with pytest.raises(SystemExit) as info:
+        guarded(start, run_dir, hold=True, files=HYDRA_FILES)
+    assert info.value.code == 2 and capsys.readouterr().err.startswith("error: ConfigError: resume=null")
+    assert tree(run_dir) == before  # every file's bytes and mtime, the folder's own mtime
+
+
+def test_a_start_up_error_in_a_folder_hydra_made_for_it_removes_it_and_its_empty_parents(tmp_path, job_log):
+    from bapo.cli import guarded
+
+    run_dir = tmp_path / "outputs" / "2026-12-05" / "10-00-00"
+    job_log(run_dir)
+    with pytest.raises(SystemExit):
+        guarded(_refuse, run_dir, hold=True, files=HYDRA_FILES)
+    assert list((tmp_path / "outputs").iterdir()) == []
+
+
+def test_a_busy_folder_is_not_touched_and_a_failed_holder_never_removes_what_it_did_not_make(tmp_path, job_log):
+    """Another process's lock: refused at once, nothing written; the folder (a live run's) keeps every file."""
+    import fcntl
+
+    from bapo.cli import guarded
+    from bapo.rundir import RunFolderBusy
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / ".hydra").mkdir()
+    (run_dir / ".hydra" / "overrides.yaml").write_text("- placement=disaggregated\n")
+    (run_dir / "train.log").write_text("the live run's start-up\n")
+    (run_dir / ".lock").write_text('{"pid": 1, "host": "h", "since": "now"}')
+    fd = os.open(run_dir / ".lock", os.O_RDWR)  # a second open file description: another holder, for flock
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        before = tree(run_dir)
+        job_log(run_dir)
+        ran = []
+        with pytest.raises(SystemExit) as info:
+            guarded(lambda: ran.append(1), run_dir, hold=True, files=HYDRA_FILES)
+        assert info.value.code == 2 and ran == []  # refused before the job ran
+        assert tree(run_dir) == before
+        with pytest.raises(RunFolderBusy):  # and still the holder's
+            from bapo.rundir import RunFolder
+
+            RunFolder.open(run_dir)
+    finally:
+        os.close(fd)
+
+
+def test_a_run_that_wrote_its_files_keeps_them_and_its_log_ends_with_the_error_line(tmp_path, job_log, capsys):
+    from bapo.cli import guarded
+    from bapo.rundir import RunFolder
+
+    run_dir = tmp_path / "run"
+    log = job_log(run_dir)
+
+    def diverge():
+        with RunFolder.open(run_dir) as folder:  # the loop's own open shares this process's lock
+            (folder.path / "metrics.jsonl").write_text('{"step": 1}\n')
+            raise TrainingDiverged("non-finite weights at step 1; no checkpoint was written yet")
+
+    with pytest.raises(SystemExit) as info:
+        guarded(diverge, run_dir, hold=True, files=HYDRA_FILES)
+    assert info.value.code == 1
+    line = capsys.readouterr().err.strip()
+    assert log.read_text().splitlines()[-1] == line and line.startswith("error: TrainingDiverged: ")
+    assert sorted(p.name for p in run_dir.iterdir()) == [".hydra", ".lock", "metrics.jsonl", "train.log"]
+    assert (run_dir / ".hydra" / "overrides.yaml").read_text() == "- seed=2\n"
+    with RunFolder.open(run_dir):  # released
+        pass
+
+
+def test_a_sweep_cell_that_fails_is_recorded_and_returns(tmp_path, job_log, capsys):
+    """Before: the cell's sys.exit escaped Hydra's job handling and ended the sweep."""
+    from bapo.cli import guarded
+    from bapo.sweep import SUMMARY, Cell, rows
+
+    sweep_dir = tmp_path / "sweep"
+    cell = Cell(sweep_dir, "learner.lr=-1", 1, ("learner.lr=-1",))
+    log = job_log(sweep_dir / cell.name)
+    assert guarded(_refuse, sweep_dir / cell.name, hold=True, files=HYDRA_FILES, cell=cell) is None
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("error: ConfigError: ") and "\n" not in line
+    assert log.read_text() == line + "\n"  # the cell's own log says why
+    assert sorted(p.name for p in (sweep_dir / cell.name).iterdir()) == [".hydra", "train.log"]  # no lock file
+    (row,) = rows(sweep_dir)
+    assert (row["cell"], row["status"], row["exit"], row["error"]) == ("learner.lr=-1", "failed", 2, line)
+
+    def bug():
+        raise KeyError("a bug")
+
+    other = Cell(sweep_dir, "seed=2", 2, ("seed=2",))
+    job_log(sweep_dir / other.name)
+    assert guarded(bug, sweep_dir / other.name, hold=True, files=HYDRA_FILES, cell=other) is None
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "KeyError: 'a bug'" in err  # a bug keeps its traceback, and the sweep goes on
+    assert "Traceback" in (sweep_dir / other.name / "train.log").read_text()
+    assert [(r["status"], r["exit"]) for r in rows(sweep_dir)] == [("failed", 2), ("failed", 1)]
+    ok = Cell(sweep_dir, "seed=3", 3, ("seed=3",))
+    job_log(sweep_dir / ok.name)
+    assert guarded(lambda: {"loss": 0.0}, sweep_dir / ok.name, hold=True, files=HYDRA_FILES, cell=ok) == {"loss": 0.0}
+    assert rows(sweep_dir)[-1]["status"] == "complete" and (sweep_dir / SUMMARY).is_file()
