@@ -8,7 +8,7 @@ tensors aligned with the padded batch's mask (``unpack``), so every aggregation 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -135,6 +135,11 @@ class Packed:
     cu_seqlens: torch.Tensor  # [S + 1] int32 sequence starts in the packed row, then N
     max_seqlen: int
 
+    def to(self, device: torch.device | str) -> Packed:
+        """The same layout with its tensors on ``device``."""
+        tensors = ("input_ids", "position_ids", "keep", "targets", "cu_seqlens")
+        return replace(self, **{f: getattr(self, f).to(device) for f in tensors})
+
 
 def _right_padded(mb: TrainBatch, who: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(attention mask, row lengths, response mask, rows with a response token) of a micro-batch whose rows must
@@ -173,20 +178,52 @@ class SharedPrompts:
 
     The rows of a group (the ``n`` samples of one prompt) repeat their prompt in the padded
     layout; here a *segment* holds the prompt once and then each response after it, and
-    ``allowed`` lets each response token see the prompt and its own earlier tokens only,
-    at the positions it has in its own sequence, so every response token's logits are
+    the mask (:func:`shared_mask`) lets each response token see the prompt and its own earlier
+    tokens only, at the positions it has in its own sequence, so every response token's logits are
     those of its padded row (only the float summation differs). Segments are packed
     first-fit into rows of the longest segment's width; a padding slot sees only itself.
     ``keep`` indexes the flattened [R * W] positions whose logits predict a response token
     (the prompt's last position once per response: its logits predict every first token),
     in the row-major order of the padded batch's ``mask``, and ``targets`` are those tokens.
+
+    The mask, by definition: query q may see key k when both are in one segment, k's position is not
+    after q's, and k is a prompt token or in q's own response (``segment``, ``position_ids``,
+    ``branch``). It is built from ``causal`` and ``sees``, the blocks where it is True.
     """
 
     input_ids: torch.Tensor  # [R, W] long
     position_ids: torch.Tensor  # [R, W] long
-    allowed: torch.Tensor  # [R, W, W] bool, query x key
     keep: torch.Tensor  # [K] long, K = response tokens
     targets: torch.Tensor  # [K] long
+    segment: torch.Tensor  # [R, W] long, a padding slot: a segment of its own (negative)
+    branch: torch.Tensor  # [R, W] long, 0: a prompt token, i: the segment's response i
+    causal: tuple[tuple[int, int, int], ...]  # (row, start, stop): a prompt or a response, causal within itself
+    sees: tuple[tuple[int, int, int, int, int], ...]  # (row, q0, q1, k0, k1): a response's tokens see its prompt
+
+    def to(self, device: torch.device | str) -> SharedPrompts:
+        """The same layout with its tensors on ``device``."""
+        tensors = ("input_ids", "position_ids", "keep", "targets", "segment", "branch")
+        return replace(self, **{f: getattr(self, f).to(device) for f in tensors})
+
+
+def shared_mask(sp: SharedPrompts, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``sp``'s attention mask [R, W, W] (query x key, True: attend), made on ``device``.
+
+    Zeros, then each block a token may see written in place: its own earlier tokens (a triangle, sliced
+    from one lower-triangular tensor) and, for a response, its prompt (a rectangle). Nothing of size
+    [R, W, W] is made on the host and copied over (a paper_7b micro-batch's mask is 2 x 8.3k x 8.3k =
+    131 MiB), and the work is one write of the mask plus its True blocks, not five elementwise passes over
+    the whole mask (``scripts/bench_mask.py``)."""
+    R, W = sp.input_ids.shape
+    allowed = torch.zeros((R, W, W), dtype=torch.bool, device=device)  # [R, W, W]
+    widest = max((stop - start for _, start, stop in sp.causal), default=0)
+    tri = torch.ones((widest, widest), dtype=torch.bool, device=device).tril_()  # [n, n]
+    for r, start, stop in sp.causal:
+        allowed[r, start:stop, start:stop] = tri[: stop - start, : stop - start]
+    for r, q0, q1, k0, k1 in sp.sees:
+        allowed[r, q0:q1, k0:k1] = True
+    allowed.diagonal(dim1=1, dim2=2).fill_(True)  # a padding slot sees itself (every other token already does)
+    return allowed
 
 
 def pack_shared(mb: TrainBatch, *, max_width: int = 256) -> SharedPrompts:
@@ -224,12 +261,14 @@ def pack_shared(mb: TrainBatch, *, max_width: int = 256) -> SharedPrompts:
     seg = -1 - torch.arange(R * width).view(R, width)  # [R, W] padding: a segment of its own
     branch = torch.zeros((R, width), dtype=torch.long)  # [R, W] 0: a prompt token, i: response i
     keep: list[torch.Tensor] = [torch.zeros(0, dtype=torch.long)] * len(ids)
+    causal, sees = [], []  # the blocks where the mask is True (SharedPrompts)
     for i, s in enumerate(segments):
         r, o = place[i]
         p = starts[s[0]]
         input_ids[r, o : o + p] = ids[s[0], :p]
         pos[r, o : o + p] = torch.arange(p)
         seg[r, o : o + seg_len[i]] = i
+        causal.append((r, o, o + p))
         at = o + p
         for j, b in enumerate(s, start=1):
             n = lengths[b] - p
@@ -238,11 +277,11 @@ def pack_shared(mb: TrainBatch, *, max_width: int = 256) -> SharedPrompts:
             branch[r, at : at + n] = j
             if n:  # the prompt's last token predicts the first response token, each response token the next
                 keep[b] = r * width + torch.cat([torch.tensor([o + p - 1]), torch.arange(at, at + n - 1)])
+                causal.append((r, at, at + n))
+                sees.append((r, at, at + n, o, o + p))
             at += n
-    allowed = (seg[:, :, None] == seg[:, None, :]) & (pos[:, None, :] <= pos[:, :, None])  # [R, W, W]
-    allowed &= (branch[:, None, :] == 0) | (branch[:, None, :] == branch[:, :, None])
     b, t = m.nonzero(as_tuple=True)  # [K], [K] row-major, like m-indexing
-    return SharedPrompts(input_ids, pos, allowed, torch.cat(keep), ids[b, t + 1])
+    return SharedPrompts(input_ids, pos, torch.cat(keep), ids[b, t + 1], seg, branch, tuple(causal), tuple(sees))
 
 
 def unpack(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -55,17 +55,9 @@ import torch.nn.functional as F
 
 from bapo import ckpt_folder
 from bapo.algos import Objective, importance_ratio, stats
-from bapo.learner.batching import (
-    collate,
-    pack,
-    pack_shared,
-    response_rows,
-    split,
-    split_by_tokens,
-    unpack,
-    without_tokens,
-)
+from bapo.learner.batching import collate, response_rows, split, split_by_tokens, without_tokens
 from bapo.learner.critic import Critic
+from bapo.learner.forward import ForwardInputs, forward
 from bapo.learner.logprobs import logp_entropy
 from bapo.learner.strategy import make_strategy
 from bapo.samples import ScoredSample, TrainBatch
@@ -176,62 +168,15 @@ class Learner:
 
     # ------------------------------------------------------------------ forward passes
 
-    def _forward(self, model: torch.nn.Module, mb: TrainBatch, entropy: bool = True):
-        """(logp [B, L-1], entropy [B, L-1] or None) of a right-padded micro-batch, aligned with ``mb.mask``.
+    def _forward(self, model: torch.nn.Module, mb: TrainBatch | ForwardInputs, entropy: bool = True):
+        """(logp [B, L-1], entropy [B, L-1] or None) of a right-padded micro-batch, aligned with ``mb.mask``
+        (``bapo.learner.forward``: the layouts). ``mb`` as :class:`ForwardInputs` (:meth:`_inputs`) reuses the
+        layout an earlier pass over the same micro-batch made."""
+        inputs = mb if isinstance(mb, ForwardInputs) else self._inputs(mb)
+        return forward(model, inputs, self._logp_entropy, entropy=entropy)
 
-        Logits are computed only where they can predict a response token. Padded: from the batch's
-        first such position on (both outputs are 0 before it). Packed: only at response tokens (both
-        are 0 outside ``mb.mask``), in a layout chosen by attention kernel: flash-attention gets one
-        padding-free row with varlen bounds (``pack``); the mask kernels (sdpa, eager) get each prompt
-        once with its responses after it, under a 4-D mask (``pack_shared``), so a group of n samples
-        pays for its prompt once instead of n times.
-        """
-        kernel = str(getattr(model.config, "_attn_implementation", ""))
-        if self.cfg.packing and kernel in ("sdpa", "eager"):
-            sp = pack_shared(mb)
-            allowed = sp.allowed[:, None].to(self.device)  # [R, 1, W, W] sdpa reads True as "attend"
-            if kernel == "eager":  # eager adds the mask to the scores
-                dtype = model.get_input_embeddings().weight.dtype
-                allowed = torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill(
-                    ~allowed, torch.finfo(dtype).min
-                )
-            logits = model(
-                input_ids=sp.input_ids.to(self.device),
-                position_ids=sp.position_ids.to(self.device),
-                attention_mask=allowed,
-                use_cache=False,
-            ).logits  # [R, W, V]
-            logits = logits.flatten(0, 1)[sp.keep.to(logits.device)]  # [K, V]
-            # outputs' device, not self.device: with FSDP's CPU offload the parameters live on the CPU
-            logp, ent = self._logp_entropy(logits, sp.targets.to(logits.device), entropy)  # [K], [K]
-            mask = mb.mask.to(logits.device)
-            return unpack(logp, mask), None if ent is None else unpack(ent, mask)
-        if self.cfg.packing:
-            pk = pack(mb)
-            kw = {}
-            if "flash" in kernel:  # varlen bounds, no per-layer sync
-                cu = pk.cu_seqlens.to(self.device)
-                kw = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=pk.max_seqlen, max_length_k=pk.max_seqlen)
-            logits = model(
-                input_ids=pk.input_ids.to(self.device),
-                position_ids=pk.position_ids.to(self.device),
-                logits_to_keep=pk.keep.to(self.device),
-                use_cache=False,  # with a cache HF ignores the position-id restarts: sequences would see each other
-                **kw,
-            ).logits[0]  # [K, V]
-            logp, ent = self._logp_entropy(logits, pk.targets.to(logits.device), entropy)  # [K], [K]
-            mask = mb.mask.to(logits.device)
-            return unpack(logp, mask), None if ent is None else unpack(ent, mask)
-        ids = mb.input_ids.to(self.device)
-        first = int(mb.mask.any(0).int().argmax())  # the first position whose logits predict a response token
-        logits = model(
-            input_ids=ids,
-            attention_mask=mb.attention_mask.to(self.device),
-            logits_to_keep=ids.shape[1] - first,  # positions first .. L-1
-            use_cache=False,
-        ).logits  # [B, L-first, V]
-        logp, ent = self._logp_entropy(logits[:, :-1], ids[:, first + 1 :].to(logits.device), entropy)  # [B, L-1-first]
-        return F.pad(logp, (first, 0)), None if ent is None else F.pad(ent, (first, 0))  # [B, L-1] each
+    def _inputs(self, mb: TrainBatch) -> ForwardInputs:
+        return ForwardInputs(mb, packing=self.cfg.packing, device=self.device)
 
     def _logp_entropy(self, logits: torch.Tensor, targets: torch.Tensor, entropy: bool):
         """Log-probs of ``targets`` [...] and entropies [...] under softmax(logits [..., V] / T), in fp32 at least,
@@ -266,7 +211,7 @@ class Learner:
         return [without_tokens(batch) for _ in range(most - count)]
 
     @torch.no_grad()
-    def _ref_logp(self, mb: TrainBatch) -> torch.Tensor | None:
+    def _ref_logp(self, mb: TrainBatch | ForwardInputs) -> torch.Tensor | None:
         return None if self.ref_model is None else self._forward(self.ref_model, mb, entropy=False)[0]
 
     @torch.no_grad()
@@ -403,20 +348,23 @@ class Learner:
         num_tokens, num_seqs = (local if reduce_sum is None else reduce_sum(local)).tolist()
         totals = dict(num_tokens=num_tokens, num_seqs=num_seqs, max_len=self.max_response_len)
         chosen = None
+        inputs = [self._inputs(mb) for mb in micro]  # each micro-batch laid out once, for every pass below
         if self.objective.prepass:
             with torch.no_grad():
                 parts = []
-                for mb in micro:
-                    logp, _ = self._forward(self.model, mb, entropy=False)
-                    old = self._anchor(mb, logp.cpu())[0]
+                for x in inputs:
+                    logp, _ = self._forward(self.model, x, entropy=False)
+                    x.release()
+                    old = self._anchor(x.mb, logp.cpu())[0]
                     ratio = importance_ratio(logp.cpu(), old)  # [B, L-1]
-                    parts.append((ratio, mb.adv, mb.mask, old))
+                    parts.append((ratio, x.mb.adv, x.mb.mask, old))
             chosen = self._choose(parts)
 
         sums: dict[str, float] = {}
         seen, per_micro = [], []
-        for mb in micro:
-            logp, ent = self._forward(self.model, mb)
+        for x in inputs:
+            mb = x.mb
+            logp, ent = self._forward(self.model, x)
             old, weight_kw = self._anchor(mb, logp)
             adv, mask = (t.to(logp.device) for t in (mb.adv, mb.mask))
             ratio = importance_ratio(logp.detach(), old)  # [B, L-1]
@@ -431,10 +379,11 @@ class Learner:
                 **params,
                 **self.objective.loss_kw,
                 entropy=ent,
-                ref_logp=self._ref_logp(mb),
+                ref_logp=self._ref_logp(x),  # the policy's layout and mask, reused
                 **totals,
                 **weight_kw,
             )
+            x.release()
             loss.backward()
             if self.critic is not None:
                 self.critic.backward(mb, totals)

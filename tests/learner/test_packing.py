@@ -16,7 +16,7 @@ import torch
 
 from bapo.algos import surrogate_objective
 from bapo.learner import Learner, collate
-from bapo.learner.batching import pack, pack_shared, split_by_tokens, unpack
+from bapo.learner.batching import pack, pack_shared, shared_mask, split_by_tokens, unpack
 from bapo.samples import Problem, Prompt, Sample, ScoredSample
 
 HERE = Path(__file__).resolve().parent
@@ -133,7 +133,7 @@ def test_pack_shared_hand_example():
     assert sp.position_ids.tolist() == [[0, 1, 2, 3, 2], [0, 1, 2, 0, 0]]  # 9 sits where it does in its own row
     # the prompt's last token (flat position 1) predicts both first tokens, 7 and 9; 7 predicts 8; row 2 from 5
     assert sp.keep.tolist() == [1, 2, 1, 5, 6] and sp.targets.tolist() == [7, 8, 9, 3, 2]
-    a = sp.allowed.int()
+    a = shared_mask(sp).int()
     assert a[0, 4].tolist() == [1, 1, 0, 0, 1]  # 9 sees its prompt and itself, not the other response
     assert a[0, 3].tolist() == [1, 1, 1, 1, 0]  # 8 sees 5 6 7 8
     assert a[1, 2].tolist() == [1, 1, 1, 0, 0] and a[1, 3].tolist() == [0, 0, 0, 1, 0]  # padding sees itself
@@ -148,7 +148,7 @@ def test_pack_shared_splits_a_group_wider_than_the_cap_and_fills_rows():
     # rows are 7 wide, and the 2-token segment does not fit beside any of them: a fourth row with padding
     assert sp.input_ids.shape == (4, 7)
     assert sp.input_ids[3].tolist() == [8, 2, 0, 0, 0, 0, 0]
-    assert torch.equal(sp.allowed[3, 2:, 2:], torch.eye(5, dtype=torch.bool))  # padding sees only itself
+    assert torch.equal(shared_mask(sp)[3, 2:, 2:], torch.eye(5, dtype=torch.bool))  # padding sees only itself
     wide = pack_shared(collate(rows, pad_id=0), max_width=32)  # the group fits: its prompt once, 15 tokens
     assert wide.input_ids.shape == (2, 3 + 3 * 4) and wide.input_ids[0].tolist() == [5, 6, 7] + [1] * 12
 
