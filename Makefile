@@ -61,6 +61,7 @@ bench: install ## benchmarks, each printing a ratio against its baseline
 	@if [ -x $(VLLM_VENV)/bin/python ]; then $(VLLM_VENV)/bin/python scripts/bench_rollout.py; fi
 
 eval: install ## evaluate a run as it was trained (its config.yaml) on AIME24/25 and MATH-500: make eval RUN=outputs/<date>/<run> [ARGS="k=16"]
+	$(if $(strip $(RUN)),,$(error error: make eval needs RUN=<a training run folder or an export>, e.g. make eval RUN=outputs/<date>/<run>))
 	$(PY) eval.py checkpoint=$(RUN) eval=[aime24,aime25,math500] $(ARGS)
 
 sweep: install ## a small grid with Hydra's basic launcher

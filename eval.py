@@ -8,12 +8,14 @@
 A training run is evaluated the way it was trained. When ``checkpoint=`` is a run folder (its
 ``config.yaml``, its weights in ``export/``), or an export folder that carries the run's config
 (``bapo_config.yaml``), the run's settings replace eval.py's own: the model group (dtype, arch,
-trust_remote_code, answer_fallback; the weights are the export's), ``max_new_tokens`` (the run's
+answer_fallback; the weights are the export's), ``max_new_tokens`` (the run's
 ``rollout.max_new_tokens``), the prompt's ``instruction`` and ``max_prompt_tokens`` (its ``data.*``),
 and the rollout engine with its knobs (vLLM's memory share, tensor parallelism, eager mode). A key
 given on the command line wins (``checkpoint=<run> max_new_tokens=1024``); every value taken, and
 every override, is logged in one block and recorded in results.json's config. A bare HF folder,
 or no checkpoint, is evaluated with the settings composed here (conf/eval_config.yaml, ``model=``).
+``model.trust_remote_code`` is never taken from a run or an export (a shared folder must not decide to
+run its own code): only ``model.trust_remote_code=true`` on the command line turns it on.
 
 Prompts longer than the model leaves room for (its context minus ``max_new_tokens``, and at most
 ``max_prompt_tokens``) are skipped and counted as in training; the reports say how many per set.

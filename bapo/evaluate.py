@@ -405,6 +405,22 @@ class EvalRunConfig:
         )
         require(self.limit is None or self.limit >= 1, "eval.limit", f"must be null or >= 1, got {self.limit}")
         require(self.maj_max_distinct >= 1, "maj_max_distinct", f"must be >= 1, got {self.maj_max_distinct}")
+        check_device(self.device)
+
+
+def check_device(device: str) -> None:
+    """``device``: auto, cpu, cuda or cuda:N, and a CUDA device only where this torch sees one."""
+    try:
+        dev = torch.device("cpu" if device == "auto" else device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"device: {device!r} is not a device (auto, cpu, cuda, cuda:N)") from None
+    choice(dev.type, "device", ("cpu", "cuda"))
+    if dev.type == "cuda":
+        require(
+            torch.cuda.is_available(), "device", f"{device!r} but this torch build sees no CUDA device (device=auto)"
+        )
+        count = torch.cuda.device_count()
+        require(dev.index is None or dev.index < count, "device", f"{device!r} but only {count} CUDA device(s)")
 
 
 @dataclass(frozen=True)
@@ -502,6 +518,9 @@ def load_evalset(s: EvalSetConfig, *, limit: int | None = None) -> list[Problem]
 RUN_CONFIG = "config.yaml"  # a training run folder's resolved config (bapo/loop.py writes it)
 SAMPLING = ("engine", "n", "temperature", "max_new_tokens")  # eval.py's own rollout keys (k, temperature, ...)
 NOT_FROM_RUN = ("name_or_path", "init", "gguf")  # model keys the checkpoint itself decides
+# Keys an artifact never decides: a downloaded run folder or export saying trust_remote_code: true would make
+# transformers import the modeling_*.py its config.json's auto_map names. Only the command line turns it on.
+NEVER_FROM_RUN = ("trust_remote_code",)
 
 
 @dataclass
@@ -509,18 +528,26 @@ class RunSettings:
     """A checkpoint, and what evaluation took from the training config it carries (if it carries one).
 
     ``taken``: eval key -> the run's value, applied. ``kept``: eval key -> (the command line's value, the
-    run's), where an explicit override won."""
+    run's), where an explicit override won. ``withheld``: eval key -> the run's value, never taken from an
+    artifact (:data:`NEVER_FROM_RUN`); the command line's or eval.py's own value applies."""
 
     weights: Path  # the HF folder to load
     config_file: Path | None  # the run's config.yaml, or the export's bapo_config.yaml; None: a bare HF folder
     taken: dict[str, Any] = field(default_factory=dict)
     kept: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    withheld: dict[str, Any] = field(default_factory=dict)
 
     def record(self) -> dict:
         """What results.json's config says about the checkpoint."""
         kept = {key: {"command_line": cli, "run": ours} for key, (cli, ours) in self.kept.items()}
         cfg = None if self.config_file is None else str(self.config_file)
-        return {"model_path": str(self.weights), "run_config": cfg, "from_run": self.taken, "overridden": kept}
+        return {
+            "model_path": str(self.weights),
+            "run_config": cfg,
+            "from_run": self.taken,
+            "overridden": kept,
+            "not_from_run": self.withheld,
+        }
 
 
 def find_checkpoint(path: str) -> tuple[Path, Path | None]:
@@ -567,7 +594,7 @@ def _on_command_line(key: str, cli: set[str]) -> bool:
 
 def _from_run(cfg: DictConfig, run: dict, engine: str) -> dict[str, Any]:
     """Eval key -> the run's value: the model group, the response budget, the prompt and the placement."""
-    model = {k: v for k, v in run["model"].items() if k in cfg.model and k not in NOT_FROM_RUN}
+    model = {k: v for k, v in run["model"].items() if k in cfg.model and k not in NOT_FROM_RUN + NEVER_FROM_RUN}
     out = {f"model.{k}": v for k, v in model.items()}
     out |= {
         "max_new_tokens": run["rollout"]["max_new_tokens"],
@@ -598,9 +625,18 @@ def adopt_run(cfg: DictConfig, overrides: Sequence[str] = ()) -> RunSettings | N
     covers its keys (``model=tiny``: eval.py's whole model group), except that ``rollout=<engine>`` picks
     the engine only, so ``rollout=vllm rollout.enforce_eager=false`` keeps the run's other vLLM knobs.
 
+    ``model.trust_remote_code`` is never taken from the run (:data:`NEVER_FROM_RUN`): a shared run folder or
+    export must not decide to run code; only ``model.trust_remote_code=true`` on the command line does.
+
     None without ``checkpoint=``; for a bare HF folder, the settings are eval.py's own, as composed."""
-    if not cfg.checkpoint:
+    if cfg.checkpoint is None:
         return None
+    require(
+        isinstance(cfg.checkpoint, str) and cfg.checkpoint.strip() != "",
+        "checkpoint",
+        f"{cfg.checkpoint!r} is not a path: give a training run folder or an export (make eval RUN=<run>), or leave "
+        "checkpoint out to evaluate model.name_or_path",
+    )
     weights, config_file = find_checkpoint(cfg.checkpoint)
     settings = RunSettings(weights, config_file)
     if config_file is None:
@@ -619,6 +655,17 @@ def adopt_run(cfg: DictConfig, overrides: Sequence[str] = ()) -> RunSettings | N
             continue
         OmegaConf.update(cfg, key, value, merge=False)
         settings.taken[key] = value
+    for key in NEVER_FROM_RUN:  # the command line's value, or eval.py's own; the run's is only reported
+        ours, here = run["model"].get(key), cfg.model.get(key)
+        if _on_command_line(f"model.{key}", cli):
+            settings.kept[f"model.{key}"] = (here, ours)
+        elif ours is not None and ours != here:
+            settings.withheld[f"model.{key}"] = ours
+            log.warning(
+                "checkpoint=%s: its config says model.%s=%s; a run folder or export never decides that: model.%s=%s "
+                "(pass model.%s=%s on the command line if you trust the code in %s)",
+                cfg.checkpoint, key, json.dumps(ours), key, json.dumps(here), key, json.dumps(ours), weights,
+            )  # fmt: skip
     OmegaConf.update(cfg, "model.name_or_path", str(weights), merge=False)
     lines = [f"  {key}={_show(v)}" for key, v in settings.taken.items()]
     lines += [

@@ -46,7 +46,13 @@ BAD = {
         "eval.aime24.path: data.path: no such file: /nonexistent/aime24.jsonl",
     ),
     "truncated": ([], "checkpoint: {export}/model.safetensors is damaged or truncated"),
+    # before: torch's RuntimeError traceback, and the run folder stayed
+    "device_foo": (["device=foo"], "device: 'foo' is not a device (auto, cpu, cuda, cuda:N)"),
+    # before: the tiny base model was evaluated, silently (make eval without RUN=)
+    "empty_checkpoint": (["checkpoint="], "checkpoint: '' is not a path"),
 }
+if not __import__("torch").cuda.is_available():  # before: a CUDA traceback on a CPU machine, and the folder stayed
+    BAD["device_cuda"] = (["device=cuda"], "device: 'cuda' but this torch build sees no CUDA device")
 
 
 @pytest.mark.parametrize("case", BAD)
