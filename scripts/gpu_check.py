@@ -87,13 +87,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--standin-layers", type=int, default=2, help="decoder layers of the 7B-wide stand-in")
     p.add_argument("--budgets", type=int, nargs="+",
                    help="tokens per micro-batch of the budget section (default: gpu_node's 16384 and gpu_node_h200's "
-                   "32768; 256 512 in --dry-run)")  # fmt: skip
+                   "32768; 512 1024 in --dry-run)")  # fmt: skip
     p.add_argument("--keep-scratch", action="store_true", help="keep the stand-ins and the sections' logs")
     p.add_argument("--requirements", action="store_true", help="print the requirements the wheelhouse carries")
     args = p.parse_args(argv)
     if args.standin_layers < 1:
         p.error("--standin-layers must be >= 1")
-    args.budgets = args.budgets or ([256, 512] if args.dry_run else [16384, 32768])
+    args.budgets = args.budgets or ([512, 1024] if args.dry_run else [16384, 32768])
     if any(b < 64 for b in args.budgets):
         p.error("--budgets must be >= 64 tokens each")
     return args

@@ -185,7 +185,7 @@ def plan_command(extra: list[str], env: dict) -> dict:
     t0 = time.perf_counter()
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
     text = p.stdout + p.stderr
-    ranks = re.search(r"^\s*(\d+) rank\(s\)", p.stdout, re.M)
+    ranks = re.search(r"^\s*(\d+) (?:learner )?rank\(s\)", p.stdout, re.M)
     verdict = re.search(r"^(fits|DOES NOT FIT): (.*)$", p.stdout, re.M)
     advice = p.stdout.split(verdict.group(0), 1)[1].strip().splitlines() if verdict else []
     return {
