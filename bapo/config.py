@@ -252,20 +252,20 @@ def cuda_available() -> bool:
 
 def check_one_gpu(rc: RunConfig) -> None:
     """``learner=fsdp`` without torchrun on a GPU machine: one rank, one GPU. Refused unless the memory plan says the
-    run fits there, naming the launch command that spreads it over the node instead."""
+    run fits there, naming the smallest change that fits (CPU offload) or the launch that spreads it over the node."""
     verdict = _one_gpu_verdict(rc)
     require(
         verdict is None,
         "learner.kind",
-        f"fsdp without torchrun trains on one GPU, and {verdict}: launch it on every GPU of the node with "
+        f"fsdp without torchrun trains on one GPU, and {verdict}; or launch it on every GPU of the node with "
         f"`torchrun --standalone --nproc_per_node=<GPUs> train.py ...` (the same overrides), or pick a smaller "
         f"model or placement (python train.py ... --plan prints the memory plan)",
     )
 
 
 def _one_gpu_verdict(rc: RunConfig) -> str | None:
-    """Why the run cannot fit on this machine's first GPU, by the memory plan (None: it fits, or the model's shape
-    is not known before it is loaded)."""
+    """Why the run cannot fit on this machine's first GPU, by the memory plan, and the smallest change that fits
+    (None: it fits, or the model's shape is not known before it is loaded)."""
     import torch
 
     from bapo import plan
@@ -277,11 +277,13 @@ def _one_gpu_verdict(rc: RunConfig) -> str | None:
         return None
     if p.fits:
         return None
-    s = p.setup.shape
-    return (
-        f"the memory plan of its {s.params / 1e9:.1f}B parameters needs {p.peak / 2**30:.0f} GiB a GPU "
-        f"(cuda:0 has {p.limit / 2**30:.0f} GiB usable of {have:.0f})"
-    )
+    s, gib = p.setup.shape, 2**30
+    why = f"the memory plan of its {s.params / 1e9:.1f}B parameters needs {p.peak / gib:.0f} GiB a GPU "
+    why += f"(cuda:0 has {p.limit / gib:.0f} GiB usable of {have:.0f})"
+    offloaded = plan.with_offload(rc, 1, have)
+    if offloaded is not None and offloaded.fits:
+        why += f": it fits with learner.cpu_offload=true ({offloaded.peak / gib:.0f} GiB a GPU, its state on the host)"
+    return why
 
 
 def check_combinations(rc: RunConfig, world: int | None = None, launched: bool | None = None) -> None:

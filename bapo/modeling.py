@@ -200,10 +200,20 @@ def arch_config(arch: Mapping[str, Any]):
     """A transformers config from config.json fields (``model_type`` picks the class); no download."""
     from transformers import AutoConfig
 
+    from bapo.checks import ConfigError
+
     fields = dict(arch)
     if "model_type" not in fields:
         raise ValueError(f"model.arch: needs a model_type (e.g. qwen2), got keys {sorted(fields)}")
-    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+    for key, value in fields.items():
+        sized = key.endswith(("_size", "_layers", "_heads", "_dim", "_embeddings")) or key.startswith("num_")
+        if sized and isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            raise ConfigError(f"model.arch.{key}: must be >= 1, got {value}")
+    try:
+        return AutoConfig.for_model(fields.pop("model_type"), **fields)
+    except Exception as e:  # noqa: BLE001 (transformers validates with its own errors, not all ValueError)
+        why = " ".join(str(e).split())[:300]
+        raise ConfigError(f"model.arch: transformers refuses these fields ({why})") from None
 
 
 @contextlib.contextmanager

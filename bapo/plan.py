@@ -10,9 +10,12 @@ root module: embeddings, final norm, untied LM head; ``N_layer`` in each decoder
 * generation (vLLM awake): the learner's resident state (fp32 masters ``4N/W`` and AdamW's two moments
   ``8N/W``; the gradients are freed by ``zero_grad``, and vLLM's wake-up empties torch's cache first),
   the KL reference (sharded bf16, ``2N/W``), vLLM's share ``gpu_memory_utilization x device`` (its bf16
-  weights ``/ tensor_parallel_size``, its own activations and the KV cache it leaves), vLLM's CUDA graphs
-  (outside its share) and the CUDA context with NCCL's buffers.
-* the update (vLLM asleep: only its CUDA graphs stay), at its largest moments, the largest printed: the
+  weights ``/ tensor_parallel_size``, its own activations, its CUDA graphs (vLLM 0.32 profiles them inside the
+  share before it sizes the KV cache) and the KV cache it leaves) and the CUDA context with NCCL's buffers.
+  With ``rollout=vllm_server`` the engine has GPUs of its own: the learner's ranks are the placement's GPUs less
+  the servers' (``rollout.gpus``), and a server's GPU holds vLLM's share alone.
+* the update (vLLM asleep: nothing of it stays, its graphs' pool is freed with the rest), at its largest
+  moments, the largest printed: the
   logits chain's backward (``bapo.learner.logprobs.peak_bytes``: the logits and their gradient in bf16 plus
   one chunk's fp32 workspace), the first decoder layer's backward (its recomputed activations and backward
   temporaries), the root's gradient reduce-scatter at the end, and with a KL reference its forward (the
@@ -25,7 +28,8 @@ root module: embeddings, final norm, untied LM head; ``N_layer`` in each decoder
   With activation checkpointing each layer keeps only its input; without it, everything below. Shared-prompt
   packing with the sdpa kernel adds its dense [W, W] masks.
 * host memory per node: vLLM's bf16 weights while it sleeps at level 1 (offloaded to pinned memory; level
-  2 discards them), async weight snapshots (one full copy per held version and rank, in the engine's dtype,
+  2 discards them), the servers' staged weight copies (tmpfs: one a node in sync mode, one a server in async),
+  async weight snapshots (one full copy per held version and rank, in the engine's dtype,
   fp32 under ``learner.old_logp=recompute``), FSDP's CPU offload (``16N/W`` per rank), and the full
   state dict rank 0 gathers for an HF export (in the model's dtype).
 
@@ -41,14 +45,15 @@ fp32, ``q``/``kv`` the query and key-value widths):
 ``tests/test_plan.py`` checks them against peaks measured on CPU (a tiny Qwen2 in fp32). vLLM's own
 activations are estimated from its profiling run (``max_num_batched_tokens`` 16384, ``max_num_seqs`` 1024:
 vLLM 0.32's offline defaults on 70 GB+ GPUs); its CUDA graphs, the CUDA context and NCCL are the constants
-below. A plan fits when its peak is at most :data:`USABLE` of the device's memory (the allocators'
-fragmentation takes the rest).
+below. A plan fits when its peak is at most :data:`USABLE` of the device's memory (the allocators' fragmentation
+takes the rest). Bad input (a GPU of no memory, a zero width) is a one-line ``error:`` and exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import math
 import os
 import sys
@@ -59,7 +64,7 @@ from typing import Any
 GiB = 2**30
 USABLE = 0.95  # of the device's memory: the rest is left to fragmentation
 CUDA_CONTEXT_NCCL_GIB = 1.5  # per process: the CUDA context, cuBLAS workspaces, NCCL's communicator buffers
-VLLM_CUDA_GRAPHS_GIB = 1.0  # captured after the KV cache is sized, so outside its share; kept while asleep
+VLLM_CUDA_GRAPHS_GIB = 1.0  # vLLM 0.32 profiles them inside its share (before sizing the KV cache), frees them asleep
 VLLM_NON_TORCH_GIB = 0.5  # inside the share: what vLLM's profile counts as non-torch memory
 VLLM_BATCHED_TOKENS, VLLM_MAX_SEQS = 16384, 1024
 GPUS_PER_NODE = 8
@@ -99,11 +104,20 @@ class ModelShape:
 
 def model_shape(config) -> ModelShape:
     """The shape of a transformers config, its parameters counted on the meta device (nothing allocated)."""
+    return _shape(config.to_json_string(use_diff=False))
+
+
+@functools.lru_cache(maxsize=64)
+def _shape(config_json: str) -> ModelShape:
+    import json
+
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from bapo.learner.fsdp import decoder_layers
 
+    fields = json.loads(config_json)
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     layers = decoder_layers(model)
@@ -215,7 +229,26 @@ class Setup:
 
     @property
     def vllm(self) -> bool:
+        """vLLM beside the learner on its GPUs (it sleeps during updates)."""
         return self.rc.rollout.engine == "vllm"
+
+    @property
+    def workers(self) -> bool:
+        """Rollout in worker processes of its own, on the host (``placement.mode=disaggregated``)."""
+        return getattr(self.rc.placement, "mode", "colocated") == "disaggregated"
+
+    @property
+    def server(self) -> bool:
+        """vLLM servers on GPUs of their own (none of the learner's)."""
+        return self.rc.rollout.engine == "vllm_server"
+
+    @property
+    def server_gpus(self) -> int:
+        """GPUs of this node the launched servers take (0: servers given by URL live elsewhere)."""
+        r = self.rc.rollout
+        if not self.server or r.url is not None:
+            return 0
+        return len([g for g in (r.gpus or "").split(",") if g.strip()]) or self.world * r.tensor_parallel_size
 
     @property
     def seq(self) -> int:
@@ -240,7 +273,9 @@ def setup(rc, *, world: int, gpu_memory_gib: float) -> Setup:
         master=4 if fsdp else DTYPE_BYTES[m.dtype],
         engine=DTYPE_BYTES[m.dtype],
         prompt=prompt,
-        tokens=ln.max_tokens_per_micro_batch or ln.micro_batch_size * (prompt + rc.rollout.max_new_tokens),
+        tokens=max(ln.max_tokens_per_micro_batch or 0, prompt + rc.rollout.max_new_tokens)
+        if ln.max_tokens_per_micro_batch
+        else ln.micro_batch_size * (prompt + rc.rollout.max_new_tokens),
     )
 
 
@@ -261,10 +296,6 @@ def learner_state(u: Setup) -> dict[str, Item]:
         "adam": Item(f"learner: AdamW moments, 2 x {_name(m)} (1/{k})", gpu * 2 * m * N // k),
         "ref": Item("KL reference (algo.kl_coef > 0): bf16, sharded" if u.fsdp else "KL reference", ref),
         "context": Item("CUDA context, cuBLAS workspaces, NCCL buffers", int(CUDA_CONTEXT_NCCL_GIB * GiB)),
-        "graphs": Item(
-            "vLLM: CUDA graphs (outside its share, kept while it sleeps)",
-            int(VLLM_CUDA_GRAPHS_GIB * GiB) if u.vllm and not u.rc.rollout.enforce_eager else 0,
-        ),
     }
 
 
@@ -286,7 +317,7 @@ def update_moments(u: Setup, tokens: int) -> list[Moment]:
     s, b, K = u.shape, u.compute, tokens
     st = learner_state(u)
     state = [st["masters"], st["grads"], st["adam"], st["ref"]]
-    fixed = [st["context"], st["graphs"]]
+    fixed = [st["context"]]
     root = Item(f"learner: {_name(b)} root params, unsharded ({s.root_params / 1e9:.2f} B)", b * s.root_params)
     layer_params = Item(
         f"learner: {_name(b)} params of 2 decoder layers (computed, prefetched)", 2 * b * s.layer_params
@@ -340,11 +371,12 @@ class Engine:
     share: int
     weights: int
     own: int  # its activations and non-torch memory
+    graphs: int  # its CUDA graphs (profiled inside the share)
     kv_tokens: int
 
     @property
     def kv(self) -> int:
-        return self.share - self.weights - self.own
+        return self.share - self.weights - self.own - self.graphs
 
 
 def vllm_engine(u: Setup, utilization: float) -> Engine:
@@ -352,27 +384,35 @@ def vllm_engine(u: Setup, utilization: float) -> Engine:
     share = int(utilization * u.device)
     weights = u.engine * s.params // r.tensor_parallel_size
     own = vllm_activations(s, u.engine, r.tensor_parallel_size) + int(VLLM_NON_TORCH_GIB * GiB)
-    kv_tokens = max(0, share - weights - own) // kv_per_token(s, u.engine, r.tensor_parallel_size)
-    return Engine(share, weights, own, kv_tokens)
+    graphs = 0 if r.enforce_eager else int(VLLM_CUDA_GRAPHS_GIB * GiB)
+    kv_tokens = max(0, share - weights - own - graphs) // kv_per_token(s, u.engine, r.tensor_parallel_size)
+    return Engine(share, weights, own, graphs, kv_tokens)
 
 
 def generation(u: Setup, utilization: float | None = None) -> Moment:
     """GPU memory while the engine generates: the learner's resident state beside it (gradients are freed)."""
-    st, r, s = learner_state(u), u.rc.rollout, u.shape
-    resident, fixed = [st["masters"], st["adam"], st["ref"]], [st["context"], st["graphs"]]
-    if u.vllm:
+    st, r = learner_state(u), u.rc.rollout
+    resident, fixed = [st["masters"], st["adam"], st["ref"]], [st["context"]]
+    if u.vllm or u.server:
         util = r.gpu_memory_utilization if utilization is None else utilization
-        share = Item(
-            f"vLLM share: {util:.2f} x the GPU (weights, its activations, KV cache)", vllm_engine(u, util).share
-        )
+        what = "weights, its activations, CUDA graphs, KV cache"
+        share = Item(f"vLLM share: {util:.2f} x the GPU ({what})", vllm_engine(u, util).share)
+        if u.server:  # a GPU of the server's own: nothing of the learner beside it
+            return Moment(f"a server's GPU, generating (x{r.tensor_parallel_size} a server)", [share])
         return Moment("generation (vLLM awake)", [*resident, share, *fixed])
-    # the HF engine: a copy of the policy in model.dtype and the KV cache of rollout.batch_size prompts x n
+    if u.workers:  # the HF engine runs in worker processes on the host: nothing of it on the GPU
+        return Moment("between updates (rollout in worker processes, on the host)", [*resident, *fixed])
+    return Moment("generation (HF engine)", [*resident, *hf_engine(u), *fixed])
+
+
+def hf_engine(u: Setup) -> list[Item]:
+    """The HF engine: a copy of the policy in model.dtype and the KV cache of rollout.batch_size prompts x n."""
+    r, s = u.rc.rollout, u.shape
     rows = r.batch_size * r.n
-    engine = [
+    return [
         Item(f"HF engine: weights, {_name(u.engine)}", u.engine * s.params),
         Item(f"HF engine: KV cache of {rows} sequences", rows * u.seq * kv_per_token(s, u.engine, 1)),
     ]
-    return Moment("generation (HF engine)", [*resident, *engine, *fixed])
 
 
 def host_items(u: Setup, sleep_level: int) -> list[Item]:
@@ -387,6 +427,14 @@ def host_items(u: Setup, sleep_level: int) -> list[Item]:
         items.append(
             Item(what if level1 else f"vLLM asleep, level {sleep_level}: weights discarded", level1 * ranks * weights)
         )
+    if u.workers:
+        k = u.rc.rollout.workers
+        items += [Item(f"rollout worker x{k}: {i.what}", k * i.bytes) for i in hf_engine(u)]
+    if u.server and u.server_gpus:
+        servers = u.server_gpus // rc.rollout.tensor_parallel_size
+        copies = servers if rc.train.async_rollout else 1
+        how = f"one a server ({servers})" if rc.train.async_rollout else "one a node (every rank syncs at once)"
+        items.append(Item(f"servers' staged weights in /dev/shm: {how}, {_name(u.engine)}", copies * u.engine * N))
     held = held_snapshots(rc)
     nbytes = 4 if rc.learner.old_logp == "recompute" else u.engine
     items.append(
@@ -394,7 +442,7 @@ def host_items(u: Setup, sleep_level: int) -> list[Item]:
     )
     if u.offload:
         items.append(Item(f"FSDP CPU offload: {ranks} ranks x 16 bytes x N / {u.world}", ranks * 16 * N // u.world))
-    lazy = u.fsdp and u.vllm and rc.model.init != "random"  # the KL reference is meta-loaded too
+    lazy = u.fsdp and (u.vllm or u.server) and rc.model.init != "random"  # the KL reference is meta-loaded too
     if not lazy:
         items.append(Item(f"start-up: {ranks} ranks load the whole model ({_name(u.master)})", ranks * u.master * N))
     export = DTYPE_BYTES[rc.model.dtype]  # gathered in the model's dtype, one tensor at a time, kept by rank 0
@@ -462,7 +510,10 @@ class Plan:
 
     @property
     def startup_free(self) -> int:
-        """GPU memory free when vLLM starts: the learner (built first) holds its masters and the KL reference."""
+        """GPU memory free when vLLM starts: the learner (built first) holds its masters and the KL reference;
+        a server's GPU is its own."""
+        if self.setup.server:
+            return self.setup.device
         st = learner_state(self.setup)
         return self.setup.device - st["context"].bytes - st["masters"].bytes - st["ref"].bytes
 
@@ -494,6 +545,13 @@ class Plan:
         room = min(self.limit - rest, self.startup_free)
         return max(0.0, math.floor(room / self.setup.device * 100) / 100)
 
+    def max_hf_rows(self) -> int:
+        """The most sequences the HF engine's KV cache may hold beside everything else (0: none)."""
+        u = self.setup
+        per = u.seq * kv_per_token(u.shape, u.engine, 1)
+        kv = next(i for i in self.generation.items if i.what.startswith("HF engine: KV cache"))
+        return max(0, (self.limit - (self.generation.total - kv.bytes)) // per)
+
     def advice(self) -> list[str]:
         """Which knob to turn, with the number to turn it to."""
         u, rc, out = self.setup, self.setup.rc, []
@@ -503,6 +561,8 @@ class Plan:
                 out.append(f"learner.max_tokens_per_micro_batch={tokens} (or lower): the update then fits")
             else:
                 out.append(f"no micro-batch holding one {seq}-token sequence fits the update:")
+                if not u.fsdp:
+                    out.append("  learner=fsdp (sharded state; activation checkpointing and CPU offload come with it)")
                 if u.fsdp and not u.checkpointing:
                     out.append("  learner.activation_checkpointing=true")
                 if u.fsdp and not u.offload:
@@ -510,7 +570,8 @@ class Plan:
                 out.append("  or more ranks (--nproc / torchrun --nnodes): the sharded state shrinks as 1/W")
         if self.engine is not None:
             util, r = self.max_utilization(), rc.rollout
-            need = self.engine.weights + self.engine.own + kv_per_token(u.shape, u.engine, r.tensor_parallel_size) * seq
+            e = self.engine
+            need = e.weights + e.own + e.graphs + kv_per_token(u.shape, u.engine, r.tensor_parallel_size) * seq
             if self.generation.total > self.limit or not self.startup_ok:
                 if util * u.device >= need:
                     out.append(f"rollout.gpu_memory_utilization={util:.2f} (or lower): generation then fits")
@@ -518,13 +579,19 @@ class Plan:
                     out.append(
                         f"vLLM's weights and one sequence's KV cache need {need / GiB:.1f} GiB: raise "
                         f"rollout.tensor_parallel_size (now {r.tensor_parallel_size})"
-                        + ("" if u.offload else " or set learner.cpu_offload=true")
+                        + ("" if u.offload or u.server else " or set learner.cpu_offload=true")
                     )
             elif self.engine.kv_tokens < seq:
                 out.append("vLLM's KV cache holds no full-length sequence: raise rollout.gpu_memory_utilization")
             else:
                 kv = vllm_engine(u, util).kv_tokens // seq
                 out.append(f"room: rollout.gpu_memory_utilization up to {util:.2f} ({kv} sequences in the KV cache)")
+        elif self.generation.total > self.limit and not u.workers:  # the HF engine: weights and its batch's KV
+            rows = self.max_hf_rows()
+            if rows >= rc.rollout.n:
+                out.append(f"rollout.batch_size={rows // rc.rollout.n} (or lower): the HF engine's KV cache then fits")
+            else:
+                out.append("the HF engine does not fit one prompt's group: rollout=vllm (docs/gpu.md)")
         if self.update_peak.total <= self.limit:
             out.append(f"room: learner.max_tokens_per_micro_batch up to {tokens}")
         if self.host_limit is not None and self.host_total > self.host_limit:
@@ -539,14 +606,19 @@ class Plan:
     def render(self, label: str = "") -> str:
         u, s, r, ln = self.setup, self.setup.shape, self.setup.rc.rollout, self.setup.rc.learner
         gib = lambda n: f"{n / GiB:8.2f}"  # noqa: E731
-        nodes = -(-u.world // GPUS_PER_NODE)
-        engine = f"vllm, tensor parallel {r.tensor_parallel_size}" if u.vllm else r.engine
+        nodes = -(-(u.world + u.server_gpus) // GPUS_PER_NODE)
+        engine = f"{r.engine}, tensor parallel {r.tensor_parallel_size}" if u.vllm or u.server else r.engine
+        servers = ""
+        if u.server:
+            where = f"{u.server_gpus} GPUs of their own" if u.server_gpus else "elsewhere (rollout.url)"
+            servers = f"; {u.world} vLLM server(s) on {where}"
         out = [
             f"memory plan: {label or 'the default config'}",
             f"  model {u.rc.model.name_or_path}: {s.model_type}, {s.params / 1e9:.2f} B parameters ({s.layers} "
             f"layers of {s.layer_params / 1e6:.0f} M, root {s.root_params / 1e9:.2f} B), vocabulary {s.vocab:,}",
-            f"  {u.world} rank(s) on {nodes} node(s), {u.device / GiB:g} GiB a GPU, {self.limit / GiB:.1f} GiB usable; "
-            f"learner={ln.kind} ({_name(u.compute)} compute, {_name(u.master)} weights), rollout={engine}",
+            f"  {u.world} learner rank(s) on {nodes} node(s){servers}, {u.device / GiB:g} GiB a GPU, "
+            f"{self.limit / GiB:.1f} GiB usable; learner={ln.kind} ({_name(u.compute)} compute, {_name(u.master)} "
+            f"weights), rollout={engine}",
             f"  micro-batch: {u.tokens:,} tokens; longest sequence {u.seq:,} (prompt {u.prompt:,} + response "
             f"{r.max_new_tokens:,}); activation checkpointing {'on' if u.checkpointing else 'off'}",
             "",
@@ -559,13 +631,14 @@ class Plan:
         out += [f"{m.name:<70}{gib(m.total)}" for m in others]
         if self.engine is not None:
             e = self.engine
+            beside = "a GPU of its own" if u.server else "the learner's masters resident"
             out += [
                 "",
                 f"vLLM's share {e.share / GiB:.1f} GiB = weights {e.weights / GiB:.1f} + its activations "
-                f"{e.own / GiB:.1f} + KV cache {e.kv / GiB:.1f} ({e.kv_tokens:,} tokens: {e.kv_tokens // u.seq} "
-                f"sequences of {u.seq:,})",
+                f"{e.own / GiB:.1f} + CUDA graphs {e.graphs / GiB:.1f} + KV cache {e.kv / GiB:.1f} ({e.kv_tokens:,} "
+                f"tokens: {e.kv_tokens // u.seq} sequences of {u.seq:,})",
                 f"vLLM's start-up check: {e.share / GiB:.1f} GiB requested, {self.startup_free / GiB:.1f} GiB free "
-                f"(the learner's masters resident): {'ok' if self.startup_ok else 'REFUSED, vLLM does not start'}",
+                f"({beside}): {'ok' if self.startup_ok else 'REFUSED, vLLM does not start'}",
             ]
         out += ["", f"{'host memory, per node':<70}{gib(self.host_total)}"]
         out += [f"  {i.what:<68}{gib(i.bytes)}" for i in self.host]
@@ -586,10 +659,20 @@ def make_plan(rc, *, world: int, gpu_memory_gib: float = DEFAULT_GPU_GIB, host_m
         generation=generation(u),
         update=update_moments(u, u.tokens),
         host=host_items(u, sleep_level),
-        engine=vllm_engine(u, rc.rollout.gpu_memory_utilization) if u.vllm else None,
+        engine=vllm_engine(u, rc.rollout.gpu_memory_utilization) if u.vllm or u.server else None,
         sleep_level=sleep_level,
         host_limit=None if host_memory_gib is None else int(host_memory_gib * GiB),
     )
+
+
+def with_offload(rc, world: int, gpu_memory_gib: float) -> Plan | None:
+    """The plan of ``rc`` with ``learner.cpu_offload=true``, when that is a change (an FSDP learner not offloaded)."""
+    import dataclasses
+
+    if rc.learner.kind != "fsdp" or rc.learner.cpu_offload:
+        return None
+    offloaded = dataclasses.replace(rc, learner=dataclasses.replace(rc.learner, cpu_offload=True))
+    return make_plan(offloaded, world=world, gpu_memory_gib=gpu_memory_gib)
 
 
 # ----------------------------------------------------------------------------- the command line
@@ -621,16 +704,60 @@ def _world_size(world: int):
             os.environ["WORLD_SIZE"] = old
 
 
+def learner_ranks(cfg) -> int:
+    """The learner's ranks when neither ``--nproc`` nor ``$WORLD_SIZE`` says: the placement's GPUs, less those its
+    launched vLLM servers take (``rollout.gpus``)."""
+    r = cfg.rollout
+    server_gpus = len([g for g in str(r.get("gpus") or "").split(",") if g.strip()]) if r.get("url") is None else 0
+    return max(1, int(cfg.placement.gpus) - (server_gpus if r.engine == "vllm_server" else 0))
+
+
 def plan_for(overrides: list[str], *, nproc=None, gpu_memory=None, host_memory=None) -> Plan:
-    """The plan of ``python train.py <overrides>`` on ``nproc`` GPUs (else $WORLD_SIZE, else the placement's)."""
+    """The plan of ``python train.py <overrides>`` on ``nproc`` learner ranks (else $WORLD_SIZE, else the
+    placement's)."""
     from bapo.config import build
 
     cfg = compose(overrides)
-    world = nproc or int(os.environ.get("WORLD_SIZE") or cfg.placement.gpus)
+    world = nproc or int(os.environ.get("WORLD_SIZE") or learner_ranks(cfg))
     with _world_size(world):
         rc = build(cfg, "plan")  # nothing is written: the run folder is only a name here
+    if rc.rollout.engine == "vllm":  # the launch's own rule (a tensor-parallel engine spans whole groups of ranks)
+        from bapo.rollout.vllm import check_tensor_parallel
+
+        check_tensor_parallel(rc.rollout.tensor_parallel_size, world)
     gpu = gpu_memory or rc.placement.gpu_memory_gib
     return make_plan(rc, world=world, gpu_memory_gib=gpu, host_memory_gib=host_memory)
+
+
+class _OneLine(argparse.ArgumentParser):
+    """Bad arguments are one ``error:`` line and exit status 2, as every entry point's bad input is."""
+
+    def error(self, message: str):  # type: ignore[override]
+        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def _amount(flag: str):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be a number of GiB, got {text!r}") from None
+        if not math.isfinite(value) or value <= 0:
+            raise argparse.ArgumentTypeError(f"{flag} must be a positive number of GiB, got {text!r}")
+        return value
+
+    return parse
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--nproc must be a whole number of ranks, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--nproc must be >= 1, got {text!r}")
+    return value
 
 
 def cli(argv: list[str], prog: str = "train.py") -> int:
@@ -641,17 +768,17 @@ def cli(argv: list[str], prog: str = "train.py") -> int:
 
     from bapo.cli import user_errors
 
-    parser = argparse.ArgumentParser(prog=f"{prog} [overrides] --plan", description=__doc__.splitlines()[0])
+    parser = _OneLine(prog=f"{prog} [overrides] --plan", description=__doc__.splitlines()[0])
     parser.add_argument("--plan", action="store_true", help="print the memory plan and exit")
-    parser.add_argument("--nproc", type=int, help="ranks (default: $WORLD_SIZE, else the placement's)")
-    parser.add_argument("--gpu-memory", type=float, metavar="GiB", help="memory of one GPU (default: the placement's)")
-    parser.add_argument("--host-memory", type=float, metavar="GiB", help="host memory of one node, to check")
+    parser.add_argument("--nproc", type=_count, help="learner ranks (default: $WORLD_SIZE, else the placement's)")
+    parser.add_argument("--gpu-memory", type=_amount("--gpu-memory"), metavar="GiB",
+                        help="memory of one GPU (default: the placement's)")  # fmt: skip
+    parser.add_argument("--host-memory", type=_amount("--host-memory"), metavar="GiB",
+                        help="host memory of one node, to check")  # fmt: skip
     args, overrides = parser.parse_known_args(argv)
     unknown = [o for o in overrides if o.startswith("-")]
     if unknown:
         parser.error(f"unknown option(s) {unknown}: Hydra's own flags do not combine with --plan")
-    if args.nproc is not None and args.nproc < 1:
-        parser.error("--nproc must be >= 1")
     try:
         plan = plan_for(overrides, nproc=args.nproc, gpu_memory=args.gpu_memory, host_memory=args.host_memory)
     except (*user_errors(), HydraException) as e:

@@ -88,6 +88,10 @@ def test_a_model_too_big_for_one_gpu_is_refused_without_torchrun(monkeypatch):
     with pytest.raises(ConfigError, match=r"learner.kind: .*torchrun --standalone --nproc_per_node") as e:
         check_combinations(rc, world=1, launched=False)
     assert "7.6B parameters" in str(e.value)
+    # the smallest change that fits one GPU is named, with what the plan says it then needs
+    assert "it fits with learner.cpu_offload=true (" in str(e.value)
+    offloaded = run_config("model=qwen7b", "learner.cpu_offload=true")
+    check_combinations(offloaded, world=1, launched=False)  # and it does start
     check_combinations(rc, world=8, launched=True)  # under torchrun it is the user's node to fill
     small = run_config("model=qwen2.5_0.5b")
     check_combinations(small, world=1, launched=False)  # 0.5B: 8 GiB of learner state fits on one GPU

@@ -110,6 +110,16 @@ def _import_vllm():
     return vllm
 
 
+def check_tensor_parallel(tensor_parallel_size: int, world: int) -> None:
+    """Ranks ``[g*t, (g+1)*t)`` form one engine under torchrun (one process without it): ``t`` must divide the
+    number of ranks. The launch and the memory plan (``--plan``) apply this one rule."""
+    if world > 1 and world % tensor_parallel_size:
+        raise ConfigError(
+            f"rollout.tensor_parallel_size: {tensor_parallel_size} must divide the number of ranks ({world}): "
+            f"each group of {tensor_parallel_size} ranks runs one engine"
+        )
+
+
 def checkpoint_generation_config(path: str):
     """The checkpoint's ``generation_config.json``, else the defaults its ``config.json`` implies
     (what ``from_pretrained`` gives the HF engine's model)."""
@@ -209,10 +219,7 @@ class VLLMRollout(RolloutEngine):
         check_top_p(top_p, logprobs)
         choice(sleep_level, "rollout.sleep_level", SLEEP_LEVELS)
         world = dist.world_size() if dist.active() else 1
-        if world % tensor_parallel_size:
-            raise ConfigError(
-                f"rollout.tensor_parallel_size: {tensor_parallel_size} must divide the number of ranks ({world})"
-            )
+        check_tensor_parallel(tensor_parallel_size, world)
         vllm = _import_vllm()
         from vllm.platforms import current_platform
 
