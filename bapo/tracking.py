@@ -8,7 +8,13 @@ On resume, :func:`truncate_metrics` keeps every intact row up to the checkpoint'
 damaged line (cut short by a crash or a power loss) is skipped and named, never a reason to
 drop the rows after it; a step the checkpoint covers whose row is gone gets a marker row
 ``{"step": s, "metrics/lost": 1.0}`` and a warning, so the gap is visible in the file itself.
-The run goes on: the checkpoint, not the metrics file, is what the resume continues from."""
+The run goes on: the checkpoint, not the metrics file, is what the resume continues from.
+
+The run's log file (Hydra's ``train.log``) is what a post-mortem reads (``scripts/pack_study.py`` takes a failed
+run's reason from it). With the progress bar on (``logger.progress``) the loop's step lines go to the terminal
+only, above the bar; :class:`StepLog` then writes a step summary to the log file alone (never the terminal) every
+``SUMMARY_EVERY`` steps or ``SUMMARY_EVERY_S`` seconds, whichever comes first, and the last step logged when the
+metrics logger closes, on an error too."""
 
 from __future__ import annotations
 
@@ -16,6 +22,8 @@ import json
 import logging
 import math
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +33,17 @@ from bapo.checks import choice, resumable
 log = logging.getLogger(__name__)
 
 LOST = "metrics/lost"  # the key of a marker row: this step's row was lost before a resume
+SUMMARY_EVERY, SUMMARY_EVERY_S = 10, 60.0  # StepLog: a line every 10 steps, or once a minute on slow steps
+# what a step summary shows: label -> (metrics, format); left out when the step did not log them all
+SUMMARY = {
+    "reward": (("reward/mean",), "{:.3f}"),
+    "eval": (("eval/accuracy",), "{:.3f}"),
+    "ent": (("learner/entropy",), "{:.3f}"),
+    "gnorm": (("learner/grad_norm",), "{:.2f}"),
+    "clip": (("clip/low", "clip/high"), "[{:.2f}, {:.2f}]"),
+    "stale": (("buffer/staleness_mean",), "{:.1f}"),
+    "s/step": (("time/step_s",), "{:.1f}"),
+}
 
 
 def _clean(v: Any) -> Any:
@@ -49,6 +68,9 @@ class MetricsLogger:
     ):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        # the run's config (passed for wandb) says whether a progress bar keeps the step lines off the log file
+        progress = isinstance(config, dict) and (config.get("logger") or {}).get("progress") is True
+        self.steps = StepLog() if progress else None
         self._wandb = None
         if wandb and mode != "disabled":  # first: a wandb that cannot start leaves no metrics.jsonl behind
             import wandb as wb
@@ -81,6 +103,8 @@ class MetricsLogger:
         row = {"step": step} | {k: _clean(v) for k, v in sorted(metrics.items())}
         self._f.write(json.dumps(row) + "\n")
         self._f.flush()
+        if self.steps is not None:
+            self.steps.note(step, metrics)
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
 
@@ -90,12 +114,61 @@ class MetricsLogger:
         os.fsync(self._f.fileno())
 
     def close(self) -> None:
+        if self.steps is not None:  # the loop closes this on every exit: the last step reaches the log before the error
+            self.steps.flush()
         if not self._f.closed:
             self.sync()
         self._f.close()
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+
+
+class StepLog:
+    """Step summaries for the run's log file while a progress bar has the terminal (module docstring): a step's line
+    is written when it is a multiple of ``every`` or ``seconds`` have passed since the last line written; any other
+    step's line is held, and :meth:`flush` writes the last one held."""
+
+    def __init__(
+        self, every: int = SUMMARY_EVERY, seconds: float = SUMMARY_EVERY_S, clock: Callable[[], float] = time.monotonic
+    ):
+        self.every, self.seconds, self.clock = every, seconds, clock
+        self.written_at = clock()
+        self.held: str | None = None
+
+    def note(self, step: int, metrics: dict[str, Any]) -> None:
+        line = step_summary(step, metrics)
+        if step % self.every == 0 or self.clock() - self.written_at >= self.seconds:
+            self._write(line)
+        else:
+            self.held = line
+
+    def flush(self) -> None:
+        if self.held is not None:
+            self._write(self.held)
+
+    def _write(self, line: str) -> None:
+        to_log_file(line)
+        self.written_at, self.held = self.clock(), None
+
+
+def step_summary(step: int, metrics: dict[str, Any]) -> str:
+    """``step 20 | reward 0.312 | eval 0.250 | ent 0.812 | gnorm 1.20 | clip [0.80, 1.28] | stale 1.0 | s/step 3.1``."""
+    parts = [f"step {step}"]
+    for label, (keys, fmt) in SUMMARY.items():
+        values = [metrics.get(k) for k in keys]
+        if all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+            parts.append(f"{label} {fmt.format(*values)}")
+    return " | ".join(parts)
+
+
+def to_log_file(message: str, level: int = logging.INFO) -> None:
+    """``message`` to the process's log files (the root logger's file handlers: Hydra's ``<job>.log``), never to the
+    terminal; nothing where no file handler is set up (a test, a script)."""
+    record = log.makeRecord(log.name, level, __file__, 0, message, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler) and record.levelno >= handler.level:
+            handler.handle(record)
 
 
 def check_wandb(mode: str) -> None:
