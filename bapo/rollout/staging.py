@@ -87,33 +87,48 @@ class Staged:
         self.digest = digest(self.tensors)
 
 
-def save_weights(weights: Mapping[str, torch.Tensor], folder: Path, dtype: torch.dtype) -> Staged:
-    """The learner's weights as ``folder/model.safetensors`` in ``dtype`` and a :data:`MANIFEST` beside it.
-
-    ``weights`` is read once, in its order (a streamed FSDP mapping gathers each tensor as it is read); each
-    tensor is cast on its device, fingerprinted there, and copied to the host. Written under temporary
-    names and renamed, so a reader never sees a half-written folder."""
-    from safetensors.torch import save_file
-
-    t0 = time.perf_counter()
-    folder.mkdir(parents=True, exist_ok=True)
-    host: dict[str, torch.Tensor] = {}
-    prints: dict[str, list[int]] = {}
-    aliases: dict[str, str] = {}
-    live: dict[tuple, tuple[weakref.ref, str]] = {}  # (storage address, offset, shape, stride) -> (source, name)
-    alias_prints: dict[str, list[int]] = {}
-    shared: set[int] = set()  # host storages written, to copy a tensor whose storage another name shares
+def _unique(weights: Mapping[str, torch.Tensor], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor, str | None]]:
+    """``(name, tensor in dtype, None)`` for each tensor to write, ``(name, tensor, target)`` for a tied alias of
+    an earlier name: the same *live* tensor (its storage, offset, shape and strides, while the earlier tensor
+    object is still alive, so its memory cannot have been handed to another). Neither an address nor a Python
+    ``id`` alone identifies a tensor: both are reused once the earlier one is freed."""
+    live: dict[tuple, tuple[weakref.ref, str]] = {}
     for name, given in weights.items():
         src = given.detach()
         key = (src.untyped_storage().data_ptr(), src.storage_offset(), tuple(src.shape), tuple(src.stride()))
         earlier = live.get(key)
         t = src.to(dtype) if src.is_floating_point() else src
-        if earlier is not None and earlier[0]() is not None:  # the same live tensor: its memory was not reused
-            aliases[name] = earlier[1]
-            alias_prints[name] = fingerprint(t)
+        if earlier is not None and earlier[0]() is not None:
+            yield name, t, earlier[1]
             continue
         live[key] = (weakref.ref(given), name)
+        yield name, t, None
+
+
+def save_weights(
+    weights: Mapping[str, torch.Tensor], folder: Path, dtype: torch.dtype, *, write: bool = True
+) -> Staged:
+    """The learner's weights as ``folder/model.safetensors`` in ``dtype`` and a :data:`MANIFEST` beside it.
+
+    ``weights`` is read once, in its order (a streamed FSDP mapping gathers each tensor as it is read); each
+    tensor is cast on its device, fingerprinted there, and copied to the host. Written under temporary
+    names and renamed, so a reader never sees a half-written folder. ``write=False`` reads and fingerprints
+    the same way and writes nothing (a rank whose node's first rank writes the copy they share)."""
+    from safetensors.torch import save_file
+
+    t0 = time.perf_counter()
+    host: dict[str, torch.Tensor] = {}
+    prints: dict[str, list[int]] = {}
+    aliases: dict[str, str] = {}
+    alias_prints: dict[str, list[int]] = {}
+    shared: set[int] = set()  # host storages written, to copy a tensor whose storage another name shares
+    for name, t, target in _unique(weights, dtype):
+        if target is not None:
+            aliases[name], alias_prints[name] = target, fingerprint(t)
+            continue
         prints[name] = fingerprint(t)
+        if not write:
+            continue
         h = t.cpu().contiguous()
         if h.untyped_storage().data_ptr() in shared:  # a view of a tensor written under another name
             h = h.clone()
@@ -122,14 +137,16 @@ def save_weights(weights: Mapping[str, torch.Tensor], folder: Path, dtype: torch
     for name, target in aliases.items():
         if alias_prints[name] != prints[target]:
             raise StagingError(f"staging: {name} was taken for a tied alias of {target} but its values differ")
-    tmp = folder / (WEIGHTS_FILE + ".tmp")
-    save_file(host, str(tmp), metadata={"format": "pt"})
-    nbytes = tmp.stat().st_size
-    tmp.replace(folder / WEIGHTS_FILE)
-    staged = Staged(folder, prints, aliases, nbytes, 0.0)
-    manifest = {"format": FORMAT, "dtype": str(dtype), "tensors": prints, "aliases": aliases, "digest": staged.digest}
-    (folder / (MANIFEST + ".tmp")).write_text(json.dumps(manifest))
-    (folder / (MANIFEST + ".tmp")).replace(folder / MANIFEST)
+    staged = Staged(folder, prints, aliases, 0, 0.0)
+    if write:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / (WEIGHTS_FILE + ".tmp")
+        save_file(host, str(tmp), metadata={"format": "pt"})
+        staged.nbytes = tmp.stat().st_size
+        tmp.replace(folder / WEIGHTS_FILE)
+        manifest = {"format": FORMAT, "dtype": str(dtype), "tensors": prints, "aliases": aliases}
+        (folder / (MANIFEST + ".tmp")).write_text(json.dumps(manifest | {"digest": staged.digest}))
+        (folder / (MANIFEST + ".tmp")).replace(folder / MANIFEST)
     staged.seconds = time.perf_counter() - t0
     return staged
 

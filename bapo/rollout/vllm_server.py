@@ -73,11 +73,9 @@ from bapo.rollout.base import EngineContext, RolloutEngine, check_top_p, make_sa
 from bapo.rollout.config import RolloutCommon
 from bapo.rollout.registry import EngineTraits
 from bapo.rollout.staging import (
-    Staged,
     StagingError,
     check_reply,
     check_space,
-    fingerprint,
     make_root,
     model_bytes,
     save_weights,
@@ -600,9 +598,8 @@ class VLLMServerRollout(RolloutEngine):
         err: BaseException | None = None
         staged = None
         try:
-            staged = save_weights(weights, folder, self.dtype) if not shared or self.local == 0 else None
-            if staged is None:  # the node's first rank writes; this rank reads the stream (a collective) and checks
-                staged = _fingerprints_only(weights, folder, self.dtype)
+            # shared: the node's first rank writes; the others read the stream (a collective) and check the reply
+            staged = save_weights(weights, folder, self.dtype, write=not shared or self.local == 0)
         except BaseException as e:  # noqa: BLE001 (re-raised below, on every rank together when shared)
             err = e
         if shared:
@@ -723,21 +720,6 @@ def _checkpoint_bytes(model_path: str, dtype: torch.dtype) -> int:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
     return model_bytes(dict(model.state_dict(keep_vars=True)), dtype)
-
-
-def _fingerprints_only(weights: Mapping[str, torch.Tensor], folder: Path, dtype: torch.dtype) -> Staged:
-    """What :func:`~bapo.rollout.staging.save_weights` would record for ``weights``, nothing written: a rank whose
-    node's first rank writes the shared copy reads the stream (a collective) and checks the reply against it."""
-    t0 = time.perf_counter()
-    prints, aliases, firsts = {}, {}, {}
-    for name, t in weights.items():
-        fp = fingerprint(t.detach().to(dtype) if t.is_floating_point() else t.detach())
-        if id(t) in firsts:
-            aliases[name] = firsts[id(t)]
-            continue
-        firsts[id(t)] = name
-        prints[name] = fp
-    return Staged(folder, prints, aliases, 0, time.perf_counter() - t0)
 
 
 def _together(err: BaseException | None, doing: str) -> None:

@@ -217,3 +217,23 @@ def test_too_little_space_names_the_container_flags_and_the_key(monkeypatch):
     with pytest.raises(ConfigError, match=r"^rollout.weights_dir: /data/w has 0.06 GiB free, .* stages 15.00 GiB"):
         check_space(Path("/data/w"), 15 << 30)
     check_space(Path("/data/w"), 1 << 20)  # fits: nothing said
+
+
+def test_reading_without_writing_sees_the_same_tensors_when_python_ids_come_back(tmp_path, copying_cpu):
+    """A rank that only fingerprints the stream (its node's first rank writes) must agree with the writer: a tensor
+    freed before the next is made often gets the same Python id, which is no alias either."""
+    ids = []
+
+    class Fresh(dict):
+        def items(self):
+            for i in range(24):
+                t = torch.full((16,), float(i))
+                ids.append(id(t))
+                yield f"w{i}", t
+                del t
+
+    read = save_weights(Fresh(), tmp_path / "r", torch.float32, write=False)
+    assert len(set(ids)) < len(ids), "the test needs CPython to reuse an id"
+    assert not (tmp_path / "r").exists()
+    written = save_weights(Fresh(), tmp_path / "w", torch.float32)
+    assert read.tensors == written.tensors and read.digest == written.digest and read.aliases == {}
