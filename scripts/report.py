@@ -872,7 +872,10 @@ def main(argv: list[str] | None = None) -> int:
     blocked = next((p for p in (out, *out.parents) if p.exists()), None)
     if blocked is not None and not blocked.is_dir():
         return _error("NotADirectoryError", f"--out {out}: {blocked} is a file, not a folder")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return _error(type(e).__name__, f"--out {out}: {e.strerror}")
     groups = group_runs(runs)
     plots = plot_curves(groups, out, args.smooth) + plot_bapo(groups, out, args.smooth)
     plots += plot_clipping(groups, out, args.smooth) + plot_budget(groups, out)

@@ -128,7 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     if pack.is_dir():
         usage_error(f"argument --pack: {pack} is a folder; give the file to write, e.g. {pack / 'runs.jsonl.gz'}")
     log_dir = root / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        usage_error(f"the sweep folder {root}: {e.strerror}")
     jobs = [cell.split() + [f"seed={s}"] for s in args.seeds for cell in args.cells]  # seed-major: early seeds first
     with (log_dir / pack_study.GRID_LOG).open("a") as f:  # the plan: a run that never starts is still listed
         f.writelines(json.dumps({"run": run_name(o), "overrides": o}) + "\n" for o in jobs)
