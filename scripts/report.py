@@ -9,9 +9,9 @@ report made from it is the report made from the folder, byte for byte. Runs are 
 runs that differ in nothing but the seed), shown by algo x staleness, and written to DIR (default `<sweep>/report`,
 or the pack's folder):
 
-- `report.md`: one row per algo x staleness with final and best held-out accuracy, entropy at the
-  end, grad-norm spikes and wall time (mean ± std over the completed seeds), a table of incomplete
-  runs, and every unreadable metrics line as `file:line`;
+- `report.md`: one row per cell (algo x staleness, and any other key that differs) with final and best held-out
+  accuracy, entropy at the end, grad-norm spikes and wall time (mean ± std over the completed seeds), a table of
+  incomplete runs, and every unreadable metrics line as `file:line`;
 - `curves_*.png`: eval accuracy, reward, entropy and grad norm over steps, one panel per staleness
   level, one line per algo (mean over seeds), a min-max band over seeds;
 - `bapo_bounds.png`, `bapo_rho.png`: BAPO's ratio_low / ratio_high over training and the positive
