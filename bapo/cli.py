@@ -20,8 +20,8 @@ the log is appended to, never rewritten. Holding the lock, a start that fails be
 anything (a config error, a refused resume) puts back what it changed: ``.hydra/`` as it was, the
 log cut back to its length, the lock file removed if this start created it, and a folder that held
 nothing before this start removed with the folders above it that became empty, up to ``outputs/`` or
-``multirun/`` (Hydra's date folder). A run that failed after it wrote its files keeps them, and its log
-ends with the error line (``scripts/pack_study.py`` reads it).
+``multirun/`` (Hydra's date folder), and that one too if this process made it. A run that failed after it
+wrote its files keeps them, and its log ends with the error line (``scripts/pack_study.py`` reads it).
 
 In a sweep (``train.py -m``) a failed cell does not end the sweep: its error line goes to stderr, to
 the cell's log (the cell's folder keeps its ``.hydra/`` and log, so the failure stays visible), and to
@@ -87,10 +87,16 @@ def remove_run_folder(run_dir: Path) -> None:
     remove_empty_parents(run_dir)
 
 
+_NEW_ROOTS: set[Path] = set()  # ./outputs, ./multirun when this process began and they did not exist (hydra_entry)
+
+
 def remove_empty_parents(run_dir: Path) -> None:
-    """The folders above ``run_dir`` that are empty, up to (not including) ``outputs/`` or ``multirun/``."""
+    """The folders above ``run_dir`` that are empty, up to ``outputs/`` or ``multirun/``: that one too when it is
+    the working folder's and this process made it (it did not exist when :func:`hydra_entry` began)."""
     parents = list(run_dir.absolute().parents)
     root = next((i for i, p in enumerate(parents) if p.name in RUN_ROOTS), None)
+    if root is not None and parents[root] in _NEW_ROOTS:
+        root += 1
     for p in parents[: root or 0]:
         try:
             p.rmdir()  # only an empty folder
@@ -373,6 +379,7 @@ def hydra_entry(main: Callable[[], Any]) -> Any:
     down (``algo.contribution`` -> ``algo.bounds.contribution``). A full disk while the job runs is exit 1.
     With ``HYDRA_FULL_ERROR=1`` set by the user, every error keeps its full stack trace.
     """
+    _NEW_ROOTS.update(p for p in (Path.cwd().absolute() / r for r in RUN_ROOTS) if not p.exists())
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         return main()
     os.environ["HYDRA_FULL_ERROR"] = "1"
