@@ -1,6 +1,6 @@
 """Evaluate a model or a training run on math sets:
 
-    python eval.py checkpoint=outputs/<date>/<run> eval=[aime24,aime25,math500] k=16 temperature=0.6 top_p=0.95
+    python eval.py checkpoint=outputs/<date>/<run> eval=[aime24,aime25,math500] k=16 temperature=0.6
     torchrun --nproc_per_node=8 eval.py rollout=vllm checkpoint=... eval=aime24 k=16   (data-parallel, a GPU node)
     python eval.py model=smollm2_135m eval=gsm8k k=4 eval.limit=50
     .venv-vllm/bin/python eval.py rollout=vllm eval=arith k=2 eval.limit=8
@@ -107,6 +107,8 @@ def _evaluate(cfg: DictConfig, run_dir, job, source, problems: dict, log) -> dic
         job.rollout, path=path, tokenizer=tok, model=model, dtype=m.dtype, seed=r.seed, top_p=r.top_p, logprobs=False,
         max_model_len=None if limit is None else limit + r.max_new_tokens,
     )  # fmt: skip
+    if rollout.version != 0:  # a server given by URL holds whatever it last loaded: the checkpoint's weights first
+        rollout.load_weights(ev.checkpoint_weights(path), 0)
     config = OmegaConf.to_container(cfg, resolve=True) | (source.record() if source else {"model_path": path})
     results = {}
     with MathVerifier(

@@ -602,10 +602,21 @@ def _from_run(cfg: DictConfig, run: dict, engine: str) -> dict[str, Any]:
         "max_prompt_tokens": run["data"]["max_prompt_tokens"],
         "rollout.engine": run["rollout"]["engine"],
     }
-    if engine == run["rollout"]["engine"]:  # the engine's knobs (its sleep settings mean nothing here)
-        knobs = {k: v for k, v in run["rollout"].items() if k not in SAMPLING and "sleep" not in k}
+    if engine == run["rollout"]["engine"]:  # the engine's knobs (its sleep settings mean nothing here, nor where
+        # the run's servers were: they hold the run's latest weights, or another run's, not this checkpoint's)
+        knobs = {k: v for k, v in run["rollout"].items() if k not in SAMPLING and "sleep" not in k and k != "url"}
         out |= {f"rollout.{k}": v for k, v in knobs.items()}
     return out
+
+
+def checkpoint_weights(path: str | Path) -> dict:
+    """The tensors of the checkpoint folder ``path`` (its safetensors files), for an engine that must be given them
+    (a vLLM server started by someone else holds other weights)."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    require(bool(files), "checkpoint", f"{path} holds no safetensors files to give the rollout engine")
+    return {k: v for f in files for k, v in load_file(f).items()}
 
 
 def _switch_engine(cfg: DictConfig, engine: str) -> None:

@@ -403,6 +403,33 @@ def test_a_run_brings_its_engine_and_knobs(tmp_path, tiny_model, tiny_tok):
     assert job.engine == "hf" and cfg.rollout.batch_size == 7
 
 
+def test_a_server_runs_url_is_never_adopted(tmp_path, tiny_model, tiny_tok):
+    """A rollout=vllm_server run's servers hold its newest weights (or by now another run's): evaluating its
+    checkpoint there would evaluate them. eval.py starts its own server on the checkpoint instead."""
+    run = _run_folder(tmp_path / "run", tiny_model, tiny_tok, "rollout=vllm_server", "rollout.url='http://gen:8000'",
+                      "rollout.enforce_eager=true")  # fmt: skip
+    cfg, settings, job = _adopt(["eval=arith", f"checkpoint={run}"])
+    assert job.engine == "vllm_server" and cfg.rollout.url is None and cfg.rollout.enforce_eager is True
+    assert "rollout.url" not in settings.taken
+    cfg, settings, _ = _adopt(
+        ["eval=arith", f"checkpoint={run}", "rollout=vllm_server", "rollout.url='http://mine:9000'"]
+    )
+    assert cfg.rollout.url == "http://mine:9000"  # given on the command line: eval.py gives it the checkpoint first
+
+
+def test_the_checkpoint_weights_an_engine_is_given_are_the_exports(tmp_path, tiny_model, tiny_tok):
+    import torch
+
+    from bapo.evaluate import checkpoint_weights
+
+    run = _run_folder(tmp_path / "run", tiny_model, tiny_tok)
+    got = checkpoint_weights(run / "export")
+    want = tiny_model.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    with pytest.raises(ConfigError, match="holds no safetensors files"):
+        checkpoint_weights(tmp_path)
+
+
 def test_a_run_is_evaluated_end_to_end_as_trained(tmp_path, tiny_model, tiny_tok, monkeypatch):
     import bapo.rollout
 

@@ -40,8 +40,12 @@ freed), wake their weights to load new ones and their KV cache to generate.
 Partial rollouts (``rollout.partial_budget``): a response is continued as a new request whose prompt is
 prompt + the response so far (``TokensPrompt(prompt_token_ids=...)``: the prefix is re-prefilled, never
 re-sampled; the prefix cache, reset at every weight sync, may serve it), with ``max_tokens`` the segment's
-cap. vLLM's sampler has no per-position draws, so a response drawn in segments is not the response drawn
-at once unless greedy; each segment is reproducible (seeded by its responses' seeds and positions).
+cap. Where vLLM's sampler draws by position (the GPU's V2 model runner: its Gumbel noise is keyed by the request's
+seed, the token's position and the token), every segment of a response carries the response's own seed, so a
+response drawn in segments is the response drawn at once (weights unchanged). Elsewhere (the CPU runner draws from
+one generator per request, restarted by each request) a segment's seed is keyed by its offset too, or every
+segment would replay the first one's draws; a response drawn in segments then differs from one drawn at once
+unless greedy. Either way each segment is reproducible.
 
 Each response is its own request (``n=1``), which is what vLLM does internally for ``n > 1``;
 on a GPU this gives every sample its own seed, so ``generate(..., seed=s)`` is reproducible. On
@@ -257,6 +261,8 @@ class VLLMRollout(RolloutEngine):
         )
         hf_config = self.llm.llm_engine.model_config.hf_config
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        # draws keyed by position (V2 GPU runner): a response's segments all take its own seed (module docstring)
+        self.positional = not self.on_cpu and bool(getattr(self.llm.llm_engine.vllm_config, "use_v2_model_runner", 0))
         self.engine_dtype = self.llm.llm_engine.model_config.dtype
         self._weights_dir: Path | None = None
         if not self.in_process:
@@ -327,7 +333,7 @@ class VLLMRollout(RolloutEngine):
         self._ready()  # before vLLM's import: an engine with discarded weights says so, whatever is installed
         from vllm.inputs import TokensPrompt
 
-        keyed = [request_seed(s, o) for s, o in zip(seeds, offsets, strict=True)]
+        keyed = [request_seed(s, 0 if self.positional else o) for s, o in zip(seeds, offsets, strict=True)]
         if self.on_cpu:
             torch.manual_seed(hash(tuple(keyed)) % (1 << 63))
         per_request = [None] * len(keyed) if self.on_cpu else keyed

@@ -137,6 +137,7 @@ class WeightLoader:
             "generation_config": str(cfg.generation_config),
             "kv_tokens": int(blocks * cache.block_size) if blocks else None,
             "max_num_seqs": int(sched.max_num_seqs),
+            "positional_draws": bool(getattr(self, "use_v2_model_runner", False)) and not _on_cpu(),
         } | {k: hf.get(k) for k in IDENTITY}
 
     def bapo_reload(self, path: str) -> dict:
@@ -161,6 +162,12 @@ class WeightLoader:
         for _ in reader:
             pass
         return reader.check()
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 class ServerError(RuntimeError):
@@ -393,6 +400,7 @@ class VLLMServerRollout(RolloutEngine):
             )
         described = self._check_model(max_model_len)
         self.admission = _Admission(described.get("kv_tokens"), int(described.get("max_num_seqs") or 256))
+        self.positional = bool(described.get("positional_draws"))  # seeds of a response's segments: vllm.py's docstring
         self.pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="bapo-vllm-http")
         dist.before_teardown(self.close)
 
@@ -701,9 +709,10 @@ class VLLMServerRollout(RolloutEngine):
     def _segments(
         self, rows: list[list[int]], caps: list[int], seeds: list[int], offsets: list[int]
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """:meth:`RolloutEngine._segments`: one request per row (prompt + prefix), seeded by (its seed, its offset)."""
+        """:meth:`RolloutEngine._segments`: one request per row (prompt + prefix), seeded by its response's seed (and
+        its offset where the server's draws are not keyed by position: bapo/rollout/vllm.py's docstring)."""
         jobs = [
-            self.pool.submit(self._complete, r, 1, self.temperature, cap, request_seed(s, o))
+            self.pool.submit(self._complete, r, 1, self.temperature, cap, request_seed(s, 0 if self.positional else o))
             for r, cap, s, o in zip(rows, caps, seeds, offsets, strict=True)
         ]
         out = []

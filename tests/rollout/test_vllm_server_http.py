@@ -249,3 +249,21 @@ def test_server_gpus_are_indices_into_the_parents_visible_devices():
         server_devices("4,5,6,7", "0,1,2,3", 4, 3, 1)
     with pytest.raises(ConfigError, match="has 3 devices for 2 local ranks"):
         server_devices("1,2,3", None, 2, 0, 1)
+
+
+@pytest.mark.parametrize("positional", [True, False])
+def test_a_responses_segments_carry_its_seed_where_draws_are_keyed_by_position(fake_server, tiny_tok, positional):
+    """vLLM's V2 GPU runner keys its Gumbel noise by (seed, position, token): a response's segments then take its own
+    seed and together draw the response drawn at once. A runner with one generator per request (CPU) restarts it
+    at every request: there each segment's seed is keyed by its offset, so no segment replays another's draws."""
+    from bapo.rollout.vllm import request_seed
+
+    fake, url = fake_server()
+    fake.describe["positional_draws"] = positional
+    e = _engine(url, tiny_tok)
+    row = list(_prompts(tiny_tok, 1)[0].ids)
+    for offset in (0, 6, 12):
+        e._segments([row + [10] * offset], [6], [77], [offset])
+    seeds = [b["seed"] for b in fake.bodies]
+    want = [request_seed(77, 0)] * 3 if positional else [request_seed(77, o) for o in (0, 6, 12)]
+    assert seeds == want
