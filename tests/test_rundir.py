@@ -468,8 +468,10 @@ def test_three_starts_on_one_folder_one_runs_and_the_refused_touch_nothing(tmp_p
     first = start(1)
     try:
         deadline = time.time() + 300
-        while not (run / ".hydra" / "overrides.yaml").is_file() and first.poll() is None and time.time() < deadline:
+        held = [run / LOCK_NAME, run / ".hydra" / "overrides.yaml"]
+        while not all(f.is_file() for f in held) and first.poll() is None and time.time() < deadline:
             time.sleep(0.05)
+        time.sleep(0.2)  # the holder writes its name into the lock file right after taking it
         held = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in (run / ".hydra").iterdir()}
         lock = (run / LOCK_NAME).read_bytes()
         others = [start(2), start(3)]  # at once, while the first starts up
