@@ -144,9 +144,10 @@ def save_run(
     - ``state.pt`` (rank 0): the step, every object of ``shared`` by name (their ``state_dict()``: the buffer,
       the monitor) and the RNG states (:func:`capture_rng`);
     - ``producer_rank<r>.pt`` (each rank): the rollout source's state (``bapo.rollout_source``: its queue and data
-      cursor); rank 0's also holds the weight
-      snapshots (full copies, the same on every rank: written once, read by every rank), without the snapshot of
-      the learner's current version (restored from the model);
+      cursor); rank 0's also holds its weight snapshots (full copies, the same on every rank that holds that
+      version: written once, read by every rank), without the snapshot of the learner's current version (restored
+      from the model); another rank's file holds the snapshots rank 0 no longer (or not yet) holds: async
+      producers pause between batches, not at the same batch, so one rank may still need a version rank 0 dropped;
     - ``learner/`` (the learner's ``save``): weights, AdamW, schedule, version; DCP shards under FSDP;
     - ``meta.json`` and ``manifest.json``, written last by :func:`bapo.ckpt_folder.save`.
 
@@ -158,7 +159,10 @@ def save_run(
         if dist.is_main():
             prepare(tmp)
     with together(f"writing {path}", cleanup=tmp):
-        state = source.state_dict(live=learner.version, snapshots=dist.is_main())
+        state = source.state_dict(live=learner.version)
+        at_zero = set(dist.broadcast_object(state.get("snapshot_versions", [])))
+        if not dist.is_main():  # rank 0's file carries the versions it holds; this one, the rest it needs
+            state["snapshots"] = {v: w for v, w in state.get("snapshots", {}).items() if v not in at_zero}
         write(tmp / f"producer_rank{dist.rank()}.pt", state)
     with together(f"writing {path}", cleanup=tmp):
         learner.save(tmp / "learner")  # under FSDP a collective that fails together by itself; then so does this
@@ -193,9 +197,11 @@ def _producer_state(ckpt: Path, rank: int) -> dict:
     pfile = ckpt / f"producer_rank{rank}.pt"
     if pfile.is_file():
         state = load(pfile)
-        if rank != 0 and state.get("snapshot_versions"):  # the snapshots are in rank 0's file only
+        own = state.get("snapshots") or {}
+        need = [v for v in state.get("snapshot_versions", []) if v not in own]
+        if rank != 0 and need:  # the snapshots rank 0 held too are in its file only
             snaps = load(ckpt / "producer_rank0.pt")["snapshots"]
-            state["snapshots"] = {v: snaps[v] for v in state["snapshot_versions"]}
+            state["snapshots"] = {v: own[v] if v in own else snaps[v] for v in state["snapshot_versions"]}
         return state
     state = load(ckpt / "producer_rank0.pt")
     if state["pending"]:

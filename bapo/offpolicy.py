@@ -258,11 +258,21 @@ class Producer:
     def _check(self) -> None:
         """Raise what a waiting consumer must not sleep through. Called with the lock held."""
         if self._error is not None:
-            raise RuntimeError("the rollout producer failed") from self._error
+            self._raise_error()
         if self.interrupt.is_set():
             raise Interrupted
         if self.threaded and (self._thread is None or not self._thread.is_alive()):
             raise RuntimeError("the rollout producer stopped before the run ended")
+
+    def _raise_error(self) -> None:
+        """The producer's error, raised on the learner's thread: as itself when the entry point reports it in one
+        line (``bapo.cli``: bad input, or a run that failed, such as a rollout worker lost too often), else wrapped,
+        so that a bug's traceback also shows where the learner noticed it."""
+        from bapo.cli import run_errors, user_errors
+
+        if isinstance(self._error, user_errors() + run_errors()):
+            raise self._error
+        raise RuntimeError("the rollout producer failed") from self._error
 
     def take(self) -> tuple[Any, float]:
         """The next batch (gathered over ranks), and the seconds the consumer waited for it."""
@@ -332,7 +342,7 @@ class Producer:
             while self._busy and self._error is None:
                 self._cond.wait(0.1)
             if self._error is not None:
-                raise RuntimeError("the rollout producer failed") from self._error
+                self._raise_error()
 
     def resume(self) -> None:
         with self._cond:
@@ -360,8 +370,8 @@ class Producer:
         """Batches made ahead, the maker's state (data cursor) and the snapshots still needed. Pause first.
 
         ``live``: a version whose snapshot is the learner's current weights (restored from the model, not stored).
-        ``snapshots=False``: the versions held, without their weights (under torchrun every rank holds the same
-        full copies, so one rank's file carries them: :func:`bapo.checkpoint.save_run`)."""
+        ``snapshots=False``: the versions held, without their weights (under torchrun a version's copy is the same
+        on every rank that holds it, so one rank's file carries it: :func:`bapo.checkpoint.save_run`)."""
         with self._cond:
             pending = list(self._queue)
         held = self.mailbox.snapshots(exclude=live)

@@ -5,7 +5,7 @@ process of its own through gpu_check_worker.py).
 free, the driver), a bf16 matrix product (TFLOP/s, and its agreement with fp32). Without a CUDA device and
 without ``--dry-run`` it fails with ``no_gpu``, and the driver stops there with exit status 2.
 
-``host``: ``/dev/shm`` (where ``rollout=vllm_server`` stages each weight sync: two bf16 copies of the model at
+``host``: ``/dev/shm`` (where ``rollout=vllm_server`` stages each weight sync: one bf16 copy of the model at
 the peak, the new one written before the old is removed) and host memory (which holds vLLM's weights while it
 sleeps at level 1) against paper_7b's model; the toy stand-in in a dry run.
 
@@ -29,7 +29,7 @@ GiB = 2**30
 QWEN7B = ["algo=bapo", "model=qwen7b"]  # python train.py algo=bapo model=qwen7b
 PLAN_ARGS = ["--plan", "--nproc", "1", "--gpu-memory", "141"]  # one H200
 PAPER_MODEL = "r1_distill_qwen_7b"  # experiment=paper_7b's
-STAGED_COPIES = 2  # a server's weight folders at the peak of a sync (bapo/rollout/vllm_server.py)
+STAGED_COPIES = 1  # a version is removed once its server has loaded it: one copy at the peak (bapo/rollout/staging.py)
 
 
 def gib(n: float | None) -> float | None:

@@ -108,31 +108,29 @@ def update(learner, seed: int = 0) -> float:
     return float(learner.update(synthetic_batch(vocab, 4, 8, 24, seed=seed))["learner/grad_norm"])
 
 
-# >>> WIRE: the server's weight fingerprint (bapo/rollout/vllm_server.py, issue 36 item 1). The one place to adapt
-# when the engine's checksum API changes name or shape. Today's engine checks the workers' digest of what they read
-# against what the learner wrote inside ``load_weights`` (a mismatch raises there, and the section fails with that
-# error) and keeps the reply (``fingerprint()``); ``holds_weights(weights)``, where an engine has it, is asked
-# directly. Without either the line says ``"fingerprint": null`` and why.
-FINGERPRINT_METHOD = "holds_weights"
-
-
 def server_holds_learner_weights(engine, learner) -> dict:
-    """Whether the server holds exactly the learner's weights, by the engine's own fingerprint API."""
+    """Whether the server's workers read exactly the learner's weights at the last sync: the learner's tensors
+    gathered again one name at a time (``weights[name]``, not the sync's stream), fingerprinted in the engine's
+    dtype (tied names once), against the digest the workers answered (``engine.fingerprint()``)."""
+    from bapo.rollout.staging import digest, fingerprint
+
     out: dict[str, Any] = {
         "sync_parts_s": {k: round(v, 3) for k, v in (getattr(engine, "sync_parts", None) or {}).items()}
     }
-    check = getattr(engine, FINGERPRINT_METHOD, None)
-    if check is not None:
-        t0 = time.perf_counter()
-        holds = check(learner.weights())  # the learner's weights streamed again and compared on the server
-        return out | {"fingerprint": bool(holds), "fingerprint_s": round(time.perf_counter() - t0, 3)}
-    reply = engine.fingerprint() if callable(getattr(engine, "fingerprint", None)) else None
-    if reply is None:
-        return out | {"fingerprint": None, "fingerprint_note": f"{type(engine).__name__} reports no fingerprint"}
-    return out | {"fingerprint": True, "fingerprint_reply": reply}  # load_weights compared it with what was sent
-
-
-# <<< WIRE
+    reply = engine.fingerprint()
+    t0 = time.perf_counter()
+    weights = learner.weights()
+    values = getattr(weights, "_sd", weights)  # tied names share one tensor object
+    seen, want = set(), {}
+    for name in list(weights):
+        if id(values[name]) in seen:
+            continue
+        seen.add(id(values[name]))
+        t = weights[name]
+        want[name] = fingerprint(t.to(engine.dtype) if t.is_floating_point() else t)
+    expected = {"tensors": len(want), "digest": digest(want)}
+    out |= {"fingerprint_s": round(time.perf_counter() - t0, 3), "fingerprint_reply": reply}
+    return out | {"fingerprint": bool(reply) and all(r == expected for r in reply), "fingerprint_expected": expected}
 
 
 def server(ctx) -> dict:

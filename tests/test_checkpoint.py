@@ -332,6 +332,23 @@ def test_a_checkpoint_of_another_world_size_resumes_from_rank_0s_producer_unless
         checkpoint._producer_state(ckpt, 1)
 
 
+def test_a_rank_still_holding_a_snapshot_rank_0_dropped_gets_it_back(tmp_path):
+    """Async producers pause between batches, not at the same batch: rank 1 may still need version 7 after rank 0
+    dropped it. Rank 0's file carries its own snapshots, rank 1's the ones rank 0 lacks (the resume of a split
+    rehearsal failed with KeyError: 7 when only rank 0's were written)."""
+    w7, w8 = {"w": torch.full((2,), 7.0)}, {"w": torch.full((2,), 8.0)}
+    ckpt = tmp_path / "step_000002"
+    ckpt.mkdir()
+    zero = {"pending": [], "snapshot_versions": [8], "snapshots": {8: w8}}
+    one = {"pending": [], "snapshot_versions": [7, 8], "snapshots": {7: w7}}
+    checkpoint.write(ckpt / "producer_rank0.pt", zero)
+    checkpoint.write(ckpt / "producer_rank1.pt", one)
+    checkpoint.write_manifest(ckpt)
+    got = checkpoint._producer_state(ckpt, 1)["snapshots"]
+    assert sorted(got) == [7, 8] and torch.equal(got[7]["w"], w7["w"]) and torch.equal(got[8]["w"], w8["w"])
+    assert checkpoint._producer_state(ckpt, 0)["snapshots"].keys() == {8}
+
+
 # ---------------------------------------------------------------- the plain encoding of the loop's records
 
 
