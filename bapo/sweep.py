@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import json
+import logging
 import os
 import socket
 import sys
@@ -73,14 +74,17 @@ class Cell:
             "host": socket.gethostname(),
             "pid": os.getpid(),
         }
-        self.sweep_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.sweep_dir / SUMMARY, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            os.write(fd, (json.dumps(row) + "\n").encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            self.sweep_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.sweep_dir / SUMMARY, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                os.write(fd, (json.dumps(row) + "\n").encode())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:  # a full or read-only disk: the cell's outcome is on stderr; the sweep goes on
+            logging.getLogger(__name__).warning("%s: cannot record cell %s: %s", self.sweep_dir / SUMMARY, self.name, e)
 
 
 def cell_of(hydra_cfg: Any) -> Cell | None:

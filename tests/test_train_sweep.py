@@ -100,3 +100,31 @@ def test_cfg_job_composes_every_cell_of_a_sweep(tmp_path):
     assert p.returncode == 0 and p.stdout.count("# cell ") == 27
     p = train("-m", "algo=bapo,nosuch", "--cfg", "job")
     assert p.returncode == 2 and p.stdout == "" and p.stderr.startswith("error: ") and len(p.stderr.splitlines()) == 1
+
+
+def test_the_sweep_summary_reads_its_own_launch_and_says_whose_fault(tmp_path, monkeypatch, capsys):
+    from omegaconf import OmegaConf
+
+    from bapo.sweep import LAUNCH_ENV, Cell, SweepSummary, summarize
+
+    def cell(name: str, launch: str, status: str, code: int) -> None:
+        monkeypatch.setenv(LAUNCH_ENV, launch)
+        Cell(tmp_path, name, 0, (name,)).record(status, code, f"error: X: {name}" if code else None, 0.0)
+
+    cell("a=1", "old", "failed", 1)  # an earlier launch's failure is not this one's
+    cell("a=1", "new", "complete", 0)
+    cell("a=2", "new", "failed", 2)
+    assert summarize(tmp_path, "new")[0] == 2  # every failure was bad input
+    cell("a=3", "new", "failed", 1)
+    status, line = summarize(tmp_path, "new")
+    assert status == 1 and line.startswith("2 of 3 cells failed: a=2 (exit 2), a=3 (exit 1)")
+    assert summarize(tmp_path, "none") == (
+        0,
+        f"sweep {tmp_path}: 0 of 0 cells complete ({tmp_path}/sweep_summary.jsonl)",
+    )
+    (tmp_path / "sweep_summary.jsonl").open("a").write("not json\n")  # a torn line is skipped
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
+    with pytest.raises(SystemExit) as info:
+        SweepSummary().on_multirun_end(config)  # launch "new", from the environment
+    assert info.value.code == 1
+    assert capsys.readouterr().err.startswith("error: SweepFailed: 2 of 3 cells failed: ")
