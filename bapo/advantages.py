@@ -7,7 +7,8 @@ Between the producer and the buffer, on the learner's thread:
    snapshot the producer kept for that version), removing the engine-versus-learner
    numerical mismatch; the mismatch is logged (``rollout/logp_mismatch_*``). A batch
    already too stale for the buffer is not recomputed: the buffer drops it anyway,
-   and its snapshot may be gone. The engine's log-probs stay on each sample
+   and its snapshot may be gone. Without recompute the mismatch is measured on a sampled share of
+   each batch's rows (``learner.logp_check_share``, :func:`check_logp`). The engine's log-probs stay on each sample
    (``behaviour_logp``), and a rollout correction (``algo.correction``: TIS, MIS,
    geometric rejection; ``bapo.algos.correction``) turns the two into per-token weights
    (``token_weight``), logged under ``correction/``.
@@ -20,11 +21,13 @@ Between the producer and the buffer, on the learner's thread:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from bapo import algos
+from bapo.algos.correction import logp_mismatch
 from bapo.reward import overlong_penalty
 from bapo.samples import RolloutBatch, Sample, ScoredSample
 
@@ -35,18 +38,42 @@ def recompute_logp(batch: RolloutBatch, learner: Any, weights: dict | None) -> t
     The engine's log-probs are in ``stats["engine_logp"]`` (one tensor per sample, in order)."""
     samples = list(batch.samples)
     lp = learner.response_logp(samples, weights)  # [B, T]
-    new, diffs = [], []
-    for i, s in enumerate(samples):
-        row = lp[i, : len(s.response_ids)].to(torch.float32)
-        diffs.append((row - torch.as_tensor(s.logp, dtype=torch.float32)).abs())
-        new.append(dataclasses.replace(s, logp=row))
-    d = torch.cat(diffs) if diffs else torch.zeros(0)
-    stats = {
-        "rollout/logp_mismatch_mean": float(d.mean()) if d.numel() else 0.0,
-        "rollout/logp_mismatch_max": float(d.max()) if d.numel() else 0.0,
-        "engine_logp": [torch.as_tensor(s.logp, dtype=torch.float32) for s in samples],
-    }
+    rows = [lp[i, : len(s.response_ids)].to(torch.float32) for i, s in enumerate(samples)]
+    engine = [torch.as_tensor(s.logp, dtype=torch.float32) for s in samples]
+    new = [dataclasses.replace(s, logp=row) for s, row in zip(samples, rows, strict=True)]
+    mismatch = logp_mismatch(torch.cat(rows or [torch.zeros(0)]), torch.cat(engine or [torch.zeros(0)]))
+    stats = {f"rollout/logp_mismatch_{k}": v for k, v in mismatch.items()} | {"engine_logp": engine}
     return dataclasses.replace(batch, samples=tuple(new)), stats
+
+
+def check_logp(batch: RolloutBatch, learner: Any, snapshot: Callable, *, share: float, seed: int) -> dict:
+    """The engine-vs-learner mismatch (``rollout/logp_mismatch_*``) on a share of the batch's rows, the batch left
+    as it is (the engine's log-probs stay the behaviour): :func:`recompute_logp` on the rows :func:`check_rows`
+    picks, at the weights that generated them: the learner's own, or ``snapshot(batch.version)``. Nothing (no
+    forward) when those weights are no longer held (an async batch made ahead)."""
+    try:
+        weights = None if batch.version == learner.version else snapshot(batch.version)
+    except KeyError:
+        return {}
+    rows = check_rows(batch, share, seed)
+    if not rows:
+        return {}
+    _, stats = recompute_logp(
+        dataclasses.replace(batch, samples=tuple(batch.samples[i] for i in rows)), learner, weights
+    )
+    stats.pop("engine_logp")
+    return stats
+
+
+def check_rows(batch: RolloutBatch, share: float, seed: int) -> list[int]:
+    """``share`` of the rows generated wholly at the batch's version (a partial rollout's older segments had other
+    weights), at least one, drawn by ``seed`` alone (every rank draws the same), in order; none for share 0."""
+    whole = [i for i, s in enumerate(batch.samples) if bool((s.token_versions() == batch.version).all())]
+    if share <= 0 or not whole:
+        return []
+    k = min(len(whole), max(1, round(share * len(whole))))
+    picked = torch.randperm(len(whole), generator=torch.Generator().manual_seed(seed))[:k]
+    return sorted(whole[i] for i in picked.tolist())
 
 
 def padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -415,13 +415,18 @@ def put(rc: RunConfig, s: Stages, batch) -> dict:
     v, horizon = s.learner.version, rc.sizes.updates_per_step - 1
     behaviour = None
     oldest = min((x.version for x in batch.samples), default=batch.version)  # partial rollouts: older tokens
-    # A batch the buffer will drop as stale is not recomputed: its snapshot may already be released.
-    if rc.learner.old_logp == "recompute" and s.buffer.admissible(oldest, v, horizon=horizon):
+    # A batch the buffer will drop as stale is not recomputed (nor checked): its snapshot may already be released.
+    admissible, check = s.buffer.admissible(oldest, v, horizon=horizon), {}
+    s.source.before_updates()  # a colocated engine frees the GPU first: recompute and the check run a learner forward
+    if rc.learner.old_logp == "recompute" and admissible:
         behaviour = {"weights": None if batch.version == v else s.source.snapshot(batch.version)}
         if rc.rollout.segment_budget is not None:  # each token under its own version's weights
             used = sorted({int(u) for x in batch.samples for u in x.token_versions().unique()})
             by_version = {u: None if u == v else s.source.snapshot(u) for u in used}
             behaviour = {"weights": TokenVersionWeights(by_version)}
+    elif rc.learner.logp_check_share > 0 and admissible:  # the engine's log-probs stay: measure their mismatch
+        seed = derive_seed(rc.seed, "logp_check", batch.index)
+        check = advantages.check_logp(batch, s.learner, s.source.snapshot, share=rc.learner.logp_check_share, seed=seed)
     scored, stats = advantages.score(
         batch,
         s.learner,
@@ -432,7 +437,7 @@ def put(rc: RunConfig, s: Stages, batch) -> dict:
         behaviour=behaviour,
     )
     s.buffer.put(scored)
-    return stats
+    return stats | check
 
 
 def learn(rc: RunConfig, s: Stages, samples: list) -> list[dict]:

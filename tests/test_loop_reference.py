@@ -28,6 +28,10 @@ ARGS = ["train.py", "train.steps=6", "eval.every=3", "logger.mode=disabled", "lo
 # Wall-clock and throughput differ between any two runs; everything else must not.
 REL_TOL = 1e-4  # the learner's float statistics across CPU kinds (see the docstring)
 VOLATILE = ("time/", "reward/verify_s", "rollout/tokens_per_s", "buffer/consumer_wait_s", "buffer/producer_wait_s")
+# Logged since the recording: the engine-vs-learner log-prob check (learner.logp_check_share). With the HF engine
+# its values are float32 rounding (1e-7), whose relative size differs from one CPU to another; the check's own
+# test (tests/test_loop_logp_check.py) runs it, and shows that it moves no other metric.
+UNRECORDED = ("rollout/logp_mismatch_",)
 
 
 def default_run(run_dir: Path) -> list[dict]:
@@ -40,7 +44,7 @@ def default_run(run_dir: Path) -> list[dict]:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]
+    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE + UNRECORDED)} for r in rows]
 
 
 @pytest.mark.slow

@@ -26,6 +26,10 @@ lw_t = old_logp_t - behaviour_logp_t:
 Dropped tokens (w = 0) stay in the loss's normalisers, like a clipped token, so a rejection does not
 rescale the rest of the batch (verl removes them from the normaliser instead).
 
+The mismatch itself, |lw_t| per sampled token, is measured by :func:`logp_mismatch`: with recompute on every
+token, otherwise (``learner.logp_check_share``) on a sampled share of a batch's rows, whose log-probs the
+learner computes only to compare them.
+
 Metrics (``correction_stats``) over a batch's tokens: the weights' mean and max, the share truncated
 (TIS, capped decoupled) or dropped (MIS, rejection), the effective sample size
 ESS = (sum w)^2 / (N sum w^2) (a share of N; 1 when all weights are equal) and the k3 estimate of
@@ -39,6 +43,7 @@ import torch
 from bapo.algos.surrogate import LOG_RATIO_CLAMP
 
 KINDS = ("none", "tis", "mis", "geo_reject", "decoupled")
+MISMATCH_THRESHOLD = 0.1  # nats: logp_mismatch's frac counts the tokens whose |lw| is above it
 LEVELS = ("token", "sequence")
 PROXIMAL = ("exact", "loglinear")
 
@@ -55,6 +60,20 @@ def check_correction(kind: str, *, level: str = "token", cap: float | None = Non
         raise ValueError(f"cap must be > 1 for geo_reject (sequences outside [1/cap, cap] are dropped), got {cap}")
     if kind == "decoupled" and cap is not None and not cap >= 1.0:
         raise ValueError(f"cap must be null or >= 1 for decoupled, got {cap}")
+
+
+@torch.no_grad()
+def logp_mismatch(
+    logp: torch.Tensor, behaviour_logp: torch.Tensor, *, threshold: float = MISMATCH_THRESHOLD
+) -> dict[str, float]:
+    """The engine-vs-learner mismatch d_t = |logp_t - behaviour_logp_t| over the tokens of 1-D ``logp`` (the
+    learner's, pi) and ``behaviour_logp`` (the engine's, mu), in float32: mean, max, the share of tokens with
+    d_t > ``threshold`` (``frac``) and the token count (``tokens``); zeros for no token."""
+    d = (logp.float() - behaviour_logp.float()).abs()  # [N]
+    if not d.numel():
+        return {"mean": 0.0, "max": 0.0, "frac": 0.0, "tokens": 0.0}
+    over = float((d > threshold).float().mean())
+    return {"mean": float(d.mean()), "max": float(d.max()), "frac": over, "tokens": float(d.numel())}
 
 
 def correction_weights(

@@ -31,10 +31,17 @@ class LearnerCommon:
     max_tokens_per_micro_batch: int | None = resumable()  # token budget per micro-batch (packed); null: by rows
     packing: bool = resumable()  # concatenate sequences (restarting position ids): no padding in the learner
     old_logp: str = MISSING  # rollout: the engine's recorded log-probs | recompute: the learner's, same version
+    logp_check_share: float = resumable()  # old_logp=rollout: share of a batch's rows the learner re-scores to log
+    #                                        rollout/logp_mismatch_* (at least one row; 0: off)
     max_consecutive_skips: int = resumable()  # stop after this many non-finite updates in a row
 
     def __post_init__(self) -> None:
         choice(self.old_logp, "learner.old_logp", OLD_LOGP)
+        require(
+            0 <= self.logp_check_share <= 1,
+            "learner.logp_check_share",
+            f"must be in [0, 1], got {self.logp_check_share}",
+        )
         require(self.max_consecutive_skips >= 1, "learner.max_consecutive_skips", "must be >= 1")
         require(self.lr > 0, "learner.lr", f"must be > 0, got {self.lr}")
         require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "learner.betas", "two values in [0, 1)")

@@ -40,7 +40,7 @@ def learner_config(kind: str = "single", **fields):
     common = dict(
         lr=1e-3, betas=[0.9, 0.999], weight_decay=0.0, eps=1e-8, warmup_steps=0, grad_clip=1.0, ppo_epochs=1,
         mini_batches_per_rollout=1, micro_batch_size=3, max_tokens_per_micro_batch=None, packing=False,
-        old_logp="rollout", max_consecutive_skips=10,
+        old_logp="rollout", logp_check_share=0.0625, max_consecutive_skips=10,
     )  # fmt: skip
     if kind == "fsdp":
         cfg = FSDPLearnerConfig(kind="fsdp", mixed_precision="auto", activation_checkpointing=False, cpu_offload=False,
