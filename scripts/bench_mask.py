@@ -91,7 +91,7 @@ def old_way(mb, passes: int, device) -> tuple[float, float]:
 def new_way(mb, passes: int, device) -> tuple[float, float]:
     t, sp = timed(lambda: pack_shared(mb).to(device), device)
     total, one = t, 0.0
-    for _ in range(passes):
+    for _ in range(min(passes, 2)):  # a KL reference's forward shares the training pass's mask
         one, _ = timed(lambda: shared_mask(sp, device)[:, None], device)
         total += one
     return total, one
