@@ -183,7 +183,7 @@ def show_cells(argv: Sequence[str], conf_dir: str | Path, config_name: str = "co
     from hydra.types import RunMode
     from omegaconf import OmegaConf, open_dict
 
-    args = get_args_parser().parse_args(list(argv))
+    args = get_args_parser().parse_intermixed_args(list(argv))  # overrides after --cfg job too
     hydra = Hydra.create_main_hydra2(task_name="train", config_search_path=create_config_search_path(str(conf_dir)))
     master = hydra.compose_config(config_name, args.overrides, run_mode=RunMode.MULTIRUN, with_log_configuration=False)
     sweeper = str(master.hydra.sweeper.get("_target_", ""))

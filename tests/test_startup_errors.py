@@ -65,7 +65,7 @@ def test_an_appended_key_one_group_down_gets_the_hint_in_the_config_error(tmp_pa
 @pytest.mark.slow
 def test_a_missing_group_option_and_a_bad_override_are_one_line_each(tmp_path):
     line = one_line_error(train("algo=nosuch", f"hydra.run.dir={tmp_path / 'r'}"))
-    assert "Could not find 'algo/nosuch'" in line and "bapo, bapo_recipe" in line and "search path" not in line
+    assert "algo: 'nosuch' is not an option" in line and "bapo, bapo_recipe" in line and "search path" not in line
     line = one_line_error(train("algo.x=[", f"hydra.run.dir={tmp_path / 'r'}"))
     assert line.startswith("error: OverrideParseException: ")
 
