@@ -27,10 +27,12 @@ counts them); the replacement gets the maker state the worker had after its last
 weights of the batch it failed, and makes that batch again, so nothing accepted is lost and the batch
 is the one it would have been.
 After ``placement.worker_restarts`` failures in a row on one request the run stops with the last
-reason. A worker that reports an error of its own (a bad request, a model that does not match the
-learner's) is not restarted: that error is the run's. Workers watch their parent: if the learner
-dies, they exit within about a second. They ignore SIGINT, so Ctrl-C in a terminal reaches the learner,
-which stops them after its checkpoint.
+reason (a :class:`WorkerError`: one line, exit status 1). A worker's log (a temporary file) is named in an
+error or a restart warning only when it holds something to read (the traceback of a worker that failed), and
+is then kept; the others are removed with the pool. A worker that reports an error of its own (a bad request,
+a model that does not match the learner's) is not restarted: that error is the run's. Workers watch their
+parent: if the learner dies, they exit within about a second. They ignore SIGINT, so Ctrl-C in a terminal
+reaches the learner, which stops them after its checkpoint.
 """
 
 from __future__ import annotations
@@ -39,10 +41,13 @@ import atexit
 import contextlib
 import dataclasses
 import datetime
+import errno
 import logging
 import os
 import pickle
 import secrets
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -79,7 +84,8 @@ def recv(conn: Connection) -> Any:
 
 
 class WorkerError(RuntimeError):
-    """A worker reported a failure of its own (bad input): raised as the run's error, never retried."""
+    """The run's error from its workers (one line, exit status 1): a failure a worker reported itself (bad input,
+    never retried), a worker that could not start, or one lost more times in a row than the restarts allow."""
 
 
 class WorkerLost(Exception):
@@ -109,15 +115,45 @@ class Worker:
     version: int | None = None  # the weights it holds (None: not loaded by the learner yet)
     generation: int = 0  # bumped at each restart: names its process group in the store
     info: dict = field(default_factory=dict)
+    keep_log: bool = False  # an error or warning named its log: the pool leaves the file in place
+
+    def ended(self) -> str:
+        """How its process ended: ``exited with code 1``, ``was killed by SIGKILL``."""
+        code = self.proc.returncode
+        if code is not None and code < 0:
+            with contextlib.suppress(ValueError):
+                return f"was killed by {signal.Signals(-code).name}"
+        return f"exited with code {code}"
+
+    def reason(self) -> str:
+        """``: <the error its log ends with> (log: <path>)`` when the log holds a traceback (the log is then kept);
+        ``""`` otherwise: progress bars and info lines are no reason, and a killed process leaves none."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - 65536))
+                error = last_error(f.read().decode("utf-8", errors="replace"))
+        except OSError:
+            return ""
+        return f": {error}{self.keep()}" if error else ""
+
+    def keep(self) -> str:
+        """`` (log: <path>)`` for a message that names the log, which the pool then leaves in place; ``""`` when
+        the log is gone or empty."""
+        try:
+            if os.path.getsize(self.log_path) == 0:
+                return ""
+        except OSError:
+            return ""
+        self.keep_log = True
+        return f" (log: {self.log_path})"
 
 
-def _tail(path: str, lines: int = 3) -> str:
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            rows = [r.rstrip() for r in f.read().splitlines() if r.strip()]
-    except OSError:
+def last_error(log: str) -> str:
+    """The exception line of the last traceback in a worker's ``log`` (``RuntimeError: boom``); ``""`` without one."""
+    _, found, after = log.rpartition("Traceback (most recent call last):")
+    if not found:
         return ""
-    return " | ".join(rows[-lines:])
+    return next((x.strip() for x in after.splitlines() if x.strip() and not x[0].isspace()), "")
 
 
 class WorkerPool:
@@ -145,13 +181,7 @@ class WorkerPool:
         self.restarts = 0  # replacements so far (rollout/worker_restarts)
         self.sync_s = 0.0  # seconds spent pushing weights since last asked
         self.authkey = secrets.token_bytes(32)
-        try:
-            self.listener = Listener((host, port), authkey=self.authkey)
-        except OSError as e:
-            raise ConfigError(
-                f"placement.port: cannot listen on {host}:{port} for rollout workers ({e.strerror}); choose a free "
-                "port, or 0 for any"
-            ) from None
+        self.listener = self._listen(host, port)
         try:
             self.store = tdist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=self._td(timeout_s))
         except Exception as e:  # noqa: BLE001 (the store's errors are RuntimeErrors without a type of their own)
@@ -162,6 +192,27 @@ class WorkerPool:
         self._lock = threading.RLock()  # one request at a time per pool (the producer thread, or borrow)
         self._closed = False
         atexit.register(self.stop)
+
+    def _listen(self, host: str, port: int) -> Listener:
+        """The workers' listener on ``host:port``; a bad host or a busy port is one ConfigError naming its key."""
+        where = f"placement.host: {host!r} for rollout workers"
+        if not host.strip():
+            raise ConfigError(f"{where}: the learner's address is needed (127.0.0.1 keeps the workers on this machine)")
+        try:
+            socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except socket.gaierror as e:
+            raise ConfigError(
+                f"{where}: cannot resolve it ({e.strerror}); give an address or name of this machine"
+            ) from None
+        try:
+            return Listener((host, port), authkey=self.authkey)
+        except OSError as e:
+            if e.errno in (errno.EADDRINUSE, errno.EACCES):
+                raise ConfigError(
+                    f"placement.port: cannot listen on {host}:{port} for rollout workers ({e.strerror}); choose a "
+                    "free port, or 0 for any"
+                ) from None
+            raise ConfigError(f"{where}: cannot listen there ({e.strerror}); give an address of this machine") from None
 
     @staticmethod
     def _td(seconds: float) -> datetime.timedelta:
@@ -212,7 +263,7 @@ class WorkerPool:
             if (w.index, w.proc.pid) in self._early:
                 return self._early.pop((w.index, w.proc.pid))
             if w.proc.poll() is not None:
-                raise WorkerLost(f"exited with code {w.proc.returncode} before connecting: {_tail(w.log_path)}")
+                raise WorkerLost(f"{w.ended()} before connecting{w.reason()}")
             if time.monotonic() > deadline:
                 raise WorkerLost(f"did not connect within {self.start_timeout_s:g} s")
             # Listener.accept blocks; the socket is polled so that a dead worker is noticed.
@@ -245,10 +296,11 @@ class WorkerPool:
             kind, payload = self._recv(w, deadline - time.monotonic(), what="start", extend=False)
         except WorkerLost as e:
             self._kill(w)
-            raise WorkerError(f"rollout worker {w.index} could not start: {e} (log: {w.log_path})") from None
+            note = "" if w.keep_log else w.keep()
+            raise WorkerError(f"rollout worker {w.index} could not start: {e}{note}") from None
         if kind == "error":
             self._kill(w)
-            raise WorkerError(f"rollout worker {w.index} could not start: {payload}")
+            raise WorkerError(f"rollout worker {w.index} could not start: {payload}{w.keep()}")
         w.info = payload
         store = tdist.PrefixStore(prefix, self.store)
         w.pg = tdist.ProcessGroupGloo(store, 0, 2, self._td(self.timeout_s))
@@ -280,12 +332,10 @@ class WorkerPool:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     w.proc.wait(timeout=2)  # a process that died closed its end: say how it ended
                 if w.proc.returncode is not None:
-                    raise WorkerLost(
-                        f"exited with code {w.proc.returncode} during {what}: {_tail(w.log_path)}"
-                    ) from None
-                raise WorkerLost(f"its connection broke during {what} ({type(e).__name__})") from None
+                    raise WorkerLost(f"{w.ended()} during {what}{w.reason()}") from None
+                raise WorkerLost(f"broke its connection during {what} ({type(e).__name__})") from None
             if w.proc.poll() is not None:
-                raise WorkerLost(f"exited with code {w.proc.returncode} during {what}: {_tail(w.log_path)}")
+                raise WorkerLost(f"{w.ended()} during {what}{w.reason()}")
             if time.monotonic() > deadline:
                 raise WorkerLost(f"sent nothing for {timeout_s:g} s during {what} (placement.worker_timeout_s)")
 
@@ -294,7 +344,7 @@ class WorkerPool:
         try:
             send(w.conn, msg)
         except (OSError, ValueError) as e:
-            raise WorkerLost(f"its connection broke sending {msg[0]} ({type(e).__name__})") from None
+            raise WorkerLost(f"broke its connection on a {msg[0]!r} request ({type(e).__name__})") from None
 
     def _reply(self, w: Worker, what: str) -> Any:
         kind, payload = self._recv(w, self.timeout_s, what=what)
@@ -319,7 +369,7 @@ class WorkerPool:
                 flat = torch.cat([t.reshape(-1).cpu() for t in tensors if t.dtype == dtype])
                 w.pg.send([flat], 1, 0).wait()
         except RuntimeError as e:
-            raise WorkerLost(f"the weight transfer failed ({str(e).splitlines()[0]})") from None
+            raise WorkerLost(f"failed to receive its weights ({str(e).splitlines()[0]})") from None
         self._reply(w, "weights")
         w.version = version
         dt = time.perf_counter() - t0
@@ -347,14 +397,13 @@ class WorkerPool:
             "rollout worker %d (pid %d) %s: restarting it (restart %d)", w.index, w.proc.pid, why, self.restarts
         )
         self._kill(w)
-        with contextlib.suppress(OSError):
-            os.unlink(w.log_path)
+        self._drop_log(w)
         new = self._spawn(w.index, w.generation + 1)
         self.workers[w.index] = new
         try:
             self._handshake(new)
-        except WorkerError as e:
-            raise WorkerLost(str(e)) from None
+        except WorkerError as e:  # its replacement could not start: a failure in a row like any other
+            raise WorkerLost(str(e).removeprefix(f"rollout worker {w.index} ")) from None
         return new
 
     def retrying(self, index: int, fn, recover) -> Any:
@@ -369,10 +418,24 @@ class WorkerPool:
             except WorkerLost as e:
                 failures, why = failures + 1, str(e)
                 if failures > self.max_restarts:
-                    raise RuntimeError(
-                        f"rollout worker {index} failed {failures} times in a row (last: {why}); its replacements "
-                        "failed too (placement.worker_restarts, placement.worker_timeout_s)"
-                    ) from None
+                    raise WorkerError(self._given_up(index, failures, why)) from None
+
+    def _given_up(self, index: int, failures: int, why: str) -> str:
+        """Why the run stops after ``failures`` losses in a row of worker ``index`` (the last one: ``why``)."""
+        if self.max_restarts == 0:
+            return f"rollout worker {index} {why}, and placement.worker_restarts=0 allows no replacement"
+        tried = f"{failures - 1} replacement{'s' if failures > 2 else ''}"
+        return (
+            f"rollout worker {index} failed {failures} times in a row, the worker and its {tried} "
+            f"(placement.worker_restarts={self.max_restarts}); the last time it {why}"
+        )
+
+    @staticmethod
+    def _drop_log(w: Worker) -> None:
+        """Remove ``w``'s log unless an error or warning named it."""
+        if not w.keep_log:
+            with contextlib.suppress(OSError):
+                os.unlink(w.log_path)
 
     def stop(self) -> None:
         """Ask every worker to exit, kill those that do not within 10 s, and free the ports. Idempotent."""
@@ -388,8 +451,7 @@ class WorkerPool:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 w.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             self._kill(w)
-            with contextlib.suppress(OSError):
-                os.unlink(w.log_path)  # a clean stop: its log has served
+            self._drop_log(w)  # its log has served, unless an error named it
         with contextlib.suppress(Exception):
             self.listener.close()
         self.store = None

@@ -107,6 +107,106 @@ def test_a_port_in_use_is_one_line_naming_placement_port(tmp_path):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "host, why",
+    [
+        ("nosuch.invalid", "cannot resolve it"),
+        ("10.255.255.1", "cannot listen there"),  # not an address of this machine
+        ("", "the learner's address is needed"),  # before: TCPStore('') waited 900 s for itself
+    ],
+)
+def test_a_bad_host_is_one_line_naming_placement_host_not_the_port(tmp_path, host, why):
+    # Before: every listener error said "placement.port: ... choose a free port"; a busy port still does (above).
+    spec = workers.WorkerSpec(config={}, path="", limit=1, run_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match=rf"^placement\.host: {host!r} for rollout workers: {why}") as e:
+        workers.WorkerPool(spec, count=1, host=host)
+    assert "\n" not in str(e.value) and "port" not in str(e.value)
+
+
+BAR = "Loading weights: 100%|██████████| 39/39 [00:00<00:00, 5148.98it/s]"
+
+
+def test_a_workers_log_gives_its_traceback_line_never_a_progress_bar():
+    assert workers.last_error(f"{BAR}\r{BAR}\n[INFO] loaded\n") == ""  # before: the bar was quoted as the reason
+    log = f'{BAR}\nTraceback (most recent call last):\n  File "x.py", line 1\n    boom()\nRuntimeError: boom\n{BAR}\n'
+    assert (
+        workers.last_error("Traceback (most recent call last):\n  x\nValueError: old\n" + log) == "RuntimeError: boom"
+    )
+
+
+def _dying_worker(pool, tmp_path, code: str) -> workers.Worker:
+    """A stand-in worker process that prints a progress bar and ends as ``code`` says, logged as the pool logs."""
+    log = tmp_path / f"worker{len(pool.workers)}.log"
+    with log.open("w") as out:
+        src = f"import os, signal, sys; sys.stderr.write({BAR!r} + chr(13)); sys.stderr.flush(); {code}"
+        proc = subprocess.Popen([sys.executable, "-c", src], stdout=out, stderr=subprocess.STDOUT)
+    w = workers.Worker(len(pool.workers), proc, str(log))
+    pool.workers.append(w)
+    proc.wait(timeout=30)
+    return w
+
+
+def test_a_lost_workers_reason_is_how_it_ended_and_a_named_log_outlives_the_pool(tmp_path):
+    spec = workers.WorkerSpec(config={}, path="", limit=1, run_dir=str(tmp_path))
+    pool = workers.WorkerPool(spec, count=1)
+    killed = _dying_worker(pool, tmp_path, "os.kill(os.getpid(), signal.SIGKILL)")
+    failed = _dying_worker(pool, tmp_path, "raise RuntimeError('boom')")
+    with pytest.raises(workers.WorkerLost) as e:
+        pool._accept(killed, time.monotonic() + 5)
+    assert str(e.value) == "was killed by SIGKILL before connecting"  # before: "exited with code -9 ...: Loading..."
+    with pytest.raises(workers.WorkerLost) as e:
+        pool._accept(failed, time.monotonic() + 5)
+    assert str(e.value) == f"exited with code 1 before connecting: RuntimeError: boom (log: {failed.log_path})"
+    pool.stop()
+    assert not Path(killed.log_path).exists()  # named nowhere: removed with the pool
+    assert "RuntimeError: boom" in Path(failed.log_path).read_text()  # before: stop() removed the log the error named
+
+
+@pytest.mark.parametrize("restarts", [0, 2])
+def test_a_worker_lost_more_often_than_allowed_is_a_worker_error_that_says_what_was_tried(tmp_path, restarts):
+    spec = workers.WorkerSpec(config={}, path="", limit=1, run_dir=str(tmp_path))
+    pool = workers.WorkerPool(spec, count=1, restarts=restarts)
+    pool.workers = [workers.Worker(0, None, str(tmp_path / "none.log"))]
+    replaced = []
+    pool.replace = lambda w, why: replaced.append(why) or w
+
+    def lost(w, fresh):
+        raise workers.WorkerLost("was killed by SIGKILL during make")
+
+    with pytest.raises(workers.WorkerError) as e:  # before: a RuntimeError (a traceback at the entry point)
+        pool.retrying(0, lost, lambda w: None)
+    assert len(replaced) == restarts
+    if restarts == 0:  # before: "failed 1 times in a row ...; its replacements failed too"
+        assert str(e.value) == (
+            "rollout worker 0 was killed by SIGKILL during make, and placement.worker_restarts=0 allows no replacement"
+        )
+    else:
+        assert str(e.value) == (
+            "rollout worker 0 failed 3 times in a row, the worker and its 2 replacements "
+            "(placement.worker_restarts=2); the last time it was killed by SIGKILL during make"
+        )
+    pool.workers = []
+    pool.stop()
+
+
+def test_a_worker_error_on_the_producer_thread_reaches_the_learner_as_itself():
+    # train.async_rollout=true makes batches on the producer's thread; the entry point reports a WorkerError in one
+    # line (exit 1), which it cannot when the error arrives wrapped in the producer's RuntimeError (before).
+    from bapo.offpolicy import Producer
+    from tests.conftest import CursorMaker
+
+    class Lost(CursorMaker):
+        def make(self, t, version, weights):
+            raise workers.WorkerError("rollout worker 0 was killed by SIGKILL during make, and ...")
+
+    producer = Producer(Lost(), mode="admission", updates_per_batch=1, max_staleness=0, sync_every=1)
+    producer.publish(0, {})
+    producer.start()
+    with pytest.raises(workers.WorkerError, match="^rollout worker 0 was killed by SIGKILL"):
+        producer.take()
+    producer.stop()
+
+
 def test_the_weight_check_names_the_first_difference():
     expected = {"a.weight": (2, 3), "b.weight": (4,)}
     check_weights([("a.weight", (2, 3), "float32"), ("b.weight", (4,), "float32")], expected)
@@ -152,9 +252,14 @@ def test_a_worker_that_cannot_start_is_one_error_naming_why(tmp_path):
     pool = workers.WorkerPool(spec, count=1, start_timeout_s=120)
     pool.spawn()
     pids = pool.pids()
-    with pytest.raises(workers.WorkerError, match=r"^rollout worker 0 could not start: .*no-model") as e:
+    with pytest.raises(
+        workers.WorkerError, match=r"^rollout worker 0 could not start: .*no-model.* \(log: (.*)\)$"
+    ) as e:
         pool.wait()
     assert "\n" not in str(e.value)
+    log = Path(str(e.value).rsplit("(log: ", 1)[1].removesuffix(")"))
+    assert "Traceback" in log.read_text()  # before: the error named the log that stop() had just removed
+    log.unlink()
     wait_until(lambda: not any(alive(p) for p in pids), 10, "the worker outlived its failed start")
 
 
@@ -267,7 +372,21 @@ def test_a_slow_worker_beats_and_is_not_replaced(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_worker_that_keeps_failing_stops_the_run_with_the_reason(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "over, message",
+    [
+        (
+            ["placement.worker_restarts=1"],
+            "rollout worker 0 failed 2 times in a row, the worker and its 1 replacement (placement.worker_restarts=1); "
+            "the last time it was killed by SIGKILL during make",
+        ),
+        (  # on the producer's thread, where it was a RuntimeError wrapping it (a traceback at the entry point)
+            ["placement.worker_restarts=0", "train.async_rollout=true", "buffer.max_staleness=2"],
+            "rollout worker 0 was killed by SIGKILL during make, and placement.worker_restarts=0 allows no replacement",
+        ),
+    ],
+)
+def test_a_worker_that_keeps_failing_stops_the_run_with_the_reason(tmp_path, monkeypatch, over, message):
     real = workers.WorkerPool._send
 
     def send(self, w, msg):
@@ -276,8 +395,9 @@ def test_a_worker_that_keeps_failing_stops_the_run_with_the_reason(tmp_path, mon
             os.kill(w.proc.pid, signal.SIGKILL)
 
     monkeypatch.setattr(workers.WorkerPool, "_send", send)
-    with pytest.raises(RuntimeError, match=r"rollout worker 0 failed 2 times in a row \(last: exited with code -9"):
-        run(_cfg(["train.steps=4", *DIS, "placement.worker_restarts=1"]), tmp_path)
+    with pytest.raises(workers.WorkerError) as e:
+        run(_cfg(["train.steps=4", *DIS, *over]), tmp_path)
+    assert str(e.value) == message
 
 
 # ----------------------------------------------------------------------------- train.py: kills and Ctrl-C
