@@ -8,7 +8,9 @@ Three sources, one interface (an iterable of :class:`Problem`):
   the load: a malformed row (invalid UTF-8, invalid JSON, a missing or empty
   field, an answer that is not a finite number or a string, a row nested too
   deeply to parse, an integer too long to convert) is logged with its
-  ``file:line``, skipped and counted in :class:`LoadReport`. A UTF-8
+  ``file:line``, skipped and counted in :class:`LoadReport`; past the first
+  :data:`ROWS_LOGGED` of a file the rest are logged as one count, and a file with
+  no valid row (a binary file) logs none: its one error gives the count and the first. A UTF-8
   byte-order mark before row 1 is dropped. JSON's ``NaN`` and ``Infinity`` are
   refused: no answer can be graded against them.
 * ``hub``: any ``datasets`` dataset, by hub name or local path. ``datasets``
@@ -149,6 +151,18 @@ class LoadReport:
     too_long: int = 0
 
 
+ROWS_LOGGED = 5  # malformed rows of one file logged one by one; the rest as one count
+
+
+def _log_skipped(source: object, whys: list[str], count: int) -> None:
+    """The malformed rows of a file that had valid rows too, logged once it is read: the first :data:`ROWS_LOGGED`
+    (``whys``) each with its ``file:line``, then the rest of the ``count`` in one line."""
+    for why in whys:
+        log.warning("skipping malformed row: %s", why)
+    if count > len(whys):
+        log.warning("skipping malformed rows: %d more in %s (%d in all)", count - len(whys), source, count)
+
+
 def _row_to_problem(row: object, where: str, problem_key: str, answer_key: str, idx: int) -> Problem:
     if not isinstance(row, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
@@ -213,7 +227,7 @@ def load_jsonl(
         raise err
     path = Path(resolve_path(str(path)))
     report = report if report is not None else LoadReport()
-    out, first_error, skipped = [], "", 0
+    out, whys, skipped = [], [], 0
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, 1):
             if lineno == 1 and raw.startswith(codecs.BOM_UTF8):
@@ -228,12 +242,12 @@ def load_jsonl(
             except (ValueError, RecursionError) as e:  # UnicodeDecodeError, JSONDecodeError are ValueErrors
                 report.skipped += 1
                 skipped += 1
-                why = _row_error(where, e)
-                first_error = first_error or why
-                log.warning("skipping malformed row: %s", why)
+                if len(whys) < ROWS_LOGGED:
+                    whys.append(_row_error(where, e))
     if not out:
-        first = f"; the first: {first_error}" if first_error else ""
+        first = f"; the first: {whys[0]}" if whys else ""
         raise DataFileError(f"{key}: {path.absolute()}: no valid rows ({skipped} skipped{first})")
+    _log_skipped(path, whys, skipped)
     return out
 
 
@@ -278,16 +292,20 @@ def load_hub(
                 f"{key}: {name!r} is not a local file or folder (tried {_tried(name)}), and datasets could not load "
                 f"it as a hub name ({type(e).__name__}: {msg})"
             ) from None
-    out = []
+    out, whys, skipped = [], [], 0
     for i, row in enumerate(ds):
         try:
             out.append(_row_to_problem(row, f"{name}[{split}] row {i}", problem_key, answer_key, i))
             report.rows += 1
         except ValueError as e:
             report.skipped += 1
-            log.warning("skipping malformed row: %s", e)
+            skipped += 1
+            if len(whys) < ROWS_LOGGED:
+                whys.append(str(e).split("\n")[0])
     if not out:
-        raise DataFileError(f"{key}: {name}[{split}]: no valid rows ({report.skipped} skipped)")
+        first = f"; the first: {whys[0]}" if whys else ""
+        raise DataFileError(f"{key}: {name}[{split}]: no valid rows ({skipped} skipped{first})")
+    _log_skipped(f"{name}[{split}]", whys, skipped)
     return out
 
 

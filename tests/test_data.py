@@ -77,6 +77,33 @@ def test_jsonl_malformed_rows_are_reported_and_skipped(tmp_path, caplog):
     assert f"{f}:5" in text and f"{f}:6" in text
 
 
+def test_a_binary_file_is_one_error_with_a_count_and_no_warning_per_row(tmp_path, caplog):
+    # Before: a 200 kB binary file logged 737 "skipping malformed row" warnings before its error.
+    f = tmp_path / "d.jsonl"
+    f.write_bytes((bytes(range(0x80, 0xB1)) + b"\n") * 100)  # 100 rows, none of them UTF-8
+    with caplog.at_level("WARNING"), pytest.raises(data.DataFileError) as e:
+        load_jsonl(f)
+    assert caplog.records == []
+    assert str(e.value).endswith(
+        f"no valid rows (100 skipped; the first: {f}:1: invalid UTF-8 (byte 0x80 at column 1))"
+    )
+
+
+def test_many_malformed_rows_are_logged_a_few_then_once_with_a_count(tmp_path, caplog):
+    f = tmp_path / "d.jsonl"
+    good = '{"problem": "1+1?", "answer": "2"}\n'
+    f.write_text(good + "not json\n" * 12 + good)
+    rep = LoadReport()
+    with caplog.at_level("WARNING"):
+        rows = load_jsonl(f, report=rep)
+    assert len(rows) == 2 and rep.skipped == 12
+    logged = [r.getMessage() for r in caplog.records]
+    assert logged[: data.ROWS_LOGGED] == [
+        f"skipping malformed row: {f}:{i}: invalid JSON (Expecting value)" for i in range(2, 7)
+    ]
+    assert logged[data.ROWS_LOGGED :] == [f"skipping malformed rows: 7 more in {f} (12 in all)"]
+
+
 def test_jsonl_missing_file_and_all_bad(tmp_path):
     from bapo.config import ConfigError
 
