@@ -26,7 +26,8 @@ samples and grades its share of the problems; the graded shares are gathered and
 the reports. Every sample row records its generate call's seed and request index (bapo/evaluate.py).
 
 Writes results.json, results.md and samples_<set>.jsonl to the run folder
-(outputs/eval/<date>/<time>). Bad input is one line, ``error: ConfigError: <key>: ...``, exit
+(outputs/eval/<date>/<time>), which it holds as train.py holds its own (a second eval.py on the same
+folder is refused at once). Bad input is one line, ``error: ConfigError: <key>: ...``, exit
 status 2, and leaves no run folder behind (bapo/cli.py). This is evaluation's composition root,
 as bapo/loop.py is training's: it alone builds the engines (the rollout engine and the training
 verifier) and hands them to bapo/evaluate.py.
@@ -132,11 +133,17 @@ def _evaluate(cfg: DictConfig, run_dir, job, source, problems: dict, log) -> dic
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="eval_config")
 def main(cfg: DictConfig) -> None:
-    from bapo.cli import guarded
+    import os
+
+    from bapo.cli import guarded, hydra_files
 
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
-    guarded(lambda: run(cfg, run_dir, hc.overrides.task), run_dir)  # bad input: one line, exit 2, no folder left
+    files = hydra_files(cfg)  # .hydra/, written once the folder is held (conf/eval_config.yaml: output_subdir null)
+    rank0 = os.environ.get("RANK", "0") == "0"  # under torchrun rank 0 holds the shared folder
+    # the folder's lock first (two evals started in one second share outputs/eval/<date>/<time>); bad input: one
+    # line, exit 2, the folder left as it was
+    guarded(lambda: run(cfg, run_dir, hc.overrides.task), run_dir, hold=rank0, files=files if rank0 else None)
 
 
 if __name__ == "__main__":  # vLLM's engine may spawn processes that re-import this file

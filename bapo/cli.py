@@ -25,8 +25,9 @@ wrote its files keeps them, and its log ends with the error line (``scripts/pack
 
 In a sweep (``train.py -m``) a failed cell does not end the sweep: its error line goes to stderr, to
 the cell's log (the cell's folder keeps its ``.hydra/`` and log, so the failure stays visible), and to
-the sweep's ``sweep_summary.jsonl`` (``bapo.sweep``), and the next cell runs. ``eval.py`` keeps the
-simpler rule: its folder is removed when it holds nothing but Hydra's files.
+the sweep's ``sweep_summary.jsonl`` (``bapo.sweep``), and the next cell runs. ``eval.py`` holds its
+folder the same way. A torchrun rank other than 0 holds nothing: its folder is removed when it holds
+nothing but Hydra's files, and never when it holds a lock file.
 """
 
 from __future__ import annotations
@@ -73,11 +74,8 @@ def run_errors() -> tuple[type[BaseException], ...]:
 
 
 def only_hydra_files(run_dir: Path) -> bool:
-    """Nothing in the folder but what Hydra wrote at job start (.hydra/, the job's log) and the run folder's lock."""
-    from bapo.rundir import LOCK_NAME
-
-    ok = (HYDRA_DIR, LOCK_NAME)
-    return run_dir.is_dir() and all(p.name in ok or p.suffix == ".log" for p in run_dir.iterdir())
+    """Nothing in the folder but what Hydra wrote at job start (.hydra/, the job's log): no run's lock file either."""
+    return run_dir.is_dir() and all(p.name == HYDRA_DIR or p.suffix == ".log" for p in run_dir.iterdir())
 
 
 def remove_run_folder(run_dir: Path) -> None:
@@ -130,7 +128,8 @@ def guarded(
     text: Hydra's record of the job, :func:`hydra_files`), and on a failure put the folder back as it was found
     (or keep the run's files if it wrote any). ``cell``: this job is a cell of a sweep; a failure is recorded in
     the sweep's summary and returns None instead of exiting, and so does a bug (with its traceback), so that the
-    sweep goes on. Without ``hold``: the folder is removed when it holds nothing but Hydra's files (eval.py)."""
+    sweep goes on. Without ``hold`` (a torchrun rank other than 0): the folder is removed when it holds nothing but
+    Hydra's files, never when it holds a lock file (rank 0's folder, or another run's)."""
     run_dir = Path(run_dir)
     if not hold:
         return _guarded_unheld(fn, run_dir)

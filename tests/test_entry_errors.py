@@ -54,6 +54,7 @@ CASES: dict[str, tuple[str, list[str], str | None]] = {
     "eval/k_0": ("eval.py", ["k=0"], None),
     "eval/unknown_model": ("eval.py", ["model=qwen7B"], None),  # item 9
     "eval/bool_trust_2": ("eval.py", ["model.trust_remote_code=2"], None),  # item 12
+    "eval/busy_folder": ("eval.py", ["hydra.run.dir={held}"], None),  # two evals started in one second share one
     # ---- train.py --plan (item 7)
     "plan/unknown_experiment": ("train.py", ["experiment=paper_7B", "--plan"], None),
     "plan/gpu_memory_nan": ("train.py", ["--plan", "--gpu-memory", "nan"], None),
@@ -80,6 +81,7 @@ NAMES = {
     "train/seed_negative": "seed",
     "train/bool_2": "train.async_rollout",
     "train/busy_folder": "in use by another run",
+    "eval/busy_folder": "in use by another run",
     "eval/device_foo": "device",
     "eval/device_cuda": "device",
     "eval/empty_checkpoint": "checkpoint",
@@ -102,7 +104,8 @@ def tree(root: Path) -> dict[str, tuple]:
 def workdir(tmp_path, monkeypatch):
     """A fresh working folder with what the cases point at: a binary "data file", an empty folder, and a run
     folder another process holds (its lock taken through a second open file description, as another process
-    would; its files those of a run that is starting up)."""
+    would; its files those of a run that is starting up, its job log among them: Hydra opens the job's log before
+    the job runs, and would leave an empty one in a folder that had none)."""
     work = tmp_path / "work"
     work.mkdir()
     (work / "binary.jsonl").write_bytes(bytes(range(256)) * 64)
@@ -110,7 +113,8 @@ def workdir(tmp_path, monkeypatch):
     held = work / "held"
     (held / ".hydra").mkdir(parents=True)
     (held / ".hydra" / "overrides.yaml").write_text("- placement=disaggregated\n")
-    (held / "train.log").write_text("[...][bapo.rundir][INFO] - starting fresh (resume=null)\n")
+    for log in ("train.log", "eval.log"):  # the holder's job log (Hydra opens the one of its own job's name)
+        (held / log).write_text("[...][bapo.rundir][INFO] - starting\n")
     (held / ".lock").write_text('{"pid": 1, "host": "elsewhere", "since": "2026-12-05T10:00:00+0000"}')
     fd = os.open(held / ".lock", os.O_RDWR)
     fcntl.flock(fd, fcntl.LOCK_EX)
