@@ -417,6 +417,7 @@ HAND_KEPT = {
     *("resume", "overwrite", "paths.*", "hydra.*", "learner.device", "learner.micro_batch_size"),
     *("learner.max_tokens_per_micro_batch", "learner.packing", "learner.activation_checkpointing"),
     *("learner.cpu_offload", "learner.max_consecutive_skips", "rollout.batch_size", "rollout.gpu_memory_utilization"),
+    "learner.logp_check_share",  # what share of a batch the learner re-scores to log the mismatch: logging only
     *("rollout.tensor_parallel_size", "rollout.enable_sleep_mode", "rollout.sleep_level", "rollout.enforce_eager"),
     *("placement.*", "model.attn_implementation"),
     *("rollout.url", "rollout.host", "rollout.port", "rollout.gpus", "rollout.server_args"),  # where the server is
