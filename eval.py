@@ -52,6 +52,9 @@ def run(cfg: DictConfig, run_dir, overrides: Sequence[str] = ()) -> dict:
     log = logging.getLogger("eval")
     source = ev.adopt_run(cfg, overrides)  # a training run's settings, before anything is validated or loaded
     job = ev.build_job(cfg)
+    from bapo.rollout import check_engine
+
+    check_engine(job.rollout)  # vLLM not installed: one line, before the model loads
     problems = {name: ev.load_evalset(s, limit=job.run.limit) for name, s in job.sets.items()}  # before loading
     finished = False
     try:

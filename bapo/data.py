@@ -113,7 +113,14 @@ def file_problem(key: str, value: str, data_dir: str | None = None) -> DataFileE
         return DataFileError(f"{key}: {os.path.normpath(path.absolute())} is a folder, not a JSONL file{origin}")
     if path.stat().st_size == 0:
         return DataFileError(f"{key}: {os.path.normpath(path.absolute())} is empty{origin}")
+    if path.suffix.lower() not in BINARY_SUFFIXES:
+        with open(path, "rb") as f:
+            if b"\0" in f.read(8192):  # no text format holds a NUL byte
+                return DataFileError(f"{key}: {os.path.normpath(path.absolute())} is a binary file, not JSONL{origin}")
     return None
+
+
+BINARY_SUFFIXES = (".parquet", ".arrow")
 
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt", ".arrow")

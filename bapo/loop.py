@@ -49,7 +49,7 @@ from bapo.modeling import attention_kernel, load_model, load_tokenizer, model_pa
 from bapo.monitor import Monitor
 from bapo.paths import EXPORT_CONFIG
 from bapo.reward import MathVerifier
-from bapo.rollout import build_rollout, engine_traits
+from bapo.rollout import build_rollout, check_engine, engine_traits
 from bapo.rollout_maker import RolloutMaker
 from bapo.rollout_source import Interrupted, RolloutSource
 from bapo.schedule import partial_lag
@@ -82,6 +82,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
     rc = build(cfg, run_dir)  # every config error is raised here, before any file is touched
     check_files(rc.data, rc.data_dir)  # a missing, empty or folder data file, before the model load
     check_wandb(rc.logger.mode)  # logger.mode=online without credentials
+    check_engine(rc.rollout)  # vLLM not installed, before minutes of model loading
     finished = False
     try:
         rc = dataclasses.replace(rc, run_dir=dist.shared_path(rc.run_dir))  # torchrun: rank 0's folder

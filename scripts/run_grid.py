@@ -116,10 +116,26 @@ def check_args(args: argparse.Namespace) -> None:
         usage_error(f"argument --seeds: a seed is given twice: {' '.join(map(str, args.seeds))}")
 
 
+def check_compose(experiment: str, cells: list[str]) -> None:
+    """Every cell composes (an unknown option such as algo=nosuch is refused before any run starts, as
+    ``train.py -m`` refuses it): one ``error:`` line naming the cell."""
+    from hydra.errors import HydraException
+
+    from bapo.checks import ConfigError
+    from bapo.plan import compose
+
+    for cell in cells:
+        try:
+            compose([f"experiment={experiment}", *cell.split()])
+        except (ConfigError, HydraException) as e:
+            usage_error(f"cell {cell!r}: {str(e).strip().splitlines()[0]}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     check_args(args)
     default = sweep_dir(args.experiment, needed=not args.sweep_dir)
+    check_compose(args.experiment, args.cells)
     root = ROOT / (args.sweep_dir or default)
     blocked = next((p for p in (root, *root.parents) if p.exists()), None)
     if blocked is not None and not blocked.is_dir():

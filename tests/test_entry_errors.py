@@ -42,10 +42,9 @@ CASES: dict[str, tuple[str, list[str], str | None]] = {
     "train/bool_trust_2": ("train.py", ["model.trust_remote_code=2"], None),
     "train/resume_nothing": ("train.py", ["resume=/nonexistent/run"], None),
     "train/busy_folder": ("train.py", ["hydra.run.dir={held}"], None),  # item 2
-    # item 10 and item 15: one error: line now, but after the model load: transformers' "Loading weights" bar is on
-    # stderr before it (the check belongs before the load)
-    "train/vllm_server_missing": ("train.py", ["rollout=vllm_server"], OTHER),
-    "train/binary_data": ("train.py", ["data=jsonl", "data.path={bin}"], OTHER),
+    # item 10 and item 15: checked before the model loads (transformers' "Loading weights" bar would come first)
+    "train/vllm_server_missing": ("train.py", ["rollout=vllm_server"], None),
+    "train/binary_data": ("train.py", ["data=jsonl", "data.path={bin}"], None),
     # ---- eval.py
     "eval/device_foo": ("eval.py", ["device=foo"], None),  # item 10
     "eval/device_cuda": ("eval.py", ["device=cuda"], None),
@@ -70,7 +69,7 @@ CASES: dict[str, tuple[str, list[str], str | None]] = {
     "grid/cell_not_overrides": ("scripts/run_grid.py", ["study_demo", "algo", *GRID], None),
     # a cell that does not compose is bad input known before any run (train.py -m refuses such a grid whole);
     # run_grid runs it and lists it failed, exit 1 (item 5's owner decides)
-    "grid/unknown_option": ("scripts/run_grid.py", ["study_demo", "algo=nosuch", *GRID], OTHER),
+    "grid/unknown_option": ("scripts/run_grid.py", ["study_demo", "algo=nosuch", *GRID], None),
 }
 
 # what each bad input class's line must name (the key, the file, the option), beyond "error: "

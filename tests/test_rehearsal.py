@@ -59,6 +59,7 @@ PAPER_7B_SPLIT = (
     "torchrun --standalone --nproc_per_node=4 train.py experiment=paper_7b placement=gpu_node_split "
     "train.async_rollout=true"
 )
+PAPER_7B_SPLIT_SYNC = "torchrun --standalone --nproc_per_node=4 train.py experiment=paper_7b placement=gpu_node_split"
 QWEN7B = "python train.py algo=bapo model=qwen7b"
 QWEN7B_SIZES = {
     "train.steps": "2",
@@ -105,7 +106,7 @@ def sized(sizes: dict[str, str]) -> list[str]:
 # ----------------------------------------------------------------------------- the commands and their configs
 
 
-@pytest.mark.parametrize("command", [PAPER_7B, PAPER_7B_SPLIT, QWEN7B, SWEEP, EVAL])
+@pytest.mark.parametrize("command", [PAPER_7B, PAPER_7B_SPLIT, PAPER_7B_SPLIT_SYNC, QWEN7B, SWEEP, EVAL])
 def test_the_rehearsed_commands_are_the_documented_ones(command):
     assert any(command in doc.read_text() for doc in DOCS), f"{command!r} is no longer in {[d.name for d in DOCS]}"
 
@@ -375,18 +376,94 @@ def test_one_cell_of_the_staleness_sweep_runs_and_a_relaunch_skips_it(world):
     assert "is complete" in out and [r["step"] for r in rows(job)] == [0, 1, 2]
 
 
+# Loaded into the ranks of the split rehearsal (PYTHONPATH): the device-to-host copy of a GPU (``Tensor.cpu`` makes a
+# new tensor, so a freed gathered tensor's address comes back), and after every sync an independent check that the
+# server read exactly the learner's weights: each name gathered on its own (``weights[name]``), in the engine's dtype.
+SYNC_PROBE = """
+import json, os
+import torch
+
+_cpu = torch.Tensor.cpu
+torch.Tensor.cpu = lambda self, *a, **k: _cpu(self, *a, **k).clone()
+if os.environ.get("LOCAL_RANK") is not None:  # a learner rank (a server's environment has no LOCAL_RANK)
+    from bapo.rollout import vllm_server
+    from bapo.rollout.staging import digest, fingerprint
+
+    _load = vllm_server.VLLMServerRollout.load_weights
+
+    def load_weights(self, weights, version):
+        seconds = _load(self, weights, version)
+        values = getattr(weights, "_sd", weights)  # tied names share one tensor object
+        firsts, want = set(), {}
+        for name in list(weights):
+            if id(values[name]) in firsts:
+                continue
+            firsts.add(id(values[name]))
+            t = weights[name]
+            want[name] = fingerprint(t.to(self.dtype) if t.is_floating_point() else t)
+        (reply,) = self.fingerprint()
+        line = {"version": version, "want": digest(want), "tensors": len(want), "server": reply,
+                "shared": bool(getattr(weights, "collective", False)), "parts": self.sync_parts,
+                "dirs": [str(d) for d in (self.dir, self.node_dir) if d is not None]}
+        out = os.path.join(os.environ["BAPO_SYNC_PROBE"], f"rank{os.environ['RANK']}.jsonl")
+        with open(out, "a") as f:
+            f.write(json.dumps(line) + "\\n")
+        return seconds
+
+    vllm_server.VLLMServerRollout.load_weights = load_weights
+"""
+
+
+def assert_engine_matches_learner(got: list[dict]) -> None:
+    """Every step's engine-vs-learner log-probs (paper_7b recomputes pi_old, so every row is scored): the bf16 server
+    against the fp32 learner differs by rounding only (means about 0.002, maxima about 0.02 nats here); a server
+    with another version's weights, or half-loaded layers, is off by nats."""
+    checked = [r for r in got[1:] if "rollout/logp_mismatch_max" in r]
+    assert checked, "no step logged the engine's log-prob mismatch"
+    assert all(r["rollout/logp_mismatch_mean"] < 0.02 and r["rollout/logp_mismatch_max"] < 0.25 for r in checked), [
+        (r["rollout/logp_mismatch_mean"], r["rollout/logp_mismatch_max"]) for r in checked
+    ]
+
+
+def with_sync_probe(env: dict, folder: Path) -> dict:
+    probe = folder / "probe"
+    probe.mkdir(parents=True, exist_ok=True)
+    (probe / "sitecustomize.py").write_text(SYNC_PROBE)
+    return env | {"PYTHONPATH": f"{probe}:{env['PYTHONPATH']}", "BAPO_SYNC_PROBE": str(probe)}
+
+
+def assert_every_sync_checked(probe: Path, *, async_mode: bool) -> int:
+    syncs = 0
+    for rank in (0, 1):
+        lines = [json.loads(x) for x in (probe / f"rank{rank}.jsonl").read_text().splitlines()]
+        assert lines, f"rank {rank} never synced"
+        for x in lines:
+            assert x["server"] == {"tensors": x["tensors"], "digest": x["want"]}, x
+            assert set(x["parts"]) == {"write", "reload", "reset", "wait"}
+        # sync mode: every sync is made by both ranks at once, so the node's ranks share one staged copy; async: a
+        # producer syncs its own snapshot alone (private copies), and only an evaluation's borrow is shared
+        shared = [x["shared"] for x in lines]
+        assert (not all(shared) and any(shared)) if async_mode else all(shared), shared
+        syncs += len(lines)
+        left = [d for x in lines for d in x["dirs"] if Path(d).exists()]
+        assert not left, f"staged weights outlived the run: {left}"
+    return syncs
+
+
 @pytest.mark.slow
 def test_paper_7b_split_trains_ahead_through_vllm_servers_and_resumes_exactly(world):
     """`torchrun train.py experiment=paper_7b placement=gpu_node_split train.async_rollout=true`: each learner rank
     starts a vLLM server of its own, generation runs ahead of training (async, admission schedule), and a run
-    killed after step 3 resumes to the same metrics; no server outlives its run."""
-    env, base = world["env"], world["base"] / "paper_7b_split"
+    killed after step 3 resumes to the same metrics; no server outlives its run. Every sync's weights are checked
+    against the server's, under a GPU's copy semantics."""
+    base = world["base"] / "paper_7b_split"
+    env = with_sync_probe(world["env"], base)
     full = base / "full"
-    py, train = train_as_the_user(world, "vllm", PAPER_7B_SPLIT, PAPER_7B_SIZES, full, torchrun=True)
+    py, train = train_as_the_user(world | {"env": env}, "vllm", PAPER_7B_SPLIT, PAPER_7B_SIZES, full, torchrun=True)
     got = assert_ran_as_composed(full, train[1:], env, steps=4, version=16)
     cfg = yaml.safe_load((full / "config.yaml").read_text())
     assert cfg["rollout"]["engine"] == "vllm_server" and cfg["train"]["async_rollout"] is True
-    assert all(r["rollout/logp_mismatch_max"] < 1e-3 for r in got[1:] if "rollout/logp_mismatch_max" in r)
+    assert_engine_matches_learner(got)
     shutil.copytree(full, base / "resumed", symlinks=True)
     resumed = base / "resumed"
     shutil.rmtree(resumed / "checkpoints" / "step_000004")
@@ -397,3 +474,18 @@ def test_paper_7b_split_trains_ahead_through_vllm_servers_and_resumes_exactly(wo
     assert untimed(rows(resumed)) == untimed(rows(full))
     ps = subprocess.run(["ps", "-eo", "stat,args"], capture_output=True, text=True).stdout.splitlines()
     assert not [p for p in ps if "bapo.rollout.vllm_server" in p and not p.startswith("Z")]
+    assert assert_every_sync_checked(base / "probe", async_mode=True) >= 8  # every batch's version, both ranks
+
+
+@pytest.mark.slow
+def test_paper_7b_split_in_sync_mode_stages_once_a_node_and_syncs_exact_weights(world):
+    """`torchrun train.py experiment=paper_7b placement=gpu_node_split` (sync: every rank syncs at once, and the
+    node's ranks share one staged copy). Every sync's weights are checked against the server's."""
+    base = world["base"] / "paper_7b_split_sync"
+    env = with_sync_probe(world["env"], base)
+    run = base / "run"
+    _, train = train_as_the_user(world | {"env": env}, "vllm", PAPER_7B_SPLIT_SYNC, PAPER_7B_SIZES, run, torchrun=True)
+    got = assert_ran_as_composed(run, train[1:], env, steps=4, version=16)
+    assert yaml.safe_load((run / "config.yaml").read_text())["train"]["async_rollout"] is False
+    assert_engine_matches_learner(got)
+    assert assert_every_sync_checked(base / "probe", async_mode=False) >= 8

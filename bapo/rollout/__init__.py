@@ -21,6 +21,7 @@ __all__ = [
     "RolloutEngine",
     "VLLMRollout",
     "build_rollout",
+    "check_engine",
     "engine_class",
     "engine_traits",
     "make_sample",
@@ -36,6 +37,12 @@ def build_rollout(cfg, **context) -> RolloutEngine:
     ``top_p``; see there).
     """
     return engine_class(cfg.engine).from_config(cfg, EngineContext(**context))
+
+
+def check_engine(cfg) -> None:
+    """What the engine ``cfg.engine`` needs of this machine (vLLM installed, ...), checked before anything is loaded:
+    one ConfigError, not a failure after minutes of model loading."""
+    engine_class(cfg.engine).preflight(cfg)
 
 
 def __getattr__(name: str):

@@ -53,6 +53,12 @@ class RolloutEngine(ABC):
     tensor_parallel_size: int = 1  # ranks per engine (vLLM under torchrun may span several)
     sync_parts: Mapping[str, float] = {}  # the last load_weights' seconds by part (write, reload, ...), if it splits
 
+    @classmethod
+    def preflight(cls, cfg) -> None:
+        """What the engine needs of this machine, given its typed config, checked before anything loads (raise a
+        one-line ConfigError). Nothing by default."""
+        return None
+
     @abstractmethod
     def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> float:
         """Replace the engine's weights with the learner's; returns the seconds it took. ``weights`` is read

@@ -101,6 +101,14 @@ INSTALL_HINT = (
 )
 
 
+def vllm_installed(engine: str) -> None:
+    """Refuse an engine that needs vLLM where it is not installed (found, not imported: importing it is slow)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError(f"rollout.engine={engine}: vLLM is not installed here. {INSTALL_HINT}")
+
+
 def _import_vllm():
     # Read by vLLM at import time. In-process engine core: start-up drops from ~17 s to ~3 s on
     # CPU, and collective_rpc reaches the workers without pickling. The CPU backend's default
@@ -175,6 +183,10 @@ class VLLMRollout(RolloutEngine):
         needs_model_copy=False, can_sleep=True, behaviour_logprobs=True, weights="in_process", spans_ranks=True
     )
     config = VLLMRolloutConfig
+
+    @classmethod
+    def preflight(cls, cfg: VLLMRolloutConfig) -> None:
+        vllm_installed("vllm")
 
     @classmethod
     def from_config(cls, cfg: VLLMRolloutConfig, ctx: EngineContext) -> VLLMRollout:

@@ -27,7 +27,7 @@ differs, then resets the prefix cache (and checks that it was reset). A version'
 its server has loaded it, so a server's staging holds one copy at its peak. When every rank syncs at once
 (sync mode and evaluations: the streamed weights are a collective) the ranks of one node share one staged
 copy, written by the node's first rank. Space is checked at start (``/dev/shm`` in a container is 64 MB by
-default), and a server's watch removes its staging when the learner dies. ``time/sync_{write,reload,reset}_s``
+default), and a server's watch removes its staging when the learner dies. ``time/sync_{write,reload,reset,wait}_s``
 split the sync's time. docs/offpolicy.md ("vLLM's server") says what this costs at 7B and what NCCL would save.
 
 Under torchrun every rank has its own server (``rollout.url``: one URL, or one per rank, comma-separated;
@@ -44,7 +44,6 @@ staged weights) down too.
 from __future__ import annotations
 
 import http.client
-import importlib.util
 import json
 import os
 import shutil
@@ -80,7 +79,7 @@ from bapo.rollout.staging import (
     model_bytes,
     save_weights,
 )
-from bapo.rollout.vllm import INSTALL_HINT, checkpoint_generation_config, request_seed
+from bapo.rollout.vllm import checkpoint_generation_config, request_seed, vllm_installed
 from bapo.samples import Prompt, Sample
 
 SERVED_NAME = "bapo-policy"
@@ -291,6 +290,11 @@ class VLLMServerRollout(RolloutEngine):
     config = VLLMServerConfig
 
     @classmethod
+    def preflight(cls, cfg: VLLMServerConfig) -> None:
+        if cfg.url is None:  # a server to start here; one given by URL runs wherever it runs
+            vllm_installed("vllm_server")
+
+    @classmethod
     def from_config(cls, cfg: VLLMServerConfig, ctx: EngineContext) -> VLLMServerRollout:
         """The engine of ``rollout=vllm_server``: it starts a server on ``ctx.path`` (or connects to
         ``cfg.url``), seeded with ``ctx.seed``, holding ``ctx.max_model_len`` tokens."""
@@ -382,8 +386,7 @@ class VLLMServerRollout(RolloutEngine):
             self.url = urls[rank]
             self.version = UNSYNCED  # a server we did not start may hold any weights: sync before the first batch
         else:
-            if importlib.util.find_spec("vllm") is None:
-                raise ConfigError(f"rollout.engine=vllm_server: vLLM is not installed here. {INSTALL_HINT}")
+            vllm_installed("vllm_server")
             self.url = self._start(
                 host=host,
                 port=port + local if port else _free_port(host),
@@ -610,17 +613,19 @@ class VLLMServerRollout(RolloutEngine):
             staged = save_weights(weights, folder, self.dtype, write=not shared or self.local == 0)
         except BaseException as e:  # noqa: BLE001 (re-raised below, on every rank together when shared)
             err = e
+        t_write = time.perf_counter()
         if shared:
             _together(err, f"staging weights version {version}")
         elif err is not None:
             raise err
-        t1 = t2 = time.perf_counter()
+        t1 = t2 = t3 = time.perf_counter()
         try:
             reply = self._rpc("bapo_reload", path=str(folder))
             check_reply(staged, reply, f"rollout=vllm_server at {self.url}")
             self._last_reply = reply
             t2 = time.perf_counter()
             self._reset_prefix_cache()
+            t3 = time.perf_counter()
         except (StagingError, ServerError) as e:
             err = e
         if shared:
@@ -631,10 +636,16 @@ class VLLMServerRollout(RolloutEngine):
             shutil.rmtree(folder, ignore_errors=True)  # the server holds them now: no copy stays in tmpfs
             if err is not None:
                 raise err
-        t3 = time.perf_counter()
-        self.sync_parts = {"write": t1 - t0, "reload": t2 - t1, "reset": t3 - t2}
+        t4 = time.perf_counter()
+        # wait: the node's ranks waiting for each other in a shared sync (and removing the folder)
+        self.sync_parts = {
+            "write": t_write - t0,
+            "reload": t2 - t1,
+            "reset": t3 - t2,
+            "wait": (t1 - t_write) + (t4 - t3),
+        }
         self.version = version
-        return t3 - t0
+        return t4 - t0
 
     def _reset_prefix_cache(self) -> None:
         """Drop the prefix cache (its KV was computed by the old weights); vLLM refuses while blocks are held."""

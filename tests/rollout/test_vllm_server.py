@@ -65,7 +65,7 @@ def test_logp_equal_the_learners_after_a_weight_update(server, ref_model, tiny_t
         assert _learner_logp_diff(new, samples, 0.7, server.pad_id) < 1e-4
         assert _learner_logp_diff(ref_model, samples, 0.7, server.pad_id) > 1e-2  # the update reached the server
         assert list(server.dir.glob("v*")) == []  # the server holds them now: no staged copy stays
-        assert set(server.sync_parts) == {"write", "reload", "reset"}
+        assert set(server.sync_parts) == {"write", "reload", "reset", "wait"}
         # what the workers read is what the learner holds, fingerprinted here on its own
         want = {k: fingerprint(v.to(torch.float32)) for k, v in new.state_dict().items()}
         assert server.fingerprint() == [{"tensors": len(want), "digest": digest(want)}]
