@@ -9,7 +9,7 @@ shards straight from the safetensors files), the tokenizer and vLLM load.
 Weights load from safetensors (``from_pretrained``), never through pickle.
 ``init="random"`` builds the architecture from ``model.arch`` (a dict of
 config.json fields) with random weights instead: nothing is downloaded, which is
-what ``scripts/gpu_check.py`` and the tests use for Qwen2.5-shaped models.
+what ``scripts/gpu/gpu_check.py`` and the tests use for Qwen2.5-shaped models.
 """
 
 from __future__ import annotations

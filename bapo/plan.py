@@ -1,7 +1,7 @@
 """A memory plan, read before launching: per-GPU peaks of generation and of the update, host memory per node.
 
 ``python train.py experiment=paper_7b --plan [--nproc N] [--gpu-memory GiB] [--host-memory GiB]`` (or
-``scripts/plan.py`` with the same arguments) composes the config as training would, prints the plan and
+``scripts/gpu/plan.py`` with the same arguments) composes the config as training would, prints the plan and
 exits 0 when it fits, 1 when it does not, 2 on a bad config; it starts nothing and writes no run folder.
 
 What is counted, per GPU (W ranks, FSDP2 over all of them; ``N`` parameters, ``N_root`` of them in the

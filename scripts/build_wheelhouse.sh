@@ -14,7 +14,7 @@ PYV=${PYTHON_VERSION:-3.12}
 PIP=(python3 -m pip --disable-pip-version-check)
 LIMIT_MIB=${LIMIT_MIB:-64}
 rm -rf "$OUT" && mkdir -p "$OUT"
-python3 scripts/gpu_check.py --requirements >"$OUT/requirements.txt"
+python3 scripts/gpu/gpu_check.py --requirements >"$OUT/requirements.txt"
 # omegaconf's parser runtime is published as a source distribution only: its pure-Python wheel is built here
 "${PIP[@]}" wheel -q --no-deps -w "$OUT" antlr4-python3-runtime==4.9.3
 cons=$(mktemp) && trap 'rm -f "$cons"' EXIT

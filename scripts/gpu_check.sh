@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The day-one GPU check (scripts/gpu_check.py says what each section does): one JSON line per section on stdout
+# The day-one GPU check, kept at this path (the README, docs/gpu.md and users run it by this name); the driver is
+# scripts/gpu/gpu_check.py, which says what each section does. One JSON line per section on stdout
 # and in --out (JSONL, written even when a section fails), and the elapsed seconds. Exit status 0: every section ok;
 # 1: a check failed; 2: bad usage, or a machine that cannot run it (no GPU, no torch, a package missing and no
 # wheelhouse, --mode full without vLLM): one `error:` line on stderr, no traceback.
@@ -17,4 +18,4 @@ if [ -z "$PY" ]; then
     exit 2
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
-exec "$PY" scripts/gpu_check.py "$@"
+exec "$PY" scripts/gpu/gpu_check.py "$@"

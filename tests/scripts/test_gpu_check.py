@@ -14,11 +14,11 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu" / "gpu_check.py")
 gpu_check = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gpu_check)
-from scripts import gpu_check_scale as scale  # noqa: E402
-from scripts import gpu_check_worker as worker  # noqa: E402
+from scripts.gpu import gpu_check_scale as scale  # noqa: E402
+from scripts.gpu import gpu_check_worker as worker  # noqa: E402
 
 GiB = 2**30
 ENV = os.environ | {"OMP_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "PY": sys.executable}

@@ -1,4 +1,4 @@
-"""The day-one GPU check's vLLM sections (full mode; scripts/gpu_check.py runs each in a process of its own through
+"""The day-one GPU check's vLLM sections (full mode; scripts/gpu/gpu_check.py runs each in a process of its own through
 gpu_check_worker.py). Both serve the 7B-wide stand-in under its hub id (as ``metaload`` does; the toy stand-in in
 a dry run), build the learner as the loop builds it (FSDP2 meta-load in a one-rank group), sample at paper_7b's
 temperature (0.6) and compare the engine's log-probs of its own samples with the learner's
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from scripts.gpu_check_scale import (
+from scripts.gpu.gpu_check_scale import (
     REPO_ID,
     arch_overrides,
     build_learner,

@@ -22,7 +22,7 @@ vLLM) or bad usage: then one ``error:`` line on stderr, never a traceback.
 This driver needs only the standard library: it picks the Python that runs the sections (its own; else, where
 that one lacks the project's pure-Python dependencies, a venv made on top of it and filled offline from
 ``wheelhouse/``, which ``scripts/build_wheelhouse.sh`` builds), then runs each section as
-``python scripts/gpu_check_worker.py <section>``. Never torchrun: a section that needs a process group makes a
+``python scripts/gpu/gpu_check_worker.py <section>``. Never torchrun: a section that needs a process group makes a
 one-rank group of its own, as ``python train.py`` does.
 """
 
@@ -39,9 +39,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WHEELHOUSE = ROOT / "wheelhouse"
-WORKER = ROOT / "scripts" / "gpu_check_worker.py"
+WORKER = ROOT / "scripts" / "gpu" / "gpu_check_worker.py"
 VLLM_VENV = ROOT / ".venv-vllm"  # where --dry-run runs the sections that need vLLM on CPU
 
 # section: (timeout on an H200 in seconds, timeout in --dry-run on 2 CPU cores, needs vLLM)

@@ -1,4 +1,4 @@
-"""The day-one GPU check's machine sections and the user's one-GPU command (scripts/gpu_check.py runs each in a
+"""The day-one GPU check's machine sections and the user's one-GPU command (scripts/gpu/gpu_check.py runs each in a
 process of its own through gpu_check_worker.py).
 
 ``env``: torch, CUDA and cuDNN versions against the project's pin, the GPU (name, capability, memory total and
@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GiB = 2**30
 QWEN7B = ["algo=bapo", "model=qwen7b"]  # python train.py algo=bapo model=qwen7b
 PLAN_ARGS = ["--plan", "--nproc", "1", "--gpu-memory", "141"]  # one H200
@@ -143,7 +143,7 @@ def model_bytes(ctx) -> tuple[str, int]:
     from bapo.plan import model_shape
 
     if ctx.dry:
-        from scripts.gpu_check_scale import standin_arch
+        from scripts.gpu.gpu_check_scale import standin_arch
 
         arch = {"model_type": "qwen2", **standin_arch(ctx.standin_layers, dry=True)}
         return "the dry run's stand-in", 2 * model_shape(arch_config(arch)).params

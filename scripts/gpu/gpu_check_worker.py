@@ -1,6 +1,7 @@
-"""One section of the day-one GPU check, in a process of its own: ``python scripts/gpu_check_worker.py <section>
---result FILE``. scripts/gpu_check.py runs it (and kills it at the section's timeout); it writes the section's figures
-and verdict to FILE as JSON, or, where the section raised, ``fail`` with the error's first line.
+"""One section of the day-one GPU check, in a process of its own:
+``python scripts/gpu/gpu_check_worker.py <section> --result FILE``. scripts/gpu/gpu_check.py runs it (and kills it
+at the section's timeout); it writes the section's figures and verdict to FILE as JSON, or, where the section raised,
+``fail`` with the error's first line.
 
 A section is a function of a :class:`Ctx` returning its figures with ``checks`` (name -> passed), or ``skip`` or
 ``fail`` (why): the verdict is ``skip`` or ``fail`` with that reason, ``ok`` when every check passed, else ``fail``
@@ -19,7 +20,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 
@@ -40,9 +41,9 @@ class Ctx:
 
 
 def sections() -> dict:
-    from scripts import gpu_check_commands as commands
-    from scripts import gpu_check_scale as scale
-    from scripts import gpu_check_vllm as vllm
+    from scripts.gpu import gpu_check_commands as commands
+    from scripts.gpu import gpu_check_scale as scale
+    from scripts.gpu import gpu_check_vllm as vllm
 
     return {"env": commands.env, "host": commands.host, "qwen7b": commands.qwen7b, "metaload": scale.metaload,
             "budget": scale.budget, "mask": scale.mask, "server": vllm.server, "logprobs": vllm.logprobs}  # fmt: skip

@@ -1,4 +1,4 @@
-"""The day-one GPU check's model-scale sections (scripts/gpu_check.py runs each in a process of its own through
+"""The day-one GPU check's model-scale sections (scripts/gpu/gpu_check.py runs each in a process of its own through
 gpu_check_worker.py, in a one-rank process group of its own: NCCL on a GPU, gloo on the CPU).
 
 ``metaload``: :func:`scripts.standin.write_standin` writes a Qwen2 checkpoint at the 7B's width (hidden 3584,
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GiB = 2**30
 REPO_ID = "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B"  # experiment=paper_7b's model
 # The 7B's width (conf/model/r1_distill_qwen_7b.yaml) with a few layers; --dry-run's small but logits-dominated shape.
@@ -75,7 +75,7 @@ def matmul_params(model: torch.nn.Module) -> int:
 
 
 def forward_flops(n_matmul: int, arch: dict, lengths: list[int]) -> float:
-    """One forward pass over sequences of ``lengths`` (scripts/gpu_check.py's docstring)."""
+    """One forward pass over sequences of ``lengths`` (scripts/gpu/gpu_check.py's docstring)."""
     d_attn = arch["hidden_size"]  # num_attention_heads x head_dim for Qwen2
     return 2.0 * n_matmul * sum(lengths) + 2.0 * arch["num_hidden_layers"] * d_attn * sum(n * n for n in lengths)
 
