@@ -53,12 +53,12 @@ format: install ## ruff format and autofix
 	$(PY) -m ruff format . && $(PY) -m ruff check --fix .
 
 bench: install ## benchmarks, each printing a ratio against its baseline
-	$(PY) scripts/bench_reward.py
-	$(PY) scripts/bench_scope.py
-	$(PY) scripts/bench_learner.py
-	$(PY) scripts/bench_batchio.py
-	$(PY) scripts/bench_decode.py
-	@if [ -x $(VLLM_VENV)/bin/python ]; then $(VLLM_VENV)/bin/python scripts/bench_rollout.py; fi
+	$(PY) scripts/bench/bench_reward.py
+	$(PY) scripts/bench/bench_scope.py
+	$(PY) scripts/bench/bench_learner.py
+	$(PY) scripts/bench/bench_batchio.py
+	$(PY) scripts/bench/bench_decode.py
+	@if [ -x $(VLLM_VENV)/bin/python ]; then $(VLLM_VENV)/bin/python scripts/bench/bench_rollout.py; fi
 
 eval: install ## evaluate a run as it was trained (its config.yaml) on AIME24/25 and MATH-500: make eval RUN=outputs/<date>/<run> [ARGS="k=16"]
 	$(if $(strip $(RUN)),,$(error error: make eval needs RUN=<a training run folder or an export>, e.g. make eval RUN=outputs/<date>/<run>))

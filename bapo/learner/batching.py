@@ -213,7 +213,7 @@ def shared_mask(sp: SharedPrompts, device: torch.device | str = "cpu") -> torch.
     from one lower-triangular tensor) and, for a response, its prompt (a rectangle). Nothing of size
     [R, W, W] is made on the host and copied over (a paper_7b micro-batch's mask is 2 x 8.3k x 8.3k =
     131 MiB), and the work is one write of the mask plus its True blocks, not five elementwise passes over
-    the whole mask (``scripts/bench_mask.py``)."""
+    the whole mask (``scripts/bench/bench_mask.py``)."""
     R, W = sp.input_ids.shape
     allowed = torch.zeros((R, W, W), dtype=torch.bool, device=device)  # [R, W, W]
     widest = max((stop - start for _, start, stop in sp.causal), default=0)

@@ -14,7 +14,7 @@ BAPO's pre-pass, the training pass and the reference model's. The 4-D mask is bu
 the reference's forwards of one pass share it, and :meth:`ForwardInputs.release` drops it after the pass.
 It is not kept from the pre-pass to the training pass: holding every micro-batch's mask at once would take
 N R W^2 bytes of device memory (at paper_7b about 55 micro-batches of 2 x 8.3k x 8.3k: 7 GiB per GPU, in no
-memory plan), to save a build that costs milliseconds on the device (``scripts/bench_mask.py``).
+memory plan), to save a build that costs milliseconds on the device (``scripts/bench/bench_mask.py``).
 """
 
 from __future__ import annotations

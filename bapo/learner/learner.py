@@ -8,7 +8,7 @@ from the objective's flags:
 * ``prepass`` (an adaptive chooser with ``scope=mini_batch``, the paper's): one
   choice per optimizer update over the current ratios of the whole mini-batch,
   known before the first backward pass, so the learner runs a no-grad forward over
-  every micro-batch first (one extra forward per update; ``scripts/bench_scope.py``
+  every micro-batch first (one extra forward per update; ``scripts/bench/bench_scope.py``
   measures it).
 * otherwise the choice is made on each micro-batch from the same forward pass that
   carries the gradient (``scope=micro_batch``, the authors' code), or once from the

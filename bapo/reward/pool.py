@@ -8,7 +8,7 @@ is start-up: each worker is a fresh interpreter that imports sympy (about 0.7 s 
 CPU; workers start in parallel), where a forkserver child took about 50 ms once
 its server ran. A pool's first start costs about the same as before; replacing a
 killed worker costs about a second instead of a fraction of one
-(``scripts/bench_reward.py`` measures both).
+(``scripts/bench/bench_reward.py`` measures both).
 
 The time limit uses ``SIGALRM``, which only works in a process's main thread, and
 some inputs hang in C code that no signal interrupts: hence worker processes,

@@ -4,7 +4,7 @@ Samples ``n`` responses per prompt and returns, for each, the token ids, the beh
 log-probabilities of the sampled tokens and the policy version of the weights that produced
 them. Two decode paths (``decode=``, see :mod:`bapo.rollout.decode`): ``"lean"``, a sampling
 loop over the model's forward (the default: about 2x HF ``generate``'s tokens/s on the tiny
-model and 2.5x on SmolLM2-135M, 2 CPU threads; ``scripts/bench_decode.py``), and ``"generate"``,
+model and 2.5x on SmolLM2-135M, 2 CPU threads; ``scripts/bench/bench_decode.py``), and ``"generate"``,
 HF ``generate`` as a fallback. Both sample plain softmax(logits / T), ignoring the
 checkpoint's generation defaults, and stop at the first of the tokenizer's and the
 checkpoint's eos ids. Each is reproducible for a seed; they draw different tokens for the same

@@ -2,7 +2,7 @@
 every pass of an update, and the same mask (so the same log-probs) however it was built or reused.
 
 The mask of a paper_7b micro-batch is 2 x 8.3k x 8.3k: built on the host it cost 0.6-1.2 s and a 131 MiB copy
-per pass (``scripts/bench_mask.py``)."""
+per pass (``scripts/bench/bench_mask.py``)."""
 
 import copy
 import importlib.util

@@ -1,4 +1,4 @@
-"""scripts/bench_batchio.py --quick, run as a user would: the table, finite ratios, and a gather that loses nothing.
+"""scripts/bench/bench_batchio.py --quick, run as a user would: the table, finite ratios, and a gather that loses nothing.
 
 The script's own identity checks are read from its output, and its dump of rank 0's gathered
 batches (tuple path, tensor path and the source they were gathered from) is compared here
@@ -17,7 +17,7 @@ import torch
 pytestmark = pytest.mark.slow  # end to end: real runs of the loop (make test-fast skips them)
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "bench_batchio.py"
+SCRIPT = ROOT / "scripts" / "bench" / "bench_batchio.py"
 STAGES = ("collate", "gather (2 ranks)", "checkpoint write", "checkpoint read", "checkpoint bytes")
 
 
