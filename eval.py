@@ -21,9 +21,10 @@ Prompts longer than the model leaves room for (its context minus ``max_new_token
 ``max_prompt_tokens``) are skipped and counted as in training; the reports say how many per set.
 vLLM is sized for exactly that (``max_model_len`` = the prompt limit + ``max_new_tokens``).
 
-Under torchrun every rank builds its own engine (vLLM: one per rank in torchrun's process group),
-samples and grades its share of the problems; the graded shares are gathered and rank 0 writes
-the reports. Every sample row records its generate call's seed and request index (bapo/evaluate.py).
+A plain ``python eval.py`` on a GPU node starts one rank per GPU itself (``bapo.launch``: the elastic launcher
+torchrun runs), as ``torchrun --nproc_per_node=<GPUs> eval.py`` does. Every rank builds its own engine (vLLM: one
+per rank in the process group), samples and grades its share of the problems; the graded shares are gathered
+and rank 0 writes the reports. Every sample row records its generate call's seed and request index (bapo/evaluate.py).
 
 Writes results.json, results.md and samples_<set>.jsonl to the run folder
 (outputs/eval/<date>/<time>), which it holds as train.py holds its own (a second eval.py on the same
@@ -138,15 +139,21 @@ def _evaluate(cfg: DictConfig, run_dir, job, source, problems: dict, log) -> dic
 def main(cfg: DictConfig) -> None:
     import os
 
-    from bapo.cli import guarded, hydra_files
+    from bapo.cli import guarded, hydra_files, launch_here
+    from bapo.dist import from_slurm
+    from bapo.launch import announce
 
+    from_slurm()  # SLURM with one task per rank: torchrun's variables
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
+    if launch_here(cfg, hc, __file__, run_dir, None, "eval"):  # the node's ranks evaluated (bapo.launch)
+        return
     files = hydra_files(cfg)  # .hydra/, written once the folder is held (conf/eval_config.yaml: output_subdir null)
     rank0 = os.environ.get("RANK", "0") == "0"  # under torchrun rank 0 holds the shared folder
     # the folder's lock first (two evals started in one second share outputs/eval/<date>/<time>); bad input: one
     # line, exit 2, the folder left as it was
-    guarded(lambda: run(cfg, run_dir, hc.overrides.task), run_dir, hold=rank0, files=files if rank0 else None)
+    job = lambda: announce(cfg) or run(cfg, run_dir, hc.overrides.task)  # noqa: E731
+    guarded(job, run_dir, hold=rank0, files=files if rank0 else None)
 
 
 if __name__ == "__main__":  # vLLM's engine may spawn processes that re-import this file

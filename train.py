@@ -4,6 +4,9 @@
 (per-GPU peaks of generation and of the update, host memory per node: ``bapo.plan``) and exits
 without starting anything or creating a run folder.
 
+Outside torchrun, ``python train.py ...`` starts one rank per GPU of the node itself, the memory plan choosing
+what fits them (``bapo.launch``, ``launcher.nproc_per_node``); under torchrun or SLURM nothing changes.
+
 ``python train.py -m <grid>`` runs a sweep: a failed cell is recorded and the next one runs, each cell
 resumes (``resume=auto``) unless told otherwise, and ``-m <grid> --cfg job`` prints every cell's
 config (``bapo.sweep``)."""
@@ -19,19 +22,25 @@ from omegaconf import DictConfig
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from bapo.cli import guarded, hydra_files
+    from bapo.cli import guarded, hydra_files, launch_here
+    from bapo.dist import from_slurm
+    from bapo.launch import announce
     from bapo.loop import run
     from bapo.sweep import cell_of, default_resume
 
+    from_slurm()  # SLURM with one task per rank: torchrun's variables, and nothing else changes
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
-    files = hydra_files(cfg)  # .hydra/, written once the folder is held (conf/config.yaml: output_subdir null)
     cell = cell_of(hc)
     if cell is not None:
         default_resume(cfg, hc.overrides.task)  # a relaunched sweep skips its complete cells
+    if launch_here(cfg, hc, __file__, run_dir, cell, "train"):  # the node's ranks ran the job (bapo.launch)
+        return
+    files = hydra_files(cfg)  # .hydra/, written once the folder is held (conf/config.yaml: output_subdir null)
     rank0 = os.environ.get("RANK", "0") == "0"  # under torchrun rank 0 holds the shared folder
     # the folder's lock first; bad input: one line, exit 2, the folder left as it was; a sweep goes on
-    metrics = guarded(lambda: run(cfg, run_dir), run_dir, hold=rank0, files=files if rank0 else None, cell=cell)
+    job = lambda: announce(cfg) or run(cfg, run_dir)  # noqa: E731
+    metrics = guarded(job, run_dir, hold=rank0, files=files if rank0 else None, cell=cell)
     if metrics and "stopped_by_signal" in metrics:  # SIGTERM / Ctrl-C: checkpoint saved; say so the conventional way
         sys.exit(128 + int(metrics["stopped_by_signal"]))
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from bapo import algos
+from bapo import algos, dist
 from bapo.algos.correction import logp_mismatch
 from bapo.reward import overlong_penalty
 from bapo.samples import RolloutBatch, Sample, ScoredSample
@@ -55,7 +55,7 @@ def check_logp(batch: RolloutBatch, learner: Any, snapshot: Callable, *, share: 
         weights = None if batch.version == learner.version else snapshot(batch.version)
     except KeyError:
         return {}
-    rows = check_rows(batch, share, seed)
+    rows = check_rows(batch, share, seed, at_least=dist.world_size())  # the learner shards them: one a rank at least
     if not rows:
         return {}
     _, stats = recompute_logp(
@@ -65,13 +65,14 @@ def check_logp(batch: RolloutBatch, learner: Any, snapshot: Callable, *, share: 
     return stats
 
 
-def check_rows(batch: RolloutBatch, share: float, seed: int) -> list[int]:
+def check_rows(batch: RolloutBatch, share: float, seed: int, at_least: int = 1) -> list[int]:
     """``share`` of the rows generated wholly at the batch's version (a partial rollout's older segments had other
-    weights), at least one, drawn by ``seed`` alone (every rank draws the same), in order; none for share 0."""
+    weights), at least ``at_least`` (the ranks the learner shards them over), drawn by ``seed`` alone (every rank
+    draws the same), in order; none for share 0."""
     whole = [i for i, s in enumerate(batch.samples) if bool((s.token_versions() == batch.version).all())]
     if share <= 0 or not whole:
         return []
-    k = min(len(whole), max(1, round(share * len(whole))))
+    k = min(len(whole), max(at_least, round(share * len(whole))))
     picked = torch.randperm(len(whole), generator=torch.Generator().manual_seed(seed))[:k]
     return sorted(whole[i] for i in picked.tolist())
 

@@ -37,6 +37,7 @@ from bapo.checks import (
     variant,
 )
 from bapo.data_config import DATA, ArithConfig, ArithDataConfig, FileDataConfig, HubDataConfig
+from bapo.launch import LauncherConfig
 from bapo.learner.config import LEARNER, FSDPLearnerConfig, LearnerCommon, SingleLearnerConfig
 from bapo.modeling import ModelConfig
 from bapo.monitor import MonitorConfig
@@ -176,6 +177,7 @@ class RunConfig:
     sizes: Sizes
     resume: str | None = None  # null | auto | a run folder or checkpoint folder
     overwrite: bool = False  # a fresh start may replace another run's files in run_dir
+    launcher: LauncherConfig | None = None  # how the run was launched (bapo/launch.py)
 
     @property
     def mode(self) -> str:
@@ -193,6 +195,7 @@ PLAIN: dict[str, type] = {
     "monitor": MonitorConfig,
     "checkpoint": CheckpointConfig,
     "placement": PlacementConfig,
+    "launcher": LauncherConfig,  # how a plain `python train.py` starts its ranks (bapo/launch.py)
 }
 VARIANTS: dict[str, tuple[str, Mapping[str, type]]] = {
     "data": ("kind", DATA),
@@ -250,42 +253,6 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def check_one_gpu(rc: RunConfig) -> None:
-    """``learner=fsdp`` without torchrun on a GPU machine: one rank, one GPU. Refused unless the memory plan says the
-    run fits there, naming the smallest change that fits (CPU offload) or the launch that spreads it over the node."""
-    verdict = _one_gpu_verdict(rc)
-    require(
-        verdict is None,
-        "learner.kind",
-        f"fsdp without torchrun trains on one GPU, and {verdict}; or launch it on every GPU of the node with "
-        f"`torchrun --standalone --nproc_per_node=<GPUs> train.py ...` (the same overrides), or pick a smaller "
-        f"model or placement (python train.py ... --plan prints the memory plan)",
-    )
-
-
-def _one_gpu_verdict(rc: RunConfig) -> str | None:
-    """Why the run cannot fit on this machine's first GPU, by the memory plan, and the smallest change that fits
-    (None: it fits, or the model's shape is not known before it is loaded)."""
-    import torch
-
-    from bapo import plan
-
-    have = torch.cuda.get_device_properties(0).total_memory / 2**30
-    try:
-        p = plan.make_plan(rc, world=1, gpu_memory_gib=have)
-    except ConfigError:
-        return None
-    if p.fits:
-        return None
-    s, gib = p.setup.shape, 2**30
-    why = f"the memory plan of its {s.params / 1e9:.1f}B parameters needs {p.peak / gib:.0f} GiB a GPU "
-    why += f"(cuda:0 has {p.limit / gib:.0f} GiB usable of {have:.0f})"
-    offloaded = plan.with_offload(rc, 1, have)
-    if offloaded is not None and offloaded.fits:
-        why += f": it fits with learner.cpu_offload=true ({offloaded.peak / gib:.0f} GiB a GPU, its state on the host)"
-    return why
-
-
 def check_combinations(rc: RunConfig, world: int | None = None, launched: bool | None = None) -> None:
     """Combinations of keys that no stage supports, refused at startup with every key involved named.
 
@@ -295,7 +262,8 @@ def check_combinations(rc: RunConfig, world: int | None = None, launched: bool |
     launched = "WORLD_SIZE" in os.environ if launched is None else launched
     fsdp = rc.learner.kind == "fsdp"
     if fsdp and not launched and cuda_available():
-        # One GPU of our own (bapo.dist.init_one_rank) holds the whole learner: refuse what cannot fit there.
+        from bapo.launch import check_one_gpu  # one GPU of our own (bapo.dist.init_one_rank) holds the learner
+
         check_one_gpu(rc)
     sleeps = engine_traits(rc.rollout.engine).can_sleep and getattr(rc.rollout, "enable_sleep_mode", False)
     require(

@@ -5,6 +5,8 @@
 torchrun every helper degrades to one process: rank 0 of 1, and the collectives
 return their input unchanged, so the same code runs in a plain ``python train.py``.
 
+Under SLURM with one task per rank, :func:`from_slurm` maps SLURM's variables to torchrun's first.
+
 The collectives are plain functions of tensors or objects, so they can be handed
 to code that must not know about process groups (``Learner(reduce_sum=...)``, the
 bound search in ``bapo.algos``). They accept tensors on any device: under NCCL the
@@ -227,6 +229,78 @@ def all_gather_tensors(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tenso
         for r in range(world):
             per_rank[r].append(parts[r][: int(all_lengths[r][i])].to(t.device))
     return per_rank
+
+
+# ----------------------------------------------------------------------------- SLURM
+
+
+def slurm_step() -> dict[str, Any] | None:
+    """This task of a SLURM job step (``srun``), as numbers: ``tasks`` and ``nodes`` of the step, this task's ``rank``,
+    ``local_rank`` and ``node``, the tasks on this node (``local_tasks``), the step's first node (``head``) and the
+    job's id. None outside a step: a batch script or an ``salloc`` shell has SLURM's job variables but no step's."""
+    env = os.environ
+    if "SLURM_STEP_NUM_TASKS" not in env or "SLURM_PROCID" not in env:
+        return None
+    tasks, nodes = int(env["SLURM_STEP_NUM_TASKS"]), int(env.get("SLURM_STEP_NUM_NODES") or 1)
+    node = int(env.get("SLURM_NODEID") or 0)
+    per_node = _expand_counts(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or "")
+    return {
+        "tasks": tasks,
+        "nodes": nodes,
+        "rank": int(env["SLURM_PROCID"]),
+        "local_rank": int(env.get("SLURM_LOCALID") or 0),
+        "node": node,
+        "local_tasks": per_node[node] if node < len(per_node) else max(1, tasks // nodes),
+        "head": first_host(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "localhost"),
+        "job": env.get("SLURM_JOB_ID", "0"),
+    }
+
+
+def _expand_counts(text: str) -> list[int]:
+    """SLURM's tasks per node, ``8(x2),4`` -> [8, 8, 4]."""
+    out: list[int] = []
+    for part in filter(None, text.split(",")):
+        count, _, times = part.partition("(x")
+        out += [int(count)] * int(times.rstrip(")") or 1)
+    return out
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: ``gpu[03-05,9],cpu1`` -> ``gpu03`` (what ``scontrol show hostnames``
+    prints first)."""
+    head = nodelist.strip()
+    depth, cut = 0, len(head)
+    for i, c in enumerate(head):  # the first item: up to a comma outside brackets
+        depth += (c == "[") - (c == "]")
+        if c == "," and depth == 0:
+            cut = i
+            break
+    head = head[:cut]
+    if "[" in head:
+        prefix, _, rest = head.partition("[")
+        ranges, _, suffix = rest.partition("]")
+        head = prefix + ranges.split(",")[0].split("-")[0] + suffix
+    return head or "localhost"
+
+
+def from_slurm() -> bool:
+    """Under SLURM with one task per rank (``srun --ntasks-per-node=<GPUs> python train.py ...``): set the
+    variables torchrun would (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``,
+    ``MASTER_ADDR`` = the step's first node, ``MASTER_PORT`` = 20000 + the job id mod 20000), each only where it is
+    not set, so that the run joins its group as under torchrun. A step of one task per node is not mapped: its task
+    launches the node's ranks itself (bapo.launch). Returns whether it mapped anything."""
+    step = slurm_step()
+    if step is None or launched() or step["tasks"] <= step["nodes"]:
+        return False
+    job = int(step["job"]) if str(step["job"]).isdigit() else 0
+    env = dict(
+        RANK=step["rank"], WORLD_SIZE=step["tasks"], LOCAL_RANK=step["local_rank"],
+        LOCAL_WORLD_SIZE=step["local_tasks"], GROUP_RANK=step["node"], MASTER_ADDR=step["head"],
+        MASTER_PORT=20000 + job % 20000,
+    )  # fmt: skip
+    for k, v in env.items():
+        os.environ.setdefault(k, str(v))
+    return True
 
 
 def shared_path(path: str | os.PathLike) -> Path:

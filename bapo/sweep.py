@@ -38,6 +38,7 @@ from typing import Any
 
 SUMMARY = "sweep_summary.jsonl"
 LAUNCH_ENV = "BAPO_SWEEP_LAUNCH"  # set by the sweep's process; its jobs inherit it (submitit's too)
+CELL_ENV = "BAPO_SWEEP_CELL"  # set by a cell's job for the ranks it launches (bapo.launch): the cell, and its handoff
 
 
 class SweepFailed(RuntimeError):
@@ -56,10 +57,17 @@ class Cell:
     name: str  # its folder under the sweep folder (Hydra's override_dirname by default)
     job: int
     overrides: tuple[str, ...]
+    handoff_to: Path | None = None  # in the ranks a cell's job launched: where rank 0 leaves the row for that job
+
+    def handoff(self, path: Path) -> dict[str, str]:
+        """The environment that makes this cell's launched ranks this cell, their rank 0 writing its row to ``path``
+        (the job reads it and records it: one row a cell, whoever ran it)."""
+        fields = {"sweep_dir": str(self.sweep_dir), "name": self.name, "job": self.job, "overrides": self.overrides}
+        return {CELL_ENV: json.dumps(fields | {"handoff_to": str(path)})}
 
     def record(self, status: str, code: int, error: str | None, began: float) -> None:
         """Append this cell's row to the sweep's summary (module docstring); one ``write`` under a lock, so rows
-        of cells running at once (submitit) never interleave."""
+        of cells running at once (submitit) never interleave. In launched ranks: the row goes to ``handoff_to``."""
         row = {
             "launch": os.environ.get(LAUNCH_ENV),
             "job": self.job,
@@ -74,6 +82,11 @@ class Cell:
             "host": socket.gethostname(),
             "pid": os.getpid(),
         }
+        if self.handoff_to is not None:
+            tmp = self.handoff_to.with_name(self.handoff_to.name + ".tmp")
+            tmp.write_text(json.dumps(row))
+            os.replace(tmp, self.handoff_to)
+            return
         try:
             self.sweep_dir.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.sweep_dir / SUMMARY, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -92,10 +105,19 @@ def cell_of(hydra_cfg: Any) -> Cell | None:
     from hydra.types import RunMode
 
     if hydra_cfg.mode != RunMode.MULTIRUN:
-        return None
+        handed = json.loads(os.environ.get(CELL_ENV) or "null")  # a rank its cell's job launched (bapo.launch)
+        if not handed:
+            return None
+        fields = handed | {"sweep_dir": Path(handed["sweep_dir"]), "overrides": tuple(handed["overrides"])}
+        return Cell(**fields | {"handoff_to": Path(handed["handoff_to"])})
     sweep_dir = Path(hydra_cfg.sweep.dir).absolute()
     name = os.path.relpath(hydra_cfg.runtime.output_dir, sweep_dir)
     return Cell(sweep_dir, name, int(hydra_cfg.job.num), tuple(hydra_cfg.overrides.task))
+
+
+def outcome_file(cell: Cell) -> Path:
+    """Where a launched cell's rank 0 leaves its row for the cell's job (:meth:`Cell.handoff`)."""
+    return cell.sweep_dir / f".cell-{cell.job}-{os.getpid()}.json"
 
 
 def default_resume(cfg: Any, overrides: Sequence[str]) -> bool:
