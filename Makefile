@@ -72,7 +72,7 @@ report: install ## table and plots of a sweep: make report SWEEP=multirun/ablati
 	$(PY) scripts/report.py $(SWEEP)
 
 wheelhouse: ## wheels of the project's pure-Python dependencies for scripts/gpu_check.sh --mode torch on a GPU machine without network
-	bash scripts/build_wheelhouse.sh
+	bash scripts/build/build_wheelhouse.sh
 
 clean: ## remove run folders and caches
 	rm -rf outputs multirun .pytest_cache .ruff_cache .hypothesis

@@ -37,7 +37,7 @@ class ArithSpec:
 def careless(op: str, a: int, b: int) -> int:
     """The classic slips: adding digit by digit without carrying, and subtracting the
     smaller digit from the larger in each column instead of borrowing. Used only to
-    make the warm-start teacher imperfect (see scripts/build_tiny_model.py)."""
+    make the warm-start teacher imperfect (see scripts/build/build_tiny_model.py)."""
     if a < 0 or b < 0 or op not in "+-":
         return a + b if op == "+" else a - b if op == "-" else a * b
     if op == "-" and a < b:
@@ -207,7 +207,7 @@ def mixed_problem(rng: random.Random, spec: MixedSpec) -> tuple[str, list[str], 
     the remaining signed terms are then combined either left to right, or by adding up the positive
     terms and the negative terms separately and taking the difference. Both strategies are right: the
     solution's length and its order of steps vary, which is where a warm-started policy keeps real
-    uncertainty (``scripts/build_tiny_explore_model.py``).
+    uncertainty (``scripts/build/build_tiny_explore_model.py``).
     """
     n = rng.randint(spec.min_terms, spec.max_terms)
     ops = ["*" if rng.random() < spec.p_mul else rng.choice("+-") for _ in range(n - 1)]
@@ -263,7 +263,7 @@ def mixed_lines(expr: str, rng: random.Random) -> tuple[list[str], int]:
     The products first, in a random order, then the signed terms left to right or the positive and the negative
     terms apart and their difference (each with probability 1/2), as :func:`mixed_problem` solves the expression
     it draws. A second attempt at the same problem, as the rambling style of the warm start writes one after
-    another (``scripts/build_tiny_explore_model.py --ramble-share``). Returns (solution lines, value).
+    another (``scripts/build/build_tiny_explore_model.py --ramble-share``). Returns (solution lines, value).
     """
     groups, signs = _products(expr)
     return _worked(groups, signs, rng)

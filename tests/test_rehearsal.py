@@ -3,7 +3,7 @@
 Each command is the one README.md, docs/gpu.md and eval.py document, run with **only size overrides**
 (steps, prompts per step, responses per prompt, response length, held-out and set sizes, checkpoint
 interval): the layers and widths come from a tiny stand-in checkpoint served under the same hub id from an
-HF cache (``scripts/standin.py``, ``HF_HUB_CACHE``, ``HF_HUB_OFFLINE=1``), with the family's tokenizer class
+HF cache (``scripts/build/standin.py``, ``HF_HUB_CACHE``, ``HF_HUB_OFFLINE=1``), with the family's tokenizer class
 and chat template. A test composes every command with and without those overrides and checks that they
 differ in exactly those keys, so a config change cannot make the rehearsal drift from what users run.
 
@@ -33,7 +33,7 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from scripts.standin import write_standin
+from scripts.build.standin import write_standin
 from tests.test_loop_resume import rows, untimed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -175,7 +175,7 @@ def test_the_size_check_sees_a_drift():
 
 # ----------------------------------------------------------------------------- fixtures: hub cache, data, env
 
-# (problem, answer): the answers are 1-3, what the stand-in learned to box at random (scripts/standin.py), so
+# (problem, answer): the answers are 1-3, what the stand-in learned to box at random (scripts/build/standin.py), so
 # rewards differ within a group and the updates have a signal
 PROBLEMS = [
     ("What is $5 - 3$?", "2"),

@@ -8,7 +8,6 @@ gap lies within a problem's group (wrong responses at least 1.4x as long as righ
 positive share at step 0 is 0.38-0.42, as in the paper (docs/testbeds.md).
 """
 
-import importlib.util
 import json
 import math
 import random
@@ -23,7 +22,7 @@ from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
 from bapo.tasks import MixedSpec, is_heldout, mixed_lines, mixed_problem
-from scripts.build_tiny_model import encode_batch
+from scripts.build.common import encode_batch, token_balance
 from tests.conftest import ROOT, assert_measure_refuses_other_folders, run_config
 
 ASSET = ROOT / "assets" / "tiny-explore"
@@ -40,7 +39,7 @@ def test_asset_ships_model_tokenizer_task_and_build_info(asset):
     size = sum(p.stat().st_size for p in asset.iterdir())
     assert size <= 20 * 2**20, f"{asset} is {size / 2**20:.1f} MB, over the 20 MB limit"
     info = json.loads((asset / "build_info.json").read_text())
-    assert info["built_by"] == "scripts/build_tiny_explore_model.py"
+    assert Path(info["built_by"]).name == "build_tiny_explore_model.py"  # built at scripts/ before its move to build/
     bands = info["heldout_bands_T1_n8_first200"]
     assert 0.10 <= bands["avg@8"] <= 0.25 and bands["pass@8"] >= 2 * bands["avg@8"]
     assert bands["entropy_per_token"] >= 0.3
@@ -78,7 +77,7 @@ def test_smollm2_ramble_warm_start_put_the_gap_within_groups():
     # the study. The gap targets are met (within-group ratio, rho, the ramble's share); avg@8 missed the 0.10 floor
     # (0.079: the early stop's 48-problem probe read 0.135), as docs/testbeds.md records
     info = json.loads((ROOT / "docs" / "study" / "v4_smollm2" / "build_info.json").read_text())
-    assert info["built_by"] == "scripts/warm_start_smollm2.py"
+    assert Path(info["built_by"]).name == "warm_start_smollm2.py"  # built at scripts/ before its move to build/
     assert info["args"]["ramble_share"] > 0 and info["args"]["commute"]
     bands = info["heldout_bands_T1_n8_first200"]
     assert 0.2 <= bands["truncated"] <= 0.4, bands
@@ -173,14 +172,13 @@ def test_train_py_one_step_logs_step0_bands(tmp_path, model):
 
 
 def _build_script():
-    spec = importlib.util.spec_from_file_location("build_explore", ROOT / "scripts" / "build_tiny_explore_model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from scripts.build import build_tiny_explore_model
+
+    return build_tiny_explore_model
 
 
 def test_token_balance_hand_values():
-    balance = _build_script().token_balance
+    balance = token_balance
     # group 1 (mixed): 1 right of 10 tokens, 3 wrong of 20. Rewards 1,0,0,0: mean 1/4, unbiased std 1/2, so
     # A = +3/2 and -1/2. P = 3/2 * 10 = 15, N = 1/2 * 60 = 30, rho = 15 / 45 = 1/3.
     # group 2: all wrong (A = 0), 5 tokens each: no part in the update, and not in the mixed lengths.
@@ -271,7 +269,7 @@ def test_measure_reproduces_the_bands_and_the_grpo_balance(asset, rho_range):
     tiny_ramble: a third of the samples run to the cap on every problem alike, so the gap lies within groups
     (>= 1.4x) and rho is 0.38-0.42, the paper's (docs/testbeds.md).
     """
-    cmd = [sys.executable, "scripts/build_tiny_explore_model.py", "--measure", str(asset)]
+    cmd = [sys.executable, "scripts/build/build_tiny_explore_model.py", "--measure", str(asset)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(proc.stdout[proc.stdout.index("{") :])

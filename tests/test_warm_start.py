@@ -1,4 +1,4 @@
-"""scripts/warm_start_smollm2.py: the supervised warm start that brings a pretrained LM into the study's band
+"""scripts/build/warm_start_smollm2.py: the supervised warm start that brings a pretrained LM into the study's band
 on mixops. SmolLM2 itself is not in CI, so the script is run end to end on the shipped
 tiny-explore model as its base: the same code path (the product's prompt renderer, the loss mask, the early
 stop, the atomic write, build_info.json and --measure)."""
@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import ROOT, assert_measure_refuses_other_folders
 
-SCRIPT = ROOT / "scripts" / "warm_start_smollm2.py"
+SCRIPT = ROOT / "scripts" / "build" / "warm_start_smollm2.py"
 
 
 def _script():
@@ -59,8 +59,7 @@ def test_sft_batch_rambles_run_to_the_cap_without_an_end_token():
 
     from transformers import AutoTokenizer
 
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from build_tiny_model import encode_batch
+    from scripts.build.common import encode_batch
 
     mod, tok = _script(), AutoTokenizer.from_pretrained(ROOT / "assets" / "tiny-ramble")
     cap, end = 24, tok.convert_tokens_to_ids("<|im_end|>")
@@ -116,7 +115,7 @@ def test_warm_start_writes_a_measured_model_and_measure_reproduces_it(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "--target 1.0 not reached in 3 steps" in proc.stdout
     info = json.loads((out / "build_info.json").read_text())
-    assert info["built_by"] == "scripts/warm_start_smollm2.py" and info["sft_steps"] == 3
+    assert info["built_by"] == "scripts/build/warm_start_smollm2.py" and info["sft_steps"] == 3
     assert [h["step"] for h in info["history"]] == [0, 1, 2, 3]
     losses = [h["loss"] for h in info["history"][1:]]
     assert all(loss > 0 for loss in losses)

@@ -21,7 +21,7 @@ vLLM) or bad usage: then one ``error:`` line on stderr, never a traceback.
 
 This driver needs only the standard library: it picks the Python that runs the sections (its own; else, where
 that one lacks the project's pure-Python dependencies, a venv made on top of it and filled offline from
-``wheelhouse/``, which ``scripts/build_wheelhouse.sh`` builds), then runs each section as
+``wheelhouse/``, which ``scripts/build/build_wheelhouse.sh`` builds), then runs each section as
 ``python scripts/gpu/gpu_check_worker.py <section>``. Never torchrun: a section that needs a process group makes a
 one-rank group of its own, as ``python train.py`` does.
 """
@@ -187,7 +187,7 @@ def choose_python(args, mode: str) -> tuple[str, dict]:
         if not (args.wheelhouse / "requirements.txt").is_file():
             raise UsageError(
                 f"{python} lacks {', '.join(found['missing'])}, and there is no wheelhouse at {args.wheelhouse}: "
-                "build it on a machine with network (bash scripts/build_wheelhouse.sh) and carry it along"
+                "build it on a machine with network (bash scripts/build/build_wheelhouse.sh) and carry it along"
             )
         t0 = time.perf_counter()
         python, installed = venv_from_wheelhouse(python, args.wheelhouse)

@@ -1,7 +1,7 @@
 """The day-one GPU check's model-scale sections (scripts/gpu/gpu_check.py runs each in a process of its own through
 gpu_check_worker.py, in a one-rank process group of its own: NCCL on a GPU, gloo on the CPU).
 
-``metaload``: :func:`scripts.standin.write_standin` writes a Qwen2 checkpoint at the 7B's width (hidden 3584,
+``metaload``: :func:`scripts.build.standin.write_standin` writes a Qwen2 checkpoint at the 7B's width (hidden 3584,
 vocabulary 152,064, a few layers: a few GB in bf16) into a temporary HF cache under
 ``deepseek-ai/DeepSeek-R1-Distill-Qwen-7B``; ``bapo.modeling.model_path`` resolves the id offline to its snapshot;
 the learner is built as ``bapo.loop.build_stages`` builds it (the policy on the meta device, FSDP2 reading each
@@ -160,7 +160,7 @@ def standin_arch(layers: int, dry: bool) -> dict:
 
 def write_wide_standin(cache: Path, arch: dict, device: torch.device) -> Path:
     """The stand-in under :data:`REPO_ID` in ``cache`` (random bf16 weights made on ``device``), in shards."""
-    from scripts.standin import write_standin
+    from scripts.build.standin import write_standin
 
     kw = {k: arch[k] for k in SHAPE_KEYS}
     shard = "100KB" if arch["hidden_size"] < 1024 else "2GB"  # several shards and an index, as on the hub

@@ -22,7 +22,7 @@ within a group of responses, advantages are not 0, and the weights move.
 
 The templates are written for this project from the families' documented prompt formats.
 
-    python scripts/standin.py --cache /tmp/hub deepseek-ai/DeepSeek-R1-Distill-Qwen-7B
+    python scripts/build/standin.py --cache /tmp/hub deepseek-ai/DeepSeek-R1-Distill-Qwen-7B
     HF_HUB_CACHE=/tmp/hub HF_HUB_OFFLINE=1 python train.py experiment=paper_7b ...
 """
 
@@ -37,8 +37,6 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
 
 # ChatML with Qwen2.5-Instruct's default system prompt (used when the conversation brings none).
 QWEN_TEMPLATE = (

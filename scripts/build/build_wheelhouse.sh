@@ -3,12 +3,12 @@
 # a GPU machine that has torch and no network (scripts/gpu_check.sh installs them offline, into a venv over that
 # machine's own torch: never another torch). Run it where there is network; carry the folder with the device
 # tool's `carry: ["wheelhouse"]`. It must fit beside the working tree in the tool's 64 MiB: the script says.
-#   bash scripts/build_wheelhouse.sh                              # for the H200 image's Python 3.12, x86_64
-#   PYTHON_VERSION=3.11 bash scripts/build_wheelhouse.sh /tmp/wh   # another target Python, another folder
+#   bash scripts/build/build_wheelhouse.sh                              # for the H200 image's Python 3.12, x86_64
+#   PYTHON_VERSION=3.11 bash scripts/build/build_wheelhouse.sh /tmp/wh   # another target Python, another folder
 # Left out: torch and what torch itself requires (the machine has them), numpy (every torch stack has it, and its
 # 16 MiB do not fit), datasets and wandb (no section imports them; pyarrow and wandb's binary are large).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${1:-wheelhouse}
 PYV=${PYTHON_VERSION:-3.12}
 PIP=(python3 -m pip --disable-pip-version-check)

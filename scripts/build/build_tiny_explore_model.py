@@ -1,6 +1,6 @@
 """Build the exploration testbed, ``assets/tiny-explore``: a model and its ``mixops`` task.
 
-The shipped tiny model (``scripts/build_tiny_model.py``) is near-deterministic per token
+The shipped tiny model (``scripts/build/build_tiny_model.py``) is near-deterministic per token
 (0.02 nats) and starts near 50% accuracy, so the positive share of its updates is about 0.5
 and there is no entropy to lose (docs/study/v1/README.md). This testbed is built to start where
 off-policy RL on LLMs starts: mostly wrong, uncertain, with room to learn.
@@ -39,10 +39,10 @@ no end token (:func:`ramble`, :func:`encode_sft`). About a third of the model's 
 easy and hard problems alike, so GRPO's positive share at step 0 (``grpo_rho``) is about 0.4, the paper's.
 ``--measure`` prints it with the within-group length ratio (``wrong_right_mixed``) and the truncated share.
 
-Usage:  python scripts/build_tiny_explore_model.py [--out assets/tiny-explore] [--target 0.12]
-        python scripts/build_tiny_explore_model.py --out assets/tiny-longcot --long-share 0.5 --commute \
+Usage:  python scripts/build/build_tiny_explore_model.py [--out assets/tiny-explore] [--target 0.12]
+        python scripts/build/build_tiny_explore_model.py --out assets/tiny-longcot --long-share 0.5 --commute \
             --max-new-tokens 128 --positions 384
-        python scripts/build_tiny_explore_model.py --out assets/tiny-ramble --commute --ramble-share 0.28 \
+        python scripts/build/build_tiny_explore_model.py --out assets/tiny-ramble --commute --ramble-share 0.28 \
             --max-new-tokens 56
 """
 
@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import re
 import sys
@@ -58,18 +57,10 @@ import time
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoTokenizer, LlamaForCausalLM
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this tree's bapo and scripts/
 
-from build_tiny_model import CHAT_TEMPLATE, SPECIALS, write_model_folder  # noqa: E402
-
-from bapo.algos import grpo_advantages, positive_contribution  # noqa: E402
-from bapo.checkpoint import staged_folder  # noqa: E402
-from bapo.data import DEFAULT_INSTRUCTION  # noqa: E402
 from bapo.tasks import (  # noqa: E402
     MixedSpec,
     is_heldout,
@@ -79,18 +70,26 @@ from bapo.tasks import (  # noqa: E402
     mixed_solution,
     mixed_split,
 )
+from scripts.build.common import (  # noqa: E402
+    ROOT,
+    add_sft_flags,
+    measure,
+    pad_batch,
+    read_build_info,
+    render,
+    save_model,
+    sft_optimizer,
+    sft_step,
+    tiny_llama,
+    train_tokenizer,
+)
 
+BUILT_BY = "scripts/build/build_tiny_explore_model.py"
 SPEC = MixedSpec(min_terms=3, max_terms=5, max_value=20, max_factor=9, p_mul=0.35)
 HELDOUT_FRAC = 0.1  # as conf/data/mixops.yaml
 SPLIT_SEED = 1234
 N_TRAIN = 20_000
 N_HELDOUT = 500
-BOX = re.compile(r"\\boxed\{(-?\d+)\}")
-
-
-def render(problem: str, solution: str | None) -> str:
-    user = f"<|im_start|>user\n{problem}\n{DEFAULT_INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n"
-    return user if solution is None else user + solution + "<|im_end|>\n"
 
 
 LINE = re.compile(r"^(\d+)([+*])(\d+)=(-?\d+)$")
@@ -158,21 +157,14 @@ def is_ramble(solution: str) -> bool:
     return "\\boxed{" not in solution
 
 
-def sft_example(
-    rng: random.Random,
-    long_share: float = 0.0,
-    random_base: bool = False,
-    commuted: bool = False,
-    ramble_share: float = 0.0,
-    ramble_chars: int = 0,
-) -> tuple[str, str]:
-    """:func:`sft_problem` with the problem rendered as this tokenizer's prompt."""
-    text, solution = sft_problem(rng, long_share, random_base, commuted, ramble_share, ramble_chars)
+def sft_example(rng: random.Random, *style) -> tuple[str, str]:
+    """:func:`sft_problem` (``style``: its other arguments) with the problem rendered as this tokenizer's prompt."""
+    text, solution = sft_problem(rng, *style)
     return render(text, None), solution
 
 
 def encode_sft(tok, pairs: list[tuple[str, str]], max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids and the loss mask over the solutions, as ``build_tiny_model.encode_batch``; a ramble
+    """Token ids and the loss mask over the solutions, as ``common.encode_batch``; a ramble
     (:func:`is_ramble`) is cut at ``max_new_tokens`` and gets no end token, so the model learns that this
     mode runs to the cap. Batches without a ramble give exactly ``encode_batch``'s tensors.
     """
@@ -185,135 +177,17 @@ def encode_sft(tok, pairs: list[tuple[str, str]], max_new_tokens: int) -> tuple[
             s = tok(sol + "<|im_end|>", add_special_tokens=False)["input_ids"]
         ids.append(p + s)
         masks.append([0] * len(p) + [1] * len(s))
-    width = max(map(len, ids))
-    x = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in ids])  # [B, L]
-    m = torch.tensor([r + [0] * (width - len(r)) for r in masks], dtype=torch.float)  # [B, L]
-    return x, m
+    return pad_batch(ids, masks, tok.pad_token_id)
 
 
-def build_tokenizer(rng: random.Random, vocab_size: int) -> PreTrainedTokenizerFast:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(["".join(sft_example(rng)) for _ in range(4000)], trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=None,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>"],
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
-
-
-@torch.no_grad()
-def measure(
-    model, tok, problems, *, n: int, max_new_tokens: int, prompt=None, chunk_size: int = 32
-) -> dict[str, float]:
-    """avg@n and pass@n at T = 1, and the mean entropy (nats) per sampled response token.
-
-    ``prompt(problem) -> str`` renders a problem (default: this script's ChatML without a system turn).
-    """
-    prompt = prompt or (lambda p: render(p.problem, None))
-    model.eval()
-    tok.padding_side = "left"
-    correct, lengths = [], []
-    ent_sum = ent_tokens = 0.0
-    truncated = 0
-    for i in range(0, len(problems), chunk_size):
-        chunk = problems[i : i + chunk_size]
-        enc = tok([prompt(p) for p in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
-        out = model.generate(
-            **enc,
-            do_sample=True,
-            temperature=1.0,
-            top_k=0,
-            top_p=1.0,
-            max_new_tokens=max_new_tokens,
-            num_return_sequences=n,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
-        new = out.sequences[:, enc["input_ids"].shape[1] :]  # [B*n, T]
-        logp = torch.stack(out.scores, dim=1).log_softmax(-1)  # [B*n, T, V]
-        ent = -(logp.exp() * logp).sum(-1)  # [B*n, T]
-        # a response's tokens run up to and including its first end token; padding after it is not counted
-        ended = (new == tok.eos_token_id).long().cumsum(1)
-        live = (ended == 0) | ((ended == 1) & (new == tok.eos_token_id))
-        ent_sum += (ent * live).sum().item()
-        ent_tokens += live.sum().item()
-        lengths += live.sum(1).tolist()
-        truncated += (ended[:, -1] == 0).sum().item()  # no end token within max_new_tokens
-        texts = tok.batch_decode(new, skip_special_tokens=True)
-        for j, t in enumerate(texts):
-            m = BOX.findall(t)
-            correct.append(bool(m) and m[-1] == chunk[j // n].answer)
-    model.train()
-    per_problem = [correct[k : k + n] for k in range(0, len(correct), n)]
-    return {
-        f"avg@{n}": sum(correct) / len(correct),
-        f"pass@{n}": sum(any(c) for c in per_problem) / len(per_problem),
-        "entropy_per_token": ent_sum / max(ent_tokens, 1),
-        # response tokens of the right and of the wrong responses, over all problems
-        "mean_tokens_right": sum(k for k, c in zip(lengths, correct, strict=True) if c) / max(sum(correct), 1),
-        "mean_tokens_wrong": sum(k for k, c in zip(lengths, correct, strict=True) if not c)
-        / max(len(correct) - sum(correct), 1),
-        "truncated": truncated / len(correct),  # responses cut at max_new_tokens (the ramble mode's share)
-        **token_balance(correct, lengths, n),
-    }
-
-
-def token_balance(correct: list[bool], lengths: list[int], n: int) -> dict[str, float]:
-    """What a GRPO update sees of the length gap between right and wrong responses.
-
-    Samples come in groups of ``n`` per problem. Only groups with both right and wrong responses
-    ("mixed") carry a GRPO advantage, so a length gap between problems (hard ones long and all wrong)
-    never reaches the update. Over the mixed groups: the mean tokens of a right and of a wrong response,
-    and ``grpo_rho``, the positive share BAPO's search compares with rho0 (``bapo.algos.positive_contribution``
-    at ratio 1, unweighted): every response token carries its response's group-normalised advantage.
-    """
-    if not correct or len(correct) % n or len(lengths) != len(correct):
-        raise ValueError(f"token_balance: {len(correct)} results and {len(lengths)} lengths in groups of {n}")
-    adv = grpo_advantages([float(c) for c in correct], n)  # [B]
-    width = max(max(lengths), 1)
-    mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).float()  # [B, T]
-    tokens_adv = adv[:, None].double().expand(-1, width) * mask  # [B, T]
-    p, q = positive_contribution(
-        torch.ones_like(mask), tokens_adv, mask, torch.zeros_like(mask), ratio_low=0.0, ratio_high=1.0, weight="none"
-    )
-    groups = [range(k, k + n) for k in range(0, len(correct), n)]
-    mixed = [i for g in groups if 0 < sum(correct[i] for i in g) < n for i in g]
-    right = [lengths[i] for i in mixed if correct[i]]
-    wrong = [lengths[i] for i in mixed if not correct[i]]
-    nan = float("nan")
-    mean_right = sum(right) / len(right) if right else nan
-    mean_wrong = sum(wrong) / len(wrong) if wrong else nan
-    return {
-        "mixed_groups": len(mixed) // n,
-        "mean_tokens_right_mixed": mean_right,
-        "mean_tokens_wrong_mixed": mean_wrong,
-        "wrong_right_mixed": mean_wrong / mean_right if right and wrong else nan,  # the within-group length gap
-        "grpo_rho": (p / (p + q)).item() if p + q > 0 else nan,
-    }
+def sft_corpus(rng: random.Random) -> list[str]:
+    """The tokenizer's training text: rendered warm-start examples in the plain style."""
+    return ["".join(sft_example(rng)) for _ in range(4000)]
 
 
 def measure_built(path: Path, *, seed: int = 0) -> dict[str, float]:
     """The final bands of a built model, measured again: 200 held-out problems x 8, with its own max_new_tokens."""
-    info_file = path / "build_info.json"
-    if not info_file.is_file():
-        raise SystemExit(f"--measure: {info_file} not found (a folder written by this script)")
-    info = json.loads(info_file.read_text())
-    if info.get("built_by") != "scripts/build_tiny_explore_model.py":
-        # another task's model (tiny-math): its bands are not measured on mixops problems
-        raise SystemExit(f"--measure: {info_file} says built_by {info.get('built_by')!r}, not this script")
+    info = read_build_info(path, BUILT_BY)  # not another task's model (tiny-math): mixops bands mean nothing there
     model, tok = LlamaForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
     heldout = mixed_split(N_HELDOUT, seed=SPLIT_SEED, split="heldout", heldout_frac=HELDOUT_FRAC, spec=SPEC)
     torch.manual_seed(seed)
@@ -330,13 +204,7 @@ def write_jsonl(path: Path, problems) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / "assets" / "tiny-explore"))
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--vocab", type=int, default=384)
-    ap.add_argument("--hidden", type=int, default=96)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--max-steps", type=int, default=3000)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=4e-3)
+    add_sft_flags(ap, model=(384, 96, 2), max_steps=3000, batch=32, lr=4e-3)
     ap.add_argument("--target", type=float, default=0.12, help="stop once the sampled held-out accuracy reaches this")
     ap.add_argument("--eval-every", type=int, default=150)
     ap.add_argument("--long-share", type=float, default=0.0, help="share of long, slip-prone solutions (tiny-longcot)")
@@ -363,43 +231,16 @@ def main() -> None:
     assert not {p.problem for p in heldout} & {p.problem for p in train}
     probe = heldout[:200]  # what the early stop watches
 
-    tok = build_tokenizer(rng, args.vocab)
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=args.hidden,
-        intermediate_size=args.hidden * 4,
-        num_hidden_layers=args.layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=args.positions,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    model = LlamaForCausalLM(cfg)
+    tok = train_tokenizer(sft_corpus(rng), args.vocab)
+    model = tiny_llama(tok, hidden=args.hidden, layers=args.layers, positions=args.positions)
     nparams = sum(p.numel() for p in model.parameters())
     print(f"vocab={len(tok)} params={nparams / 1e6:.2f}M", flush=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
-    warm = 100
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt,
-        lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, args.max_steps) / args.max_steps)),
-    )
+    opt, sched = sft_optimizer(model, lr=args.lr, max_steps=args.max_steps)
     t0, history, step = time.time(), [], 0
     for step in range(1, args.max_steps + 1):
         style = (args.long_share, args.random_base, args.commute, args.ramble_share, 2 * args.max_new_tokens)
         batch = [sft_example(rng, *style) for _ in range(args.batch)]
-        x, m = encode_sft(tok, batch, args.max_new_tokens)
-        logits = model(input_ids=x).logits[:, :-1]
-        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none")
-        loss = (nll * m[:, 1:]).sum() / m[:, 1:].sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        loss = sft_step(model, opt, *encode_sft(tok, batch, args.max_new_tokens), sched)
         if step % args.eval_every == 0:
             torch.manual_seed(args.seed + step)  # the probe's samples depend on the step only
             probe_stats = measure(model, tok, probe, n=2, max_new_tokens=args.max_new_tokens)
@@ -412,26 +253,21 @@ def main() -> None:
     bands = measure(model, tok, heldout[:200], n=8, max_new_tokens=args.max_new_tokens)
     print(f"final: step {step} {bands}", flush=True)
     out = Path(args.out)
-    tok.padding_side = "left"
-    with staged_folder(out) as tmp:
-        write_jsonl(tmp / "train.jsonl", train)
-        write_jsonl(tmp / "heldout.jsonl", heldout)
-        write_model_folder(
-            tmp,
-            model,
-            tok,
-            {
-                "built_by": "scripts/build_tiny_explore_model.py",
-                "args": vars(args) | {"out": str(out.relative_to(ROOT)) if out.is_relative_to(ROOT) else args.out},
-                "task": {"spec": vars(SPEC), "train": N_TRAIN, "heldout": N_HELDOUT, "split_seed": SPLIT_SEED},
-                "params": nparams,
-                "sft_steps": step,
-                "heldout_bands_T1_n8_first200": bands,
-                "history": history,
-                "seconds": round(time.time() - t0, 1),
-            },
-        )
-    print(f"saved to {out}")
+
+    def write_task(folder: Path) -> None:
+        write_jsonl(folder / "train.jsonl", train)
+        write_jsonl(folder / "heldout.jsonl", heldout)
+
+    info = {
+        "built_by": BUILT_BY,
+        "args": vars(args) | {"out": str(out.relative_to(ROOT)) if out.is_relative_to(ROOT) else args.out},
+        "task": {"spec": vars(SPEC), "train": N_TRAIN, "heldout": N_HELDOUT, "split_seed": SPLIT_SEED},
+        "params": nparams,
+        "sft_steps": step,
+        "heldout_bands_T1_n8_first200": bands,
+        "history": history,
+    }
+    save_model(out, model, tok, info | {"seconds": round(time.time() - t0, 1)}, write_more=write_task)
 
 
 if __name__ == "__main__":

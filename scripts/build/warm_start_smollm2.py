@@ -3,7 +3,7 @@
 Out of the box SmolLM2-135M-Instruct scores 1.6% on mixops (``model=smollm2_135m data=mixops``): it seldom
 boxes an answer and half its responses run past 64 tokens, so a GRPO group of 4 holds a right answer about
 once in 16 problems and RL has almost nothing to learn from. The tiny testbeds start from a short
-supervised warm start stopped early (``scripts/build_tiny_explore_model.py``); this does the same to the
+supervised warm start stopped early (``scripts/build/build_tiny_explore_model.py``); this does the same to the
 pretrained model, so the study's comparison can be repeated on weights that were not built here:
 
 1. Supervised steps on correct worked solutions of training-split mixops problems (the short style of
@@ -21,9 +21,9 @@ The held-out problems are the testbed's (``assets/tiny-explore/heldout.jsonl`` h
 (540 MB in fp32); it is rebuilt from the package's GGUF file in about 22 minutes on 2 cores (1,327 s measured:
 11 minutes of supervised steps and probes, then 11 of measuring the bands).
 
-Usage:  python scripts/warm_start_smollm2.py [--base ~/.cache/bapo/smollm2-135m-instruct]
+Usage:  python scripts/build/warm_start_smollm2.py [--base ~/.cache/bapo/smollm2-135m-instruct]
             [--out ~/.cache/bapo/smollm2-135m-mixops] [--target 0.15]
-        python scripts/warm_start_smollm2.py --measure ~/.cache/bapo/smollm2-135m-mixops
+        python scripts/build/warm_start_smollm2.py --measure ~/.cache/bapo/smollm2-135m-mixops
 then    python train.py model=smollm2_135m_mixops data=mixops
 """
 
@@ -40,27 +40,22 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this tree's bapo and scripts/
 
-from build_tiny_explore_model import (  # noqa: E402
+from bapo.data import Problem, render_prompt  # noqa: E402
+from bapo.tasks import mixed_split  # noqa: E402
+from scripts.build.build_tiny_explore_model import (  # noqa: E402
     HELDOUT_FRAC,
     N_HELDOUT,
     SPEC,
     SPLIT_SEED,
     encode_sft,
-    measure,
     sft_problem,
 )
-from build_tiny_model import write_model_folder  # noqa: E402
-
-from bapo.checkpoint import staged_folder  # noqa: E402
-from bapo.data import Problem, render_prompt  # noqa: E402
-from bapo.tasks import mixed_split  # noqa: E402
+from scripts.build.common import add_sft_flags, measure, read_build_info, save_model, sft_step  # noqa: E402
 
 CACHE = Path(os.environ.get("BAPO_CACHE", Path.home() / ".cache" / "bapo"))
-BUILT_BY = "scripts/warm_start_smollm2.py"
+BUILT_BY = "scripts/build/warm_start_smollm2.py"
 
 
 def prompt_text(tok):
@@ -101,12 +96,7 @@ def bands(model, tok, *, seed: int, max_new_tokens: int) -> dict[str, float]:
 
 
 def measure_built(path: Path, *, seed: int = 0) -> dict[str, float]:
-    info_file = path / "build_info.json"
-    if not info_file.is_file():
-        raise SystemExit(f"--measure: {info_file} not found (a folder written by this script)")
-    info = json.loads(info_file.read_text())
-    if info.get("built_by") != BUILT_BY:
-        raise SystemExit(f"--measure: {info_file} says built_by {info.get('built_by')!r}, not {BUILT_BY}")
+    info = read_build_info(path, BUILT_BY)
     model, tok = load(path)
     return bands(model, tok, seed=seed, max_new_tokens=info["args"]["max_new_tokens"])
 
@@ -115,10 +105,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", default=str(CACHE / "smollm2-135m-instruct"), help="the converted SmolLM2 folder")
     ap.add_argument("--out", default=str(CACHE / "smollm2-135m-mixops"))
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-steps", type=int, default=400)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=2e-5)
+    add_sft_flags(ap, max_steps=400, batch=16, lr=2e-5)
     ap.add_argument("--target", type=float, default=0.15, help="stop once the sampled held-out accuracy reaches this")
     ap.add_argument("--eval-every", type=int, default=20)
     ap.add_argument("--probe", type=int, default=48, help="held-out problems the early stop samples (x 4 each)")
@@ -176,13 +163,7 @@ def main() -> None:
                 commute=args.commute,
                 ramble_share=args.ramble_share,
             )
-            logits = model(input_ids=x).logits[:, :-1]
-            nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none")
-            loss = (nll * m[:, 1:]).sum() / m[:, 1:].sum()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
+            loss = sft_step(model, opt, x, m)
             if step % args.eval_every == 0 and probe_now(step, loss.item()) >= args.target:
                 break
         else:
@@ -190,25 +171,10 @@ def main() -> None:
 
     final = bands(model, tok, seed=args.seed, max_new_tokens=args.max_new_tokens)
     print(f"final: step {step} {json.dumps(final)}", flush=True)
-    out = Path(args.out).expanduser()
-    with staged_folder(out) as tmp:
-        write_model_folder(
-            tmp,
-            model,
-            tok,
-            {
-                "built_by": BUILT_BY,
-                "base": str(base),
-                "args": vars(args),
-                "task": {"spec": vars(SPEC), "heldout": N_HELDOUT, "split_seed": SPLIT_SEED},
-                "sft_steps": step,
-                "sft_samples": step * args.batch,
-                "heldout_bands_T1_n8_first200": final,
-                "history": history,
-                "seconds": round(time.time() - t0, 1),
-            },
-        )
-    print(f"saved to {out}")
+    info = {"built_by": BUILT_BY, "base": str(base), "args": vars(args)}
+    info |= {"task": {"spec": vars(SPEC), "heldout": N_HELDOUT, "split_seed": SPLIT_SEED}, "sft_steps": step}
+    info |= {"sft_samples": step * args.batch, "heldout_bands_T1_n8_first200": final, "history": history}
+    save_model(Path(args.out).expanduser(), model, tok, info | {"seconds": round(time.time() - t0, 1)})
 
 
 if __name__ == "__main__":
