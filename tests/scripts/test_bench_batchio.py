@@ -1,4 +1,5 @@
-"""scripts/bench/bench_batchio.py --quick, run as a user would: the table, finite ratios, and a gather that loses nothing.
+"""scripts/bench/bench_batchio.py --quick, run as a user would: the table, finite ratios, and a gather that loses
+nothing.
 
 The script's own identity checks are read from its output, and its dump of rank 0's gathered
 batches (tuple path, tensor path and the source they were gathered from) is compared here
