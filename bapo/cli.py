@@ -21,7 +21,7 @@ anything (a config error, a refused resume) puts back what it changed: ``.hydra/
 log cut back to its length, the lock file removed if this start created it, and a folder that held
 nothing before this start removed with the folders above it that became empty, up to ``outputs/`` or
 ``multirun/`` (Hydra's date folder), and that one too if this process made it. A run that failed after it
-wrote its files keeps them, and its log ends with the error line (``scripts/pack_study.py`` reads it).
+wrote its files keeps them, and its log ends with the error line (``scripts/study/pack_study.py`` reads it).
 
 In a sweep (``train.py -m``) a failed cell does not end the sweep: its error line goes to stderr, to
 the cell's log (the cell's folder keeps its ``.hydra/`` and log, so the failure stays visible), and to

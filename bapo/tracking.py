@@ -10,7 +10,7 @@ drop the rows after it; a step the checkpoint covers whose row is gone gets a ma
 ``{"step": s, "metrics/lost": 1.0}`` and a warning, so the gap is visible in the file itself.
 The run goes on: the checkpoint, not the metrics file, is what the resume continues from.
 
-The run's log file (Hydra's ``train.log``) is what a post-mortem reads (``scripts/pack_study.py`` takes a failed
+The run's log file (Hydra's ``train.log``) is what a post-mortem reads (``scripts/study/pack_study.py`` takes a failed
 run's reason from it). With the progress bar on (``logger.progress``) the loop's step lines go to the terminal
 only, above the bar; :class:`StepLog` then writes a step summary to the log file alone (never the terminal) every
 ``SUMMARY_EVERY`` steps or ``SUMMARY_EVERY_S`` seconds, whichever comes first, and the last step logged when the

@@ -4,7 +4,7 @@
     python scripts/report.py docs/study/v4/runs.jsonl.gz --out docs/study/v4
 
 Every folder under the sweep that holds `config.yaml`, `.hydra/config.yaml` or `metrics.jsonl` is a
-run; a pack (`scripts/pack_study.py`, written at the end of `scripts/run_grid.py`) holds the same runs, and the
+run; a pack (`scripts/study/pack_study.py`, written at the end of `scripts/run_grid.py`) holds the same runs, and the
 report made from it is the report made from the folder, byte for byte. Runs are pooled into cells (`group_runs`:
 runs that differ in nothing but the seed), shown by algo x staleness, and written to DIR (default `<sweep>/report`,
 or the pack's folder):
@@ -75,7 +75,7 @@ import numpy as np  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # scripts/ is read as a namespace package, as gpu_check.py does
-from scripts.pack_study import (  # noqa: E402
+from scripts.study.pack_study import (  # noqa: E402
     PackError,
     UsageParser,
     read_folder,
@@ -84,7 +84,7 @@ from scripts.pack_study import (  # noqa: E402
     record_steps,
     sweep_name,
 )
-from scripts.study_stats import (  # noqa: E402
+from scripts.study.study_stats import (  # noqa: E402
     FLOOR_SHARE,
     LEVEL,
     MIN_CLAIM_N,
@@ -200,7 +200,7 @@ def count_spikes(values, factor: float = SPIKE_FACTOR, min_history: int = SPIKE_
 
 @dataclass
 class Run:
-    """One run as the report reads it, from a run folder or a pack's record (``scripts/pack_study.py``)."""
+    """One run as the report reads it, from a run folder or a pack's record (``scripts/study/pack_study.py``)."""
 
     name: str  # the folder relative to the sweep ("." when the sweep is the run)
     cfg: dict

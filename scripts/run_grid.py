@@ -12,7 +12,7 @@ Each cell is a space-separated list of overrides; every cell runs once per seed.
 ``<sweep dir>/logs/<run>.log``. ``<sweep dir>/logs/grid.jsonl`` gets a line per run queued (run, overrides) and
 a line per attempt (run, exit status, seconds, the ``error:`` line of a failed one). At the end the whole sweep
 folder, this grid's runs and any others in it, is packed into ``<sweep dir>/runs.jsonl.gz`` (``--pack``
-elsewhere; ``scripts/pack_study.py``), the raw data a study commits and ``scripts/report.py`` reads.
+elsewhere; ``scripts/study/pack_study.py``), the raw data a study commits and ``scripts/report.py`` reads.
 
 A bad cell does not stop the grid: every other run still runs. At the end each run of this grid without
 ``final_metrics.json`` is listed by name with its error line, and the exit status is 1. Bad input (an unknown
@@ -36,8 +36,8 @@ from omegaconf import OmegaConf
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # scripts/ is read as a namespace package, as gpu_check.py does
-from scripts import pack_study  # noqa: E402
-from scripts.pack_study import usage_error  # noqa: E402
+from scripts.study import pack_study  # noqa: E402
+from scripts.study.pack_study import usage_error  # noqa: E402
 
 
 def sweep_dir(experiment: str, needed: bool = True) -> str | None:

@@ -32,8 +32,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # scripts/ is read as a namespace package, as report.py does
-from scripts.pack_study import PackError, read_pack, record_steps  # noqa: E402
-from scripts.study_stats import FLOOR_SHARE, holm, paired_t, t_interval  # noqa: E402
+from scripts.study.pack_study import PackError, read_pack, record_steps  # noqa: E402
+from scripts.study.study_stats import FLOOR_SHARE, holm, paired_t, t_interval  # noqa: E402
 from scripts.study_v5_stats import (  # noqa: E402
     ALPHA,
     EQUIVALENCE,

@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # scripts/ is read as a namespace package, as report.py does
-from scripts.pack_study import read_folder, read_pack, write_pack  # noqa: E402
+from scripts.study.pack_study import read_folder, read_pack, write_pack  # noqa: E402
 
 # The plan's order is L2, L3, L1 (a grid stopped early answers at L2 first). L3 is not run: the pilot's highest
 # healthy lr is L2's, so L3 would repeat L2 run for run (docs/study/v5/PLAN.md).

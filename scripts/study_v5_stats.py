@@ -24,7 +24,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # scripts/ is read as a namespace package, as report.py does
-from scripts.study_stats import Interval, t_quantile  # noqa: E402
+from scripts.study.study_stats import Interval, t_quantile  # noqa: E402
 
 ALPHA = 0.05  # Holm over the six primary tests
 EQUIVALENCE = 0.02  # INERT: both 90% intervals inside (-0.02, +0.02)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts import pack_study
+from scripts.study import pack_study
 
 ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("bapo_report_pack", ROOT / "scripts" / "report.py")

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from scripts import study_stats as stats
+from scripts.study import study_stats as stats
 from tests.conftest import load_script
 
 report = load_script("report")

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from scripts import study_stats as stats
+from scripts.study import study_stats as stats
 
 ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("bapo_report_stats", ROOT / "scripts" / "report.py")

@@ -1,10 +1,10 @@
-"""scripts/study_phases.py: per-window means of a study's clipping and search metrics, read from a pack alone."""
+"""scripts/study/study_phases.py: per-window means of a study's clipping and search metrics, read from a pack alone."""
 
 import json
 
 import pytest
 
-from scripts import pack_study, study_phases
+from scripts.study import pack_study, study_phases
 
 
 def _pack(tmp_path, runs):

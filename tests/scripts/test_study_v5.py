@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from scripts import pack_study, study_v5, study_v5_grid
-from scripts.study_stats import Interval
+from scripts import study_v5, study_v5_grid
+from scripts.study import pack_study
+from scripts.study.study_stats import Interval
 from scripts.study_v5_stats import (
     HELPS,
     HURTS,

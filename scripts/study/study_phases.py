@@ -1,6 +1,6 @@
 """A study's clipping and search metrics by training phase, read from its pack (or sweep folder) alone.
 
-    python scripts/study_phases.py docs/study/v4/runs.jsonl.gz --phases 0:30 30:50
+    python scripts/study/study_phases.py docs/study/v4/runs.jsonl.gz --phases 0:30 30:50
 
 report.py's tables read a run's end; a testbed whose regime fades (the rambling testbed's positive share is near
 0.4 only for its first 20-30 steps) needs the same metrics over windows of steps. For each arm x staleness and
@@ -30,7 +30,7 @@ import math
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 from scripts.report import _show, group_runs, load_runs  # noqa: E402

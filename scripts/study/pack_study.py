@@ -1,6 +1,6 @@
 """Pack a study's raw data into one compressed file that a report can be regenerated from.
 
-    python scripts/pack_study.py multirun/study_v4 --out docs/study/v4/runs.jsonl.gz
+    python scripts/study/pack_study.py multirun/study_v4 --out docs/study/v4/runs.jsonl.gz
     python scripts/report.py docs/study/v4/runs.jsonl.gz --out docs/study/v4
 
 A study is a Hydra multirun folder (``scripts/run_grid.py``, or ``train.py -m``): every folder under it that holds
