@@ -8,7 +8,8 @@ Between the producer and the buffer, on the learner's thread:
    numerical mismatch; the mismatch is logged (``rollout/logp_mismatch_*``). A batch
    already too stale for the buffer is not recomputed: the buffer drops it anyway,
    and its snapshot may be gone. Without recompute the mismatch is measured on a sampled share of
-   each batch's rows (``learner.logp_check_share``, :func:`check_logp`). The engine's log-probs stay on each sample
+   the rows of each batch made at the learner's own weights (``learner.logp_check_share``,
+   :func:`check_logp`). The engine's log-probs stay on each sample
    (``behaviour_logp``), and a rollout correction (``algo.correction``: TIS, MIS,
    geometric rejection; ``bapo.algos.correction``) turns the two into per-token weights
    (``token_weight``), logged under ``correction/``.
@@ -21,7 +22,6 @@ Between the producer and the buffer, on the learner's thread:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -46,21 +46,18 @@ def recompute_logp(batch: RolloutBatch, learner: Any, weights: dict | None) -> t
     return dataclasses.replace(batch, samples=tuple(new)), stats
 
 
-def check_logp(batch: RolloutBatch, learner: Any, snapshot: Callable, *, share: float, seed: int) -> dict:
+def check_logp(batch: RolloutBatch, learner: Any, *, share: float, seed: int) -> dict:
     """The engine-vs-learner mismatch (``rollout/logp_mismatch_*``) on a share of the batch's rows, the batch left
     as it is (the engine's log-probs stay the behaviour): :func:`recompute_logp` on the rows :func:`check_rows`
-    picks, at the weights that generated them: the learner's own, or ``snapshot(batch.version)``. Nothing (no
-    forward) when those weights are no longer held (an async batch made ahead)."""
-    try:
-        weights = None if batch.version == learner.version else snapshot(batch.version)
-    except KeyError:
+    picks, at the weights that generated them, which must be the learner's own. Nothing (no forward) for a batch
+    of an older version (async): whether its snapshot is still held depends on the producer thread's timing, and
+    a run's metrics must not."""
+    if batch.version != learner.version:  # its weights are held or not as the producer's thread happens to run
         return {}
     rows = check_rows(batch, share, seed, at_least=dist.world_size())  # the learner shards them: one a rank at least
     if not rows:
         return {}
-    _, stats = recompute_logp(
-        dataclasses.replace(batch, samples=tuple(batch.samples[i] for i in rows)), learner, weights
-    )
+    _, stats = recompute_logp(dataclasses.replace(batch, samples=tuple(batch.samples[i] for i in rows)), learner, None)
     stats.pop("engine_logp")
     return stats
 

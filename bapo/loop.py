@@ -427,7 +427,7 @@ def put(rc: RunConfig, s: Stages, batch) -> dict:
             behaviour = {"weights": TokenVersionWeights(by_version)}
     elif rc.learner.logp_check_share > 0 and admissible:  # the engine's log-probs stay: measure their mismatch
         seed = derive_seed(rc.seed, "logp_check", batch.index)
-        check = advantages.check_logp(batch, s.learner, s.source.snapshot, share=rc.learner.logp_check_share, seed=seed)
+        check = advantages.check_logp(batch, s.learner, share=rc.learner.logp_check_share, seed=seed)
     scored, stats = advantages.score(
         batch,
         s.learner,

@@ -139,4 +139,5 @@ def test_run_trains_the_same_from_a_replaying_source(tmp_path, monkeypatch):
     assert [r["step"] for r in replay] == [0, 1, 2]
     assert replay == live
     assert "eval/accuracy" in replay[2] and replay[2]["eval/version"] == replay[2]["policy/version"] == 4
-    assert recorded["replay"].taken == 2 and recorded["replay"].slept == 2
+    # told before each step's learner forwards twice: scoring (the mismatch check's forward) and the updates
+    assert recorded["replay"].taken == 2 and recorded["replay"].slept == 4

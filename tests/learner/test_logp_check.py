@@ -3,7 +3,6 @@ a batch's rows at the weights that generated them and logs ``rollout/logp_mismat
 log-probs as the behaviour policy. Hand-checked values: an engine whose log-probs are the learner's plus known
 offsets."""
 
-import copy
 import dataclasses
 
 import pytest
@@ -69,7 +68,7 @@ def test_an_engine_off_by_known_offsets_gives_their_mean_max_and_share(tiny_mode
     lrn = learner(tiny_model)
     # 4 rows of 5 tokens, engine = learner + 0.05, - 0.3, + 0.05, - 0.3 nats on every token of the row
     batch = with_offsets(batch_of(4), lrn, [0.05, -0.3, 0.05, -0.3])
-    got = check_logp(batch, lrn, snapshot=None, share=1.0, seed=1)
+    got = check_logp(batch, lrn, share=1.0, seed=1)
     assert set(got) == KEYS
     assert got["rollout/logp_mismatch_mean"] == pytest.approx(0.175, abs=1e-5)  # (10 x 0.05 + 10 x 0.3) / 20
     assert got["rollout/logp_mismatch_max"] == pytest.approx(0.3, abs=1e-5)
@@ -77,7 +76,7 @@ def test_an_engine_off_by_known_offsets_gives_their_mean_max_and_share(tiny_mode
     assert got["rollout/logp_mismatch_tokens"] == 20.0
     # one offset for all: mean = max = the offset, and nothing over the threshold
     same = with_offsets(batch_of(4), lrn, [0.07] * 4)
-    one = check_logp(same, lrn, snapshot=None, share=0.25, seed=3)  # a quarter of 4 rows: one row
+    one = check_logp(same, lrn, share=0.25, seed=3)  # a quarter of 4 rows: one row
     assert one["rollout/logp_mismatch_mean"] == pytest.approx(0.07, abs=1e-5)
     assert one["rollout/logp_mismatch_frac"] == 0.0 and one["rollout/logp_mismatch_tokens"] == 5.0
 
@@ -86,7 +85,7 @@ def test_the_batch_is_left_as_it_is(tiny_model):
     lrn = learner(tiny_model)
     batch = with_offsets(batch_of(4), lrn, [0.3] * 4)
     before = [s.logp.clone() for s in batch.samples]
-    check_logp(batch, lrn, snapshot=None, share=1.0, seed=0)
+    check_logp(batch, lrn, share=1.0, seed=0)
     assert all(torch.equal(s.logp, b) for s, b in zip(batch.samples, before, strict=True))
 
 
@@ -109,26 +108,24 @@ def test_rows_partly_made_by_older_weights_are_not_checked():
     assert check_rows(batch, 1.0, seed=0) == [0, 2, 4]
 
 
-def test_an_older_batch_is_scored_at_its_snapshot_and_a_released_one_not_at_all(tiny_model):
+def test_an_older_batch_is_not_checked(tiny_model):
+    """A batch made at an older version (async) is not checked: whether its snapshot is still held depends on the
+    producer thread's timing, and which steps log the mismatch must not (an async run's metrics resumed and
+    straight differed at step 7 when it was checked whenever the snapshot happened to be there)."""
     lrn = learner(tiny_model)
-    old = {k: v + 0.05 for k, v in lrn.snapshot().items()}  # the weights version 0 had
-    twin = learner(copy.deepcopy(tiny_model))
-    twin.model.load_state_dict(old)
-    batch = with_offsets(batch_of(4), twin, [0.0] * 4)  # an engine that matches version 0 exactly
+    batch = with_offsets(batch_of(4), lrn, [0.0] * 4)
     lrn.version = 2
-    got = check_logp(batch, lrn, snapshot={0: old}.__getitem__, share=1.0, seed=0)
-    assert got["rollout/logp_mismatch_max"] < 1e-5  # at the snapshot's weights, not the current ones
     counted = Counting(lrn)
-    assert check_logp(batch, lrn, snapshot={}.__getitem__, share=1.0, seed=0) == {}  # released: nothing to compare
+    assert check_logp(batch, lrn, share=1.0, seed=0) == {}
     assert counted.calls == 0
 
 
 def test_share_zero_runs_no_forward(tiny_model):
     lrn = learner(tiny_model)
     counted = Counting(lrn)
-    assert check_logp(batch_of(8), lrn, snapshot=None, share=0.0, seed=0) == {}
+    assert check_logp(batch_of(8), lrn, share=0.0, seed=0) == {}
     assert counted.calls == 0
-    check_logp(batch_of(8), lrn, snapshot=None, share=0.25, seed=0)
+    check_logp(batch_of(8), lrn, share=0.25, seed=0)
     assert (counted.calls, counted.rows) == (1, 2)  # one forward, over the sampled rows only
 
 
