@@ -321,7 +321,7 @@ def test_the_split_plans_learner_ranks_server_gpus_and_staging_by_hand():
     asynchronous = P.plan_for(["experiment=paper_7b", "placement=gpu_node_split", "train.async_rollout=true"])
     host = {i.what.split(":")[0]: i.bytes for i in asynchronous.host}
     assert host["servers' staged weights in /dev/shm"] == 4 * 2 * N  # one copy a server
-    assert host["weight snapshots"] == 2 * 4 * 2 * N  # 4 // 4 + 1 = 2 versions x 4 ranks, bf16
+    assert host["weight snapshots"] == 2 * 4 * 4 * N  # 4 // 4 + 1 = 2 versions x 4 ranks, fp32 (paper_7b recomputes)
     # servers given by URL live elsewhere: all 8 GPUs train, nothing staged on this node's tmpfs by servers here
     remote = P.plan_for(["experiment=paper_7b", "placement=gpu_node_split", "rollout.url='http://a:1'"], nproc=1)
     assert remote.setup.server_gpus == 0 and not any("staged" in i.what for i in remote.host)
