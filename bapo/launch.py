@@ -127,7 +127,7 @@ class Launch:
         """The choice as Hydra overrides, for the ranks this launch starts."""
         out = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in self.changes]
         if self.chosen is not None:
-            out.append(f"launcher.chosen='{self.record}'")  # quoted: commas, colons, parentheses; no quote in it
+            out.append(f"launcher.chosen={quoted(self.record)}")  # commas, colons, parentheses
         return out
 
     @property
@@ -373,7 +373,12 @@ def rank_args(hc, run_dir: Path, how: Launch) -> list[str]:
     args = [f"--config-name={hc.job.config_name}"]
     args += [f"--config-dir={s.path}" for s in hc.runtime.config_sources if s.provider == "command-line"]
     args += [o for o in hc.overrides.hydra if not o.lstrip("+~").startswith(DROPPED_HYDRA)]
-    return [*args, *hc.overrides.task, *how.overrides(), f"hydra.run.dir={Path(run_dir).absolute()}"]
+    return [*args, *hc.overrides.task, *how.overrides(), f"hydra.run.dir={quoted(str(Path(run_dir).absolute()))}"]
+
+
+def quoted(value: str) -> str:
+    """``value`` as a quoted Hydra override value (a sweep cell's folder holds ``=`` and ``,``)."""
+    return "'" + value.replace("'", "\\'") + "'"
 
 
 @dataclass(frozen=True)

@@ -362,6 +362,37 @@ def test_qwen7b_without_torchrun_trains_and_exports(world, engine):
     )
 
 
+# The same command through the launch (bapo/launch.py) on a machine that reports N GPUs (BAPO_FAKE_DEVICES, its test
+# hook: the ranks run gloo on the CPU): on 2 of 141 GB it starts 2 ranks as configured (the plan fits); on one of
+# 80 GB it takes the memory plan's choice, the learner's state on the host, in one process. The HF variant.
+LAUNCHES = {"2x141": (2, False), "1x80": (1, True)}  # devices reported: (ranks, learner.cpu_offload chosen)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("devices", LAUNCHES)
+def test_qwen7b_as_written_starts_the_ranks_of_the_devices_it_sees(world, devices):
+    """`python train.py algo=bapo model=qwen7b` on a machine reporting 2 GPUs, then 1: the launch's choice, asserted
+    against what bapo.launch.decide chooses for that composition and those devices."""
+    from unittest import mock
+
+    from bapo import launch as launcher
+
+    ranks, offload = LAUNCHES[devices]
+    env, run_dir = world["env"] | {launcher.FAKE_DEVICES: devices}, world["base"] / f"qwen7b-launch-{devices}"
+    train = ["train.py", *variant(overrides(QWEN7B), "hf"), *sized(QWEN7B_SIZES)]
+    out = launch(sys.executable, [*train, f"hydra.run.dir={run_dir}"], env, torchrun=False)
+    with mock.patch.dict(os.environ, {launcher.FAKE_DEVICES: devices, "BAPO_DATA_DIR": env["BAPO_DATA_DIR"]}):
+        expected = launcher.decide(_compose("config", train[1:]), train[1:])
+    assert (expected.nproc, expected.changes) == (ranks, (("learner.cpu_offload", True),) if offload else ())
+    assert out.count(f"launch: {expected.record}") == 1  # one log line says what and why
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert cfg["launcher"]["chosen"] == expected.record and cfg["learner"]["cpu_offload"] is offload
+    # the user's command as composed, with the launch's choice and nothing else
+    assert_ran_as_composed(run_dir, [*train[1:], *expected.overrides()], env, steps=2, version=4)
+    meta = json.loads((run_dir / "checkpoints" / "step_000002" / "meta.json").read_text())
+    assert meta["world_size"] == ranks
+
+
 @pytest.mark.slow
 def test_one_cell_of_the_staleness_sweep_runs_and_a_relaunch_skips_it(world):
     """`python train.py -m experiment=ablation_staleness`, one cell (algo=bapo, 3 mini-batches, seed 2)."""
