@@ -21,17 +21,18 @@ Prompts longer than the model leaves room for (its context minus ``max_new_token
 ``max_prompt_tokens``) are skipped and counted as in training; the reports say how many per set.
 vLLM is sized for exactly that (``max_model_len`` = the prompt limit + ``max_new_tokens``).
 
-A plain ``python eval.py`` on a GPU node starts one rank per GPU itself (``bapo.launch``: the elastic launcher
+A plain ``python eval.py`` on a GPU node starts one rank per GPU itself (``bapo.entry.launch``: the elastic launcher
 torchrun runs), as ``torchrun --nproc_per_node=<GPUs> eval.py`` does. Every rank builds its own engine (vLLM: one
 per rank in the process group), samples and grades its share of the problems; the graded shares are gathered
-and rank 0 writes the reports. Every sample row records its generate call's seed and request index (bapo/evaluate.py).
+and rank 0 writes the reports. Every sample row records its generate call's seed and request index
+(bapo/eval/evaluate.py).
 
 Writes results.json, results.md and samples_<set>.jsonl to the run folder
 (outputs/eval/<date>/<time>), which it holds as train.py holds its own (a second eval.py on the same
 folder is refused at once). Bad input is one line, ``error: ConfigError: <key>: ...``, exit
-status 2, and leaves no run folder behind (bapo/cli.py). This is evaluation's composition root,
+status 2, and leaves no run folder behind (bapo/entry/cli.py). This is evaluation's composition root,
 as bapo/loop.py is training's: it alone builds the engines (the rollout engine and the training
-verifier) and hands them to bapo/evaluate.py.
+verifier) and hands them to bapo/eval/evaluate.py.
 """
 
 from collections.abc import Sequence
@@ -47,13 +48,13 @@ def run(cfg: DictConfig, run_dir, overrides: Sequence[str] = ()) -> dict:
     overrides), which win over a training run's settings."""
     import logging
 
-    from bapo import dist
-    from bapo import evaluate as ev
+    from bapo.eval import evaluate as ev
+    from bapo.infra import dist
 
     log = logging.getLogger("eval")
     source = ev.adopt_run(cfg, overrides)  # a training run's settings, before anything is validated or loaded
     job = ev.build_job(cfg)
-    from bapo.rollout import check_engine
+    from bapo.engines import check_engine
 
     check_engine(job.rollout)  # vLLM not installed: one line, before the model loads
     problems = {name: ev.load_evalset(s, limit=job.run.limit) for name, s in job.sets.items()}  # before loading
@@ -68,12 +69,12 @@ def run(cfg: DictConfig, run_dir, overrides: Sequence[str] = ()) -> dict:
 
 def _evaluate(cfg: DictConfig, run_dir, job, source, problems: dict, log) -> dict:
     """:func:`run`'s body, once the config is valid: join the ranks, load, sample, grade, report."""
-    from bapo import dist
-    from bapo import evaluate as ev
     from bapo.config import ConfigError
+    from bapo.engines import build_rollout, engine_traits
+    from bapo.eval import evaluate as ev
+    from bapo.infra import dist
     from bapo.modeling import attention_kernel, load_model, load_tokenizer, model_path, pick_device
     from bapo.reward import MathVerifier
-    from bapo.rollout import build_rollout, engine_traits
 
     m, r = job.model, job.run
     run_dir = dist.shared_path(run_dir)  # torchrun: joins the process group (a hub id resolves rank by rank)
@@ -139,14 +140,14 @@ def _evaluate(cfg: DictConfig, run_dir, job, source, problems: dict, log) -> dic
 def main(cfg: DictConfig) -> None:
     import os
 
-    from bapo.cli import guarded, hydra_files, launch_here
-    from bapo.dist import from_slurm
-    from bapo.launch import announce
+    from bapo.entry.cli import guarded, hydra_files, launch_here
+    from bapo.entry.launch import announce
+    from bapo.infra.dist import from_slurm
 
     from_slurm()  # SLURM with one task per rank: torchrun's variables
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
-    if launch_here(cfg, hc, __file__, run_dir, None, "eval"):  # the node's ranks evaluated (bapo.launch)
+    if launch_here(cfg, hc, __file__, run_dir, None, "eval"):  # the node's ranks evaluated (bapo.entry.launch)
         return
     files = hydra_files(cfg)  # .hydra/, written once the folder is held (conf/eval_config.yaml: output_subdir null)
     rank0 = os.environ.get("RANK", "0") == "0"  # under torchrun rank 0 holds the shared folder
@@ -157,6 +158,6 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":  # vLLM's engine may spawn processes that re-import this file
-    from bapo.cli import hydra_entry
+    from bapo.entry.cli import hydra_entry
 
     hydra_entry(main)  # Hydra's own start-up errors (a bad override, an unknown set): one line too

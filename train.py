@@ -5,11 +5,11 @@
 without starting anything or creating a run folder.
 
 Outside torchrun, ``python train.py ...`` starts one rank per GPU of the node itself, the memory plan choosing
-what fits them (``bapo.launch``, ``launcher.nproc_per_node``); under torchrun or SLURM nothing changes.
+what fits them (``bapo.entry.launch``, ``launcher.nproc_per_node``); under torchrun or SLURM nothing changes.
 
 ``python train.py -m <grid>`` runs a sweep: a failed cell is recorded and the next one runs, each cell
 resumes (``resume=auto``) unless told otherwise, and ``-m <grid> --cfg job`` prints every cell's
-config (``bapo.sweep``)."""
+config (``bapo.entry.sweep``)."""
 
 import os
 import sys
@@ -22,11 +22,11 @@ from omegaconf import DictConfig
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from bapo.cli import guarded, hydra_files, launch_here
-    from bapo.dist import from_slurm
-    from bapo.launch import announce
+    from bapo.entry.cli import guarded, hydra_files, launch_here
+    from bapo.entry.launch import announce
+    from bapo.entry.sweep import cell_of, default_resume
+    from bapo.infra.dist import from_slurm
     from bapo.loop import run
-    from bapo.sweep import cell_of, default_resume
 
     from_slurm()  # SLURM with one task per rank: torchrun's variables, and nothing else changes
     hc = HydraConfig.get()
@@ -34,7 +34,7 @@ def main(cfg: DictConfig) -> None:
     cell = cell_of(hc)
     if cell is not None:
         default_resume(cfg, hc.overrides.task)  # a relaunched sweep skips its complete cells
-    if launch_here(cfg, hc, __file__, run_dir, cell, "train"):  # the node's ranks ran the job (bapo.launch)
+    if launch_here(cfg, hc, __file__, run_dir, cell, "train"):  # the node's ranks ran the job (bapo.entry.launch)
         return
     files = hydra_files(cfg)  # .hydra/, written once the folder is held (conf/config.yaml: output_subdir null)
     rank0 = os.environ.get("RANK", "0") == "0"  # under torchrun rank 0 holds the shared folder
@@ -50,10 +50,10 @@ if __name__ == "__main__":
         from bapo.plan import cli
 
         sys.exit(cli(sys.argv[1:]))
-    from bapo.cli import hydra_entry
+    from bapo.entry.cli import hydra_entry
 
     if "-m" in sys.argv[1:] or "--multirun" in sys.argv[1:]:
-        from bapo.sweep import show_cells, wants_cells
+        from bapo.entry.sweep import show_cells, wants_cells
 
         if wants_cells(sys.argv[1:]):  # Hydra refuses -m with --cfg: every cell's config instead
             sys.exit(hydra_entry(lambda: show_cells(sys.argv[1:], Path(__file__).parent / "conf")))

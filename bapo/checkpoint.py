@@ -1,7 +1,7 @@
 """What a run's checkpoint holds, and how a run saves and restores it (a collective under torchrun).
 
 The folder itself (written atomically, checksummed, verified on every read, pruned within the run's
-lineage, a full disk or a failing rank made one plain error) is :mod:`bapo.ckpt_folder`'s job. This module
+lineage, a full disk or a failing rank made one plain error) is :mod:`bapo.infra.ckpt_folder`'s job. This module
 fills it: :func:`save_run` writes the learner, each rank's rollout source, the loop's shared objects and
 every RNG an exact resume needs; :func:`restore_run` reads them back, at another world size too where that
 is possible. The files hold tensors and plain containers only (read with ``weights_only=True``): the loop's
@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from bapo import ckpt_folder, dist
-from bapo.checks import require, resumable
-from bapo.ckpt_folder import (
+from bapo.infra import ckpt_folder, dist
+from bapo.infra.checks import require, resumable
+from bapo.infra.ckpt_folder import (
     MANIFEST,
     CheckpointError,
     check_finite,
@@ -89,12 +89,12 @@ def from_plain(obj: Any) -> Any:
 
 
 def write(path: Path, state: dict) -> None:
-    """One file of a run's checkpoint, its records encoded (:func:`bapo.ckpt_folder.write`)."""
+    """One file of a run's checkpoint, its records encoded (:func:`bapo.infra.ckpt_folder.write`)."""
     ckpt_folder.write(path, to_plain(state))
 
 
 def load(path: Path, *, verify_checksum: bool = True) -> Any:
-    """A checkpoint's ``state.pt`` (or one file of it), verified and decoded (:func:`bapo.ckpt_folder.load`)."""
+    """A checkpoint's ``state.pt`` (or one file of it), verified and decoded (:func:`bapo.infra.ckpt_folder.load`)."""
     return from_plain(ckpt_folder.load(path, verify_checksum=verify_checksum))
 
 
@@ -143,13 +143,13 @@ def save_run(
 
     - ``state.pt`` (rank 0): the step, every object of ``shared`` by name (their ``state_dict()``: the buffer,
       the monitor) and the RNG states (:func:`capture_rng`);
-    - ``producer_rank<r>.pt`` (each rank): the rollout source's state (``bapo.rollout_source``: its queue and data
+    - ``producer_rank<r>.pt`` (each rank): the rollout source's state (``bapo.rollout.source``: its queue and data
       cursor); rank 0's also holds its weight snapshots (full copies, the same on every rank that holds that
       version: written once, read by every rank), without the snapshot of the learner's current version (restored
       from the model); another rank's file holds the snapshots rank 0 no longer (or not yet) holds: async
       producers pause between batches, not at the same batch, so one rank may still need a version rank 0 dropped;
     - ``learner/`` (the learner's ``save``): weights, AdamW, schedule, version; DCP shards under FSDP;
-    - ``meta.json`` and ``manifest.json``, written last by :func:`bapo.ckpt_folder.save`.
+    - ``meta.json`` and ``manifest.json``, written last by :func:`bapo.infra.ckpt_folder.save`.
 
     A failure on any rank (a full disk) fails every rank, after the partial folder is removed.
     """

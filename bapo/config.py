@@ -1,10 +1,10 @@
 """The run's typed config: every group's schema merged and checked, the batch arithmetic, the cross-checks.
 
 Each group's schema lives beside its owner (``bapo/algos/config.py``; each engine's module in
-``bapo/rollout/``, with the keys every engine has in ``bapo/rollout/config.py``; ``bapo/learner/config.py``,
-``bapo/reward/config.py``, ``bapo/data_config.py``, and the small ones in ``buffer``, ``tracking``,
+``bapo/engines/``, with the keys every engine has in ``bapo/engines/config.py``; ``bapo/learner/config.py``,
+``bapo/reward/config.py``, ``bapo/data/config.py``, and the small ones in ``buffer``, ``tracking``,
 ``monitor``, ``checkpoint``); the defaults live in ``conf/``; the error helpers in
-``bapo/checks.py``. A group with variants has one schema per variant, picked by its selector key, and
+``bapo/infra/checks.py``. A group with variants has one schema per variant, picked by its selector key, and
 each variant holds only the keys it reads. :func:`build` merges each group into its schema, so a
 missing, unknown, mistyped or out-of-range key fails at startup naming it (``rollout.temperature: must be
 > 0, got -1.0``); :func:`derive_sizes` computes the batch arithmetic once, :func:`check_combinations`
@@ -22,9 +22,13 @@ from pathlib import Path
 from omegaconf import MISSING, DictConfig
 
 from bapo.algos.config import AlgoConfig, algo_config
-from bapo.buffer import BufferConfig
 from bapo.checkpoint import CheckpointConfig
-from bapo.checks import (
+from bapo.data.config import DATA, ArithConfig, ArithDataConfig, FileDataConfig, HubDataConfig
+from bapo.engines.config import RolloutCommon
+from bapo.engines.registry import ENGINE_CONFIGS, engine_traits
+from bapo.entry.launch import LauncherConfig
+from bapo.experience.buffer import BufferConfig
+from bapo.infra.checks import (
     ConfigError,
     check_finite,
     choice,
@@ -36,22 +40,18 @@ from bapo.checks import (
     typed,
     variant,
 )
-from bapo.data_config import DATA, ArithConfig, ArithDataConfig, FileDataConfig, HubDataConfig
-from bapo.launch import LauncherConfig
+from bapo.infra.paths import HELDOUT, ROOT, eval_sets, exported_max_new_tokens, resolve_path
+from bapo.infra.tracking import LoggerConfig
 from bapo.learner.config import LEARNER, FSDPLearnerConfig, LearnerCommon, SingleLearnerConfig
 from bapo.modeling import ModelConfig
 from bapo.monitor import MonitorConfig
-from bapo.paths import HELDOUT, ROOT, eval_sets, exported_max_new_tokens, resolve_path
 from bapo.reward.config import RewardConfig
-from bapo.rollout.config import RolloutCommon
-from bapo.rollout.registry import ENGINE_CONFIGS, engine_traits
-from bapo.schedule import partial_lag
-from bapo.tracking import LoggerConfig
+from bapo.rollout.schedule import partial_lag
 
 # Re-exported: the names the stages, scripts and tests import from this module.
 __all__ = ["ROOT", "ArithConfig", "ConfigError", "FSDPLearnerConfig", "ModelConfig", "RunConfig", "SingleLearnerConfig"]
 __all__ += ["build", "check_combinations", "derive_sizes", "did_you_mean", "prompt_limit", "resolve_path"]
-__all__ += ["ENGINE_CONFIGS"]  # each engine's schema, by rollout.engine (bapo.rollout.registry)
+__all__ += ["ENGINE_CONFIGS"]  # each engine's schema, by rollout.engine (bapo.engines.registry)
 
 
 # ----------------------------------------------------------------------------- run-level groups
@@ -88,7 +88,7 @@ class TrainConfig:
     steps: int = resumable()
     prompts_per_step: int = MISSING
     sync_every: int = MISSING
-    async_rollout: bool = MISSING  # generate on a background thread, ahead of the learner (bapo/offpolicy.py)
+    async_rollout: bool = MISSING  # generate on a background thread, ahead of the learner (bapo/rollout/producer.py)
 
     def __post_init__(self) -> None:
         require(self.steps >= 0, "train.steps", "must be >= 0")
@@ -113,7 +113,7 @@ class PlacementConfig:
     max_tokens_per_micro_batch: int | None = resumable(None)
     activation_checkpointing: bool | None = resumable(None)
     cpu_offload: bool | None = resumable(None)
-    # Where rollout runs (bapo.workers): in the learner's process, or in rollout.workers processes of its own.
+    # Where rollout runs (bapo.rollout.workers): in the learner's process, or in rollout.workers processes of its own.
     mode: str = resumable("colocated")  # colocated | disaggregated
     host: str = resumable("127.0.0.1")  # where the learner listens for its workers
     port: int = resumable(0)  # 0: any free port
@@ -164,7 +164,7 @@ class RunConfig:
     algo: AlgoConfig
     model: ModelConfig
     data: ArithDataConfig | FileDataConfig | HubDataConfig
-    rollout: RolloutCommon  # the schema of the engine rollout.engine names (bapo.rollout.registry)
+    rollout: RolloutCommon  # the schema of the engine rollout.engine names (bapo.engines.registry)
     reward: RewardConfig
     buffer: BufferConfig
     learner: SingleLearnerConfig | FSDPLearnerConfig
@@ -177,11 +177,11 @@ class RunConfig:
     sizes: Sizes
     resume: str | None = None  # null | auto | a run folder or checkpoint folder
     overwrite: bool = False  # a fresh start may replace another run's files in run_dir
-    launcher: LauncherConfig | None = None  # how the run was launched (bapo/launch.py)
+    launcher: LauncherConfig | None = None  # how the run was launched (bapo/entry/launch.py)
 
     @property
     def mode(self) -> str:
-        """The off-policy schedule (bapo/offpolicy.py): sync, or the async enforcement."""
+        """The off-policy schedule (bapo/rollout/producer.py): sync, or the async enforcement."""
         return self.buffer.enforce if self.train.async_rollout else "sync"
 
 
@@ -195,7 +195,7 @@ PLAIN: dict[str, type] = {
     "monitor": MonitorConfig,
     "checkpoint": CheckpointConfig,
     "placement": PlacementConfig,
-    "launcher": LauncherConfig,  # how a plain `python train.py` starts its ranks (bapo/launch.py)
+    "launcher": LauncherConfig,  # how a plain `python train.py` starts its ranks (bapo/entry/launch.py)
 }
 VARIANTS: dict[str, tuple[str, Mapping[str, type]]] = {
     "data": ("kind", DATA),
@@ -227,10 +227,10 @@ def derive_sizes(train: TrainConfig, rollout: RolloutCommon, learner: LearnerCom
     )
     updates = learner.ppo_epochs * mb
     reuse = updates - 1
-    # a token may wait `lag` more batches for its response's last segment (partial rollouts: bapo.schedule)
+    # a token may wait `lag` more batches for its response's last segment (partial rollouts: bapo.rollout.schedule)
     b, L = rollout.segment_budget, rollout.max_new_tokens
     lag = partial_lag(L, b)
-    need = reuse + train.sync_every - 1 + lag * updates  # = bapo.schedule.min_staleness, plus that lag
+    need = reuse + train.sync_every - 1 + lag * updates  # = bapo.rollout.schedule.min_staleness, plus that lag
     segments = (
         f"rollout.partial_budget={b} of rollout.max_new_tokens={L} gives a response up to {lag + 1} segments, one "
         f"per step, so its first tokens wait {lag} steps x {updates} updates more; "
@@ -262,7 +262,9 @@ def check_combinations(rc: RunConfig, world: int | None = None, launched: bool |
     launched = "WORLD_SIZE" in os.environ if launched is None else launched
     fsdp = rc.learner.kind == "fsdp"
     if fsdp and not launched and cuda_available():
-        from bapo.launch import check_one_gpu  # one GPU of our own (bapo.dist.init_one_rank) holds the learner
+        from bapo.entry.launch import (
+            check_one_gpu,  # one GPU of our own (bapo.infra.dist.init_one_rank) holds the learner
+        )
 
         check_one_gpu(rc)
     sleeps = engine_traits(rc.rollout.engine).can_sleep and getattr(rc.rollout, "enable_sleep_mode", False)

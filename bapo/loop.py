@@ -11,11 +11,11 @@ version - sample version), which is the regime BAPO is for. The rollout engine
 receives the learner's weights every ``train.sync_every`` updates.
 
 Who owns what: the learner its version, weights, checkpoint and export (sharding is a
-strategy inside it); the rollout source (``bapo.rollout_source``; in this process the
-producer of ``bapo.offpolicy``) its engine, weight snapshots, queue and, through its batch
-maker (``bapo.rollout_maker``), the data cursor and the cross-rank gather; ``bapo.advantages``
+strategy inside it); the rollout source (``bapo.rollout.source``; in this process the
+producer of ``bapo.rollout.producer``) its engine, weight snapshots, queue and, through its batch
+maker (``bapo.rollout.maker``), the data cursor and the cross-rank gather; ``bapo.experience.scoring``
 recompute, critic values and advantages; ``bapo.checkpoint`` the checkpoint layout and RNG
-state; ``bapo.rundir`` the run folder (lock, fresh/resume decision, config changes). :func:`run` only wires them.
+state; ``bapo.entry.rundir`` the run folder (lock, fresh/resume decision, config changes). :func:`run` only wires them.
 """
 
 from __future__ import annotations
@@ -37,24 +37,28 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from bapo import advantages, checkpoint, dist, offpolicy, rundir, workers
+from bapo import checkpoint
 from bapo.algos import build_objective
-from bapo.buffer import ReplayBuffer
 from bapo.config import RunConfig, build, prompt_limit
-from bapo.data import LoadReport, PromptStream, check_files, problem_sources, render_prompts
-from bapo.evaluate import evaluate, evaluate_sets, load_evalset, named_set, prepare_set
-from bapo.groupfilter import GroupFilter
+from bapo.data.loading import LoadReport, PromptStream, check_files, problem_sources, render_prompts
+from bapo.engines import build_rollout, check_engine, engine_traits
+from bapo.entry import rundir
+from bapo.eval.evaluate import evaluate, evaluate_sets, load_evalset, named_set, prepare_set
+from bapo.experience import scoring
+from bapo.experience.buffer import ReplayBuffer
+from bapo.infra import dist
+from bapo.infra.paths import EXPORT_CONFIG
+from bapo.infra.seeding import derive_seed, seed_everything
+from bapo.infra.tracking import MetricsLogger, NullLogger, check_wandb, truncate_metrics
 from bapo.learner import Learner, TokenVersionWeights, TrainingDiverged, frozen_dtype, master_dtype
 from bapo.modeling import attention_kernel, load_model, load_tokenizer, model_path
 from bapo.monitor import Monitor
-from bapo.paths import EXPORT_CONFIG
 from bapo.reward import MathVerifier
-from bapo.rollout import build_rollout, check_engine, engine_traits
-from bapo.rollout_maker import RolloutMaker
-from bapo.rollout_source import Interrupted, RolloutSource
-from bapo.schedule import partial_lag
-from bapo.seeding import derive_seed, seed_everything
-from bapo.tracking import MetricsLogger, NullLogger, check_wandb, truncate_metrics
+from bapo.rollout import producer, workers
+from bapo.rollout.groupfilter import GroupFilter
+from bapo.rollout.maker import RolloutMaker
+from bapo.rollout.schedule import partial_lag
+from bapo.rollout.source import Interrupted, RolloutSource
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +223,7 @@ def build_maker(
     """The rollout side of a run: its engine and the batch maker that drives it (drawing prompts from the
     training stream, generating this rank's share, grading), the data loaders' report and the held-out
     prompts (rendered here too, so that the report counts their skipped rows wherever it is built). Built
-    in the learner's process, or in each rollout worker (``bapo.rollout_worker``) of a disaggregated run."""
+    in the learner's process, or in each rollout worker (``bapo.rollout.worker``) of a disaggregated run."""
     engine = build_rollout(
         rc.rollout,
         path=path,
@@ -245,7 +249,9 @@ def build_maker(
         skipped=report,
         partial_budget=rc.rollout.segment_budget,
     )
-    if rc.algo.filter_groups:  # DAPO's dynamic sampling: informative groups only, refilled (bapo/groupfilter.py)
+    if (
+        rc.algo.filter_groups
+    ):  # DAPO's dynamic sampling: informative groups only, refilled (bapo/rollout/groupfilter.py)
         maker = GroupFilter(maker, prompts_per_step=rc.train.prompts_per_step)
     return maker, engine, verifier, report, heldout
 
@@ -338,7 +344,7 @@ def build_stages(rc: RunConfig, cfg: DictConfig | None = None) -> Stages:
 def make_source(rc: RunConfig, maker, engine, interrupt: threading.Event) -> RolloutSource:
     """The rollout source: this process's producer, which runs ``maker`` with ``engine`` inline (sync) or on
     its thread (async). A source placed elsewhere (rollout workers in other processes) is chosen here."""
-    return offpolicy.Producer(
+    return producer.Producer(
         maker,
         mode=rc.mode,
         updates_per_batch=rc.sizes.updates_per_step,
@@ -406,7 +412,7 @@ def fill(rc: RunConfig, s: Stages, batch) -> tuple[list, list[dict], float]:
         rows.append(put(rc, s, more))
         samples += s.buffer.get(n - len(samples), s.learner.version, horizon=U - 1)
     if rc.algo.correction is not None and rc.algo.correction.kind == "decoupled":  # the step's proximal policy
-        samples, prox_stats = advantages.proximal(samples, s.learner, rc.algo.correction)
+        samples, prox_stats = scoring.proximal(samples, s.learner, rc.algo.correction)
         rows.append(prox_stats)
     return samples, rows, waited
 
@@ -427,8 +433,8 @@ def put(rc: RunConfig, s: Stages, batch) -> dict:
             behaviour = {"weights": TokenVersionWeights(by_version)}
     elif rc.learner.logp_check_share > 0 and admissible:  # the engine's log-probs stay: measure their mismatch
         seed = derive_seed(rc.seed, "logp_check", batch.index)
-        check = advantages.check_logp(batch, s.learner, share=rc.learner.logp_check_share, seed=seed)
-    scored, stats = advantages.score(
+        check = scoring.check_logp(batch, s.learner, share=rc.learner.logp_check_share, seed=seed)
+    scored, stats = scoring.score(
         batch,
         s.learner,
         algo=rc.algo,

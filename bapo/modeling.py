@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from omegaconf import MISSING
 
-from bapo.checks import ConfigError, choice, require, resumable
-from bapo.paths import resolve_path
+from bapo.infra.checks import ConfigError, choice, require, resumable
+from bapo.infra.paths import resolve_path
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ def hub_snapshot(repo_id: str) -> str:
     so a node downloads once. A failure on any node is raised on every rank, as one ``ConfigError`` naming
     ``model.name_or_path``, the cache folder and the command that fixes it.
     """
-    from bapo import dist
+    from bapo.infra import dist
 
     lead = dist.local_rank() == 0
     outcome = _snapshot(repo_id, local_only=False) if lead else None
@@ -154,7 +154,7 @@ def _gather_after_download(outcome: str | ConfigError | None) -> list:
     a gloo group of its own, so a download slower than the run's collective timeout is waited for)."""
     import torch.distributed as tdist
 
-    from bapo import dist
+    from bapo.infra import dist
 
     if not dist.active():
         return [outcome]
@@ -200,7 +200,7 @@ def arch_config(arch: Mapping[str, Any]):
     """A transformers config from config.json fields (``model_type`` picks the class); no download."""
     from transformers import AutoConfig
 
-    from bapo.checks import ConfigError
+    from bapo.infra.checks import ConfigError
 
     fields = dict(arch)
     if "model_type" not in fields:

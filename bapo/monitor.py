@@ -21,7 +21,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bapo.checks import require, resumable
+from bapo.infra.checks import require, resumable
 
 log = logging.getLogger(__name__)
 

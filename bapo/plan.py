@@ -683,8 +683,8 @@ def compose(overrides: list[str]):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from bapo.checks import known_options
     from bapo.config import ROOT
+    from bapo.infra.checks import known_options
 
     with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf"), job_name="train"), known_options():
         return hydra_compose(config_name="config", overrides=overrides)
@@ -722,7 +722,7 @@ def plan_for(overrides: list[str], *, nproc=None, gpu_memory=None, host_memory=N
     with _world_size(world):
         rc = build(cfg, "plan")  # nothing is written: the run folder is only a name here
     if rc.rollout.engine == "vllm":  # the launch's own rule (a tensor-parallel engine spans whole groups of ranks)
-        from bapo.rollout.vllm import check_tensor_parallel
+        from bapo.engines.vllm import check_tensor_parallel
 
         check_tensor_parallel(rc.rollout.tensor_parallel_size, world)
     gpu = gpu_memory or rc.placement.gpu_memory_gib
@@ -766,7 +766,7 @@ def cli(argv: list[str], prog: str = "train.py") -> int:
     Exit status 0 when it fits, 1 when it does not, 2 for bad input (``error: <Class>: <message>``)."""
     from hydra.errors import HydraException
 
-    from bapo.cli import user_errors
+    from bapo.entry.cli import user_errors
 
     parser = _OneLine(prog=f"{prog} [overrides] --plan", description=__doc__.splitlines()[0])
     parser.add_argument("--plan", action="store_true", help="print the memory plan and exit")

@@ -7,7 +7,7 @@ wires them together.
 Per-token data travels as 1-D tensors (token ids as int64, log-probs, advantages,
 values and returns as float32), never as Python tuples of floats: a paper-sized
 step holds tens of millions of tokens, which is what crosses ranks
-(``bapo.rollout_maker``) and what a checkpoint stores. Samples hold tensors, so they
+(``bapo.rollout.maker``) and what a checkpoint stores. Samples hold tensors, so they
 compare by identity (``eq=False``), not by value.
 """
 
@@ -68,7 +68,7 @@ class Sample:
 @dataclass(frozen=True, eq=False)
 class Partial:
     """A response being generated in segments of at most ``rollout.partial_budget`` tokens, one segment per
-    rollout step, each with the weights the schedule gives that step (``bapo.rollout_maker``).
+    rollout step, each with the weights the schedule gives that step (``bapo.rollout.maker``).
 
     ``response_ids`` [T] (int64), ``logp`` [T] (float32: the behaviour log-probs, each under the weights that
     sampled it) and ``versions`` [T] (int64: those weights' policy version) are the response so far; ``seed``

@@ -152,7 +152,7 @@ def staleness_of(cfg: dict) -> int | None:
 
 def partial_lag(cfg: dict) -> int:
     """Steps a token may wait for its response's last segment under partial rollouts (`rollout.partial_budget` b
-    of `rollout.max_new_tokens` L: ceil(L / b) - 1, as bapo.schedule.partial_lag); 0 without them."""
+    of `rollout.max_new_tokens` L: ceil(L / b) - 1, as bapo.rollout.schedule.partial_lag); 0 without them."""
     b, cap = _as_int(cfg_get(cfg, "rollout.partial_budget")), _as_int(cfg_get(cfg, "rollout.max_new_tokens"))
     if b is None or cap is None or b >= cap:
         return 0

@@ -121,7 +121,7 @@ def check_compose(experiment: str, cells: list[str]) -> None:
     ``train.py -m`` refuses it): one ``error:`` line naming the cell."""
     from hydra.errors import HydraException
 
-    from bapo.checks import ConfigError
+    from bapo.infra.checks import ConfigError
     from bapo.plan import compose
 
     for cell in cells:

@@ -158,7 +158,7 @@ def without_vllm(monkeypatch):
 
 
 class CursorMaker:
-    """The one-process part of a fake ``bapo.offpolicy.BatchMaker``: gathering is the identity, and the state a
+    """The one-process part of a fake ``bapo.rollout.producer.BatchMaker``: gathering is the identity, and the state a
     checkpoint keeps is the prompt cursor. A fake adds ``make(t, version, weights)``, which moves the cursor."""
 
     cursor = 0

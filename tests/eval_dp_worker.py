@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from bapo.evaluate import EvalSet, evaluate, evaluate_set
+from bapo.eval.evaluate import EvalSet, evaluate, evaluate_set
 from bapo.reward import MathVerifier
 from bapo.samples import Problem, Prompt, Sample
 
@@ -83,7 +83,7 @@ def evaluate_all(tp: int = 1, prompts=PROMPTS) -> dict:
 
 
 def main(out: Path) -> None:
-    from bapo import dist
+    from bapo.infra import dist
 
     dist.init(timeout_s=120)  # a collective left waiting by a bug fails instead of hanging
     result = {"dp": evaluate_all(), "tp": evaluate_all(tp=2), "one_prompt": evaluate_all(prompts=PROMPTS[:1])}

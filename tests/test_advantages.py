@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from bapo.advantages import proximal, recompute_logp, score
 from bapo.algos import grpo_advantages
+from bapo.experience.scoring import proximal, recompute_logp, score
 from bapo.samples import Problem, Prompt, RolloutBatch, Sample
 from tests.conftest import learner_cfg
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from bapo.buffer import ReplayBuffer, StalenessError
+from bapo.experience.buffer import ReplayBuffer, StalenessError
 from bapo.samples import Problem, Prompt, Sample, ScoredSample
 
 

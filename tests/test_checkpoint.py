@@ -24,8 +24,9 @@ import torch
 from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
-from bapo import checkpoint, ckpt_folder
+from bapo import checkpoint
 from bapo.checkpoint import CheckpointError
+from bapo.infra import ckpt_folder
 from bapo.learner import fsdp
 from bapo.samples import Problem, Prompt
 from tests.test_ckpt_folder import Payload, _enospc, flip_byte

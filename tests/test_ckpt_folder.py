@@ -20,8 +20,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from bapo import ckpt_folder
-from bapo.ckpt_folder import CheckpointError
+from bapo.infra import ckpt_folder
+from bapo.infra.ckpt_folder import CheckpointError
 from bapo.learner import fsdp
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -155,7 +155,7 @@ def test_latest_intact_skips_a_damaged_newest_checkpoint_with_a_warning(tmp_path
     flip_byte(tmp_path / "step_000003" / "learner" / "__0_0.distcp")
     with open(tmp_path / "step_000002" / "state.pt", "r+b") as f:
         f.truncate(10)
-    with caplog.at_level(logging.WARNING, logger="bapo.ckpt_folder"):
+    with caplog.at_level(logging.WARNING, logger="bapo.infra.ckpt_folder"):
         assert ckpt_folder.latest_intact(tmp_path) == tmp_path / "step_000001"
     text = caplog.text
     assert "skipping damaged checkpoint step_000004" in text and "step_000004/state.pt: missing" in text
@@ -170,7 +170,7 @@ def test_latest_intact_refuses_to_start_over_when_every_checkpoint_is_damaged(tm
     commit(tmp_path, 2)
     (tmp_path / "step_000001" / "meta.json").write_text("{not json")
     flip_byte(tmp_path / "step_000002" / "state.pt")
-    with caplog.at_level(logging.WARNING, logger="bapo.ckpt_folder"):
+    with caplog.at_level(logging.WARNING, logger="bapo.infra.ckpt_folder"):
         with pytest.raises(CheckpointError, match="no intact checkpoint in .*step_000002: .*checksum mismatch"):
             ckpt_folder.latest_intact(tmp_path)
     assert "skipping checkpoint" in caplog.text and "step_000001/meta.json: unreadable" in caplog.text

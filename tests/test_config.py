@@ -10,7 +10,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from bapo.config import ConfigError, build, check_combinations
-from bapo.paths import HELDOUT
+from bapo.infra.paths import HELDOUT
 from tests.conftest import compose
 
 CONF = Path(__file__).resolve().parents[1] / "conf"

@@ -16,7 +16,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from bapo.checks import ConfigError, _members, known_options, typed
+from bapo.infra.checks import ConfigError, _members, known_options, typed
 from tests.conftest import run_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,9 +79,9 @@ def test_the_named_options_still_compose():
 def _schemas() -> dict[str, type]:
     """Every typed schema a run or an evaluation is built with, by the key it is read under (one variant's key
     stands for its group), with the schemas nested in their fields."""
-    from bapo import evaluate
     from bapo.algos import config as algos
     from bapo.config import PLAIN, VARIANTS
+    from bapo.eval import evaluate
 
     out = {g: s for g, s in PLAIN.items()}
     out |= {f"{g}[{name}]": s for g, (_, variants) in VARIANTS.items() for name, s in variants.items()}

@@ -3,10 +3,10 @@ import re
 
 import pytest
 
-from bapo import data, tasks
-from bapo.data import ListSource, LoadReport, load_hub, load_jsonl, problem_sources, render_prompt
+from bapo.data import loading, tasks
+from bapo.data.loading import ListSource, LoadReport, load_hub, load_jsonl, problem_sources, render_prompt
+from bapo.data.tasks import ArithSource, ArithSpec, arith_heldout, arith_problem, careless, is_heldout
 from bapo.samples import Problem
-from bapo.tasks import ArithSource, ArithSpec, arith_heldout, arith_problem, careless, is_heldout
 from tests.conftest import alarm_guard, run_config
 
 
@@ -81,7 +81,7 @@ def test_a_binary_file_is_one_error_with_a_count_and_no_warning_per_row(tmp_path
     # Before: a 200 kB binary file logged 737 "skipping malformed row" warnings before its error.
     f = tmp_path / "d.jsonl"
     f.write_bytes((bytes(range(0x80, 0xB1)) + b"\n") * 100)  # 100 rows, none of them UTF-8
-    with caplog.at_level("WARNING"), pytest.raises(data.DataFileError) as e:
+    with caplog.at_level("WARNING"), pytest.raises(loading.DataFileError) as e:
         load_jsonl(f)
     assert caplog.records == []
     assert str(e.value).endswith(
@@ -98,10 +98,10 @@ def test_many_malformed_rows_are_logged_a_few_then_once_with_a_count(tmp_path, c
         rows = load_jsonl(f, report=rep)
     assert len(rows) == 2 and rep.skipped == 12
     logged = [r.getMessage() for r in caplog.records]
-    assert logged[: data.ROWS_LOGGED] == [
+    assert logged[: loading.ROWS_LOGGED] == [
         f"skipping malformed row: {f}:{i}: invalid JSON (Expecting value)" for i in range(2, 7)
     ]
-    assert logged[data.ROWS_LOGGED :] == [f"skipping malformed rows: 7 more in {f} (12 in all)"]
+    assert logged[loading.ROWS_LOGGED :] == [f"skipping malformed rows: 7 more in {f} (12 in all)"]
 
 
 def test_jsonl_missing_file_and_all_bad(tmp_path):
@@ -172,7 +172,7 @@ def test_render_prompt_uses_chat_template(tiny_tok):
 
 
 # ----------------------------------------------------------------------------- hardening
-# The new API is reached through the module (``data.X``) so that, on code without it,
+# The new API is reached through the module (``loading.X``) so that, on code without it,
 # each test fails on its own instead of the whole file failing to import.
 
 
@@ -257,12 +257,12 @@ def test_render_prompts_skips_over_long_rows_and_counts_them(tiny_tok, caplog):
     short, fits = Problem("s", "What is 2 + 3?", "5"), Problem("f", "What is 2 + 3 + 4?", "9")
     limit = n_tokens(tiny_tok, fits)  # exactly at the limit is allowed
     long = Problem("l", "What is " + " + ".join(["7"] * 20) + "?", "140")  # under the character cap
-    absurd = Problem("a", "9" * (data.MAX_CHARS_PER_TOKEN * limit + 1), "0")
-    assert n_tokens(tiny_tok, long) > limit and len(long.problem) <= data.MAX_CHARS_PER_TOKEN * limit
+    absurd = Problem("a", "9" * (loading.MAX_CHARS_PER_TOKEN * limit + 1), "0")
+    assert n_tokens(tiny_tok, long) > limit and len(long.problem) <= loading.MAX_CHARS_PER_TOKEN * limit
     tok = CountingTokenizer(tiny_tok)
     rep = LoadReport(rows=4)
     with caplog.at_level("WARNING"):
-        out = data.render_prompts([short, long, absurd, fits], tok, max_prompt_tokens=limit, report=rep)
+        out = loading.render_prompts([short, long, absurd, fits], tok, max_prompt_tokens=limit, report=rep)
     assert [p.problem.id for p in out] == ["s", "f"]
     assert as_key(out[0]) == as_key(render_prompt(short, tiny_tok))
     assert (rep.rows, rep.skipped, rep.too_long) == (4, 2, 2)
@@ -271,22 +271,22 @@ def test_render_prompts_skips_over_long_rows_and_counts_them(tiny_tok, caplog):
     assert sum("'l'" in m and "tokens > max_prompt_tokens" in m for m in logged) == 1
     assert sum("'a'" in m and "not tokenized" in m for m in logged) == 1
     # no limit: everything is rendered; a bad limit names the key
-    assert len(data.render_prompts([short, long], tiny_tok, max_prompt_tokens=None)) == 2
+    assert len(loading.render_prompts([short, long], tiny_tok, max_prompt_tokens=None)) == 2
     with pytest.raises(ValueError, match="max_prompt_tokens"):
-        data.render_prompts([short], tiny_tok, max_prompt_tokens=0)
+        loading.render_prompts([short], tiny_tok, max_prompt_tokens=0)
     with pytest.raises(ValueError, match="^eval.aime.max_prompt_tokens: all 1 prompts are longer"):
-        data.render_prompts([long], tiny_tok, max_prompt_tokens=limit, limit_key="eval.aime.max_prompt_tokens")
+        loading.render_prompts([long], tiny_tok, max_prompt_tokens=limit, limit_key="eval.aime.max_prompt_tokens")
 
 
 def test_the_prompt_keywords_are_checked_where_they_are_given(tiny_tok):
     """render_prompts and PromptStream take PromptFit's keywords: a missing limit or a misspelt key fails at once."""
     rows = [Problem("s", "What is 2 + 3?", "5")]
     with pytest.raises(TypeError, match="max_prompt_tokens"):
-        data.render_prompts(rows, tiny_tok)
+        loading.render_prompts(rows, tiny_tok)
     with pytest.raises(TypeError, match="instructions"):
-        data.PromptStream(iter(rows), tiny_tok, max_prompt_tokens=64, instructions="Box it.")
-    (prompt,) = data.render_prompts(rows, tiny_tok, max_prompt_tokens=None, instruction="Box it.")
-    assert prompt == next(data.PromptStream(iter(rows), tiny_tok, max_prompt_tokens=None, instruction="Box it."))
+        loading.PromptStream(iter(rows), tiny_tok, max_prompt_tokens=64, instructions="Box it.")
+    (prompt,) = loading.render_prompts(rows, tiny_tok, max_prompt_tokens=None, instruction="Box it.")
+    assert prompt == next(loading.PromptStream(iter(rows), tiny_tok, max_prompt_tokens=None, instruction="Box it."))
     assert "Box it." in prompt.text and prompt == render_prompt(rows[0], tiny_tok, instruction="Box it.")
 
 
@@ -303,7 +303,7 @@ def long_and_short(tok, n_short: int, n_long: int) -> tuple[list[Problem], int]:
 def test_prompt_stream_skips_over_long_rows_and_counts_each_once(tiny_tok, caplog):
     problems, limit = long_and_short(tiny_tok, n_short=4, n_long=3)
     rep = LoadReport()
-    stream = data.PromptStream(ListSource(problems, seed=5), tiny_tok, max_prompt_tokens=limit, report=rep)
+    stream = loading.PromptStream(ListSource(problems, seed=5), tiny_tok, max_prompt_tokens=limit, report=rep)
     with caplog.at_level("WARNING"), hang_guard():
         got = [next(stream) for _ in range(12)]  # three epochs of the four short rows
     # the reference: the same source, filtered by hand
@@ -317,20 +317,20 @@ def test_prompt_stream_skips_over_long_rows_and_counts_each_once(tiny_tok, caplo
 
 def test_prompt_stream_state_round_trip_is_exact(tiny_tok):
     problems, limit = long_and_short(tiny_tok, n_short=5, n_long=5)
-    stream = data.PromptStream(ListSource(problems, seed=0), tiny_tok, max_prompt_tokens=limit)
+    stream = loading.PromptStream(ListSource(problems, seed=0), tiny_tok, max_prompt_tokens=limit)
     for _ in range(7):
         next(stream)
     state = json.loads(json.dumps(stream.state_dict()))
     assert state == json.loads(json.dumps(stream.source.state_dict()))
     after = [next(stream).problem.id for _ in range(9)]
-    resumed = data.PromptStream(ListSource(problems, seed=1), tiny_tok, max_prompt_tokens=limit)
+    resumed = loading.PromptStream(ListSource(problems, seed=1), tiny_tok, max_prompt_tokens=limit)
     resumed.load_state_dict(state)
     assert [next(resumed).problem.id for _ in range(9)] == after
 
     # an endless arithmetic source, with a limit between the 2-term and 4-term prompts
     spec = ArithSpec(min_terms=2, max_terms=4)
     limit = n_tokens(tiny_tok, Problem("", "What is 10 + 10 + 10?", ""))
-    arith = data.PromptStream(
+    arith = loading.PromptStream(
         ArithSource(seed=3, split="train", heldout_frac=0.1, spec=spec), tiny_tok, max_prompt_tokens=limit
     )
     for _ in range(10):
@@ -338,7 +338,7 @@ def test_prompt_stream_state_round_trip_is_exact(tiny_tok):
     state = json.loads(json.dumps(arith.state_dict()))
     after = [as_key(next(arith)) for _ in range(20)]
     assert arith.report.too_long > 0 and all(len(ids) <= limit for _, _, ids in after)
-    resumed = data.PromptStream(
+    resumed = loading.PromptStream(
         ArithSource(seed=99, split="train", heldout_frac=0.1, spec=spec), tiny_tok, max_prompt_tokens=limit
     )
     resumed.load_state_dict(state)
@@ -348,7 +348,7 @@ def test_prompt_stream_state_round_trip_is_exact(tiny_tok):
 def test_prompt_stream_with_nothing_under_the_limit_raises(tiny_tok, monkeypatch):
     problems, limit = long_and_short(tiny_tok, n_short=1, n_long=6)
     only_long = [p for p in problems if p.id.startswith("l")]
-    stream = data.PromptStream(ListSource(only_long, seed=0), tiny_tok, max_prompt_tokens=limit)
+    stream = loading.PromptStream(ListSource(only_long, seed=0), tiny_tok, max_prompt_tokens=limit)
     with (
         hang_guard(),
         pytest.raises(
@@ -358,12 +358,12 @@ def test_prompt_stream_with_nothing_under_the_limit_raises(tiny_tok, monkeypatch
         next(stream)
     assert stream.report.too_long == 6
     # one usable row among six long ones: streaks of skips span reshuffled epochs, yet never raise
-    mixed = data.PromptStream(ListSource(problems, seed=0), tiny_tok, max_prompt_tokens=limit)
+    mixed = loading.PromptStream(ListSource(problems, seed=0), tiny_tok, max_prompt_tokens=limit)
     with hang_guard():
         assert {next(mixed).problem.id for _ in range(100)} == {"s0"}
     # an endless source of unknown size gives up after MAX_SKIP_STREAK skips in a row
-    monkeypatch.setattr(data, "MAX_SKIP_STREAK", 30)
-    arith = data.PromptStream(
+    monkeypatch.setattr(loading, "MAX_SKIP_STREAK", 30)
+    arith = loading.PromptStream(
         ArithSource(seed=0, split="train", heldout_frac=0.1, spec=ArithSpec()), tiny_tok, max_prompt_tokens=3
     )
     with hang_guard(), pytest.raises(ValueError, match="last 30 problems.*unknown size"):

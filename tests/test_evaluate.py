@@ -14,7 +14,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from bapo.config import ConfigError
-from bapo.evaluate import (
+from bapo.eval.evaluate import (
     EvalSet,
     adopt_run,
     build_job,
@@ -103,7 +103,7 @@ def test_maj_groups_equivalent_answers_through_the_pool(tiny_tok):
 
 
 def test_evaluate_sets_is_flat_and_evaluate_still_works(tiny_tok):
-    from bapo.data import render_prompt
+    from bapo.data.loading import render_prompt
 
     rollout = CannedRollout(RESPONSES)
     with MathVerifier(num_workers=0) as verifier:
@@ -184,7 +184,7 @@ def test_training_heldout_config_is_named_with_the_sets():
 
 
 def test_vllm_engine_composes():
-    """eval.py rollout=vllm builds the vLLM engine (bapo.rollout.build_rollout); model=qwen7b picks it."""
+    """eval.py rollout=vllm builds the vLLM engine (bapo.engines.build_rollout); model=qwen7b picks it."""
     assert build_job(_cfg(["rollout=vllm"])).engine == "vllm"
     assert build_job(_cfg(["model=qwen7b"])).engine == "vllm"
 
@@ -330,7 +330,7 @@ def _adopt(overrides: list[str]):
 def test_a_run_is_evaluated_with_its_own_settings(tmp_path, tiny_model, tiny_tok, caplog, export):
     name = "bapo_config.yaml" if export else "config.yaml"
     run = _run_folder(tmp_path / "run", tiny_model, tiny_tok, *RUN, config_name=name, export=export)
-    with caplog.at_level(logging.INFO, logger="bapo.evaluate"):
+    with caplog.at_level(logging.INFO, logger="bapo.eval.evaluate"):
         cfg, settings, job = _adopt(["eval=arith", f"checkpoint={run}"])
     weights = run if export else run / "export"
     assert (job.run.max_new_tokens, job.run.max_prompt_tokens) == (40, 120)
@@ -349,7 +349,7 @@ def test_a_run_is_evaluated_with_its_own_settings(tmp_path, tiny_model, tiny_tok
 def test_a_command_line_override_wins_over_the_run_and_is_logged(tmp_path, tiny_model, tiny_tok, caplog):
     run = _run_folder(tmp_path / "run", tiny_model, tiny_tok, *RUN)
     over = ["eval=arith", f"checkpoint={run}", "max_new_tokens=30", "model.dtype=float32", "instruction=Box it."]
-    with caplog.at_level(logging.INFO, logger="bapo.evaluate"):
+    with caplog.at_level(logging.INFO, logger="bapo.eval.evaluate"):
         _, settings, job = _adopt(over)
     assert (job.run.max_new_tokens, job.model.dtype, job.run.instruction) == (30, "float32", "Box it.")
     assert job.run.max_prompt_tokens == 120 and job.model.answer_fallback == "last_number"  # the rest: the run's
@@ -420,7 +420,7 @@ def test_a_server_runs_url_is_never_adopted(tmp_path, tiny_model, tiny_tok):
 def test_the_checkpoint_weights_an_engine_is_given_are_the_exports(tmp_path, tiny_model, tiny_tok):
     import torch
 
-    from bapo.evaluate import checkpoint_weights
+    from bapo.eval.evaluate import checkpoint_weights
 
     run = _run_folder(tmp_path / "run", tiny_model, tiny_tok)
     got = checkpoint_weights(run / "export")
@@ -431,11 +431,11 @@ def test_the_checkpoint_weights_an_engine_is_given_are_the_exports(tmp_path, tin
 
 
 def test_a_run_is_evaluated_end_to_end_as_trained(tmp_path, tiny_model, tiny_tok, monkeypatch):
-    import bapo.rollout
+    import bapo.engines
 
     built = {}
-    real = bapo.rollout.build_rollout
-    monkeypatch.setattr(bapo.rollout, "build_rollout", lambda *a, **kw: built.update(kw) or real(*a, **kw))
+    real = bapo.engines.build_rollout
+    monkeypatch.setattr(bapo.engines, "build_rollout", lambda *a, **kw: built.update(kw) or real(*a, **kw))
     run = _run_folder(tmp_path / "run", tiny_model, tiny_tok, *RUN)
     over = ["eval=arith", "eval.limit=3", "k=2", "reward.num_workers=0", f"checkpoint={run}"]
     eval_run(_cfg(over), tmp_path / "out", over)
@@ -451,11 +451,11 @@ def test_a_run_is_evaluated_end_to_end_as_trained(tmp_path, tiny_model, tiny_tok
 
 
 def test_a_bare_folder_sizes_the_engine_from_the_models_context(tmp_path, monkeypatch):
-    import bapo.rollout
+    import bapo.engines
 
     built = {}
-    real = bapo.rollout.build_rollout
-    monkeypatch.setattr(bapo.rollout, "build_rollout", lambda *a, **kw: built.update(kw) or real(*a, **kw))
+    real = bapo.engines.build_rollout
+    monkeypatch.setattr(bapo.engines, "build_rollout", lambda *a, **kw: built.update(kw) or real(*a, **kw))
     eval_run(_cfg([*TINY_RUN, "eval=arith", "reward.num_workers=0"]), tmp_path)
     assert built["max_model_len"] == 256  # the context: 208 prompt tokens + 48 new ones
     eval_run(_cfg([*TINY_RUN, "eval=arith", "reward.num_workers=0", "max_prompt_tokens=100"]), tmp_path / "b")
@@ -495,7 +495,7 @@ def test_over_long_prompts_are_skipped_and_counted_as_in_training(tmp_path, shar
     tokenizer counts below, independently of the limit's code)."""
     from transformers import AutoConfig
 
-    from bapo.data import render_prompt
+    from bapo.data.loading import render_prompt
 
     assert AutoConfig.from_pretrained(ROOT / "assets" / "tiny-math").max_position_embeddings == 256
     problems = load_evalset(build_job(_cfg(["eval=aime24"])).sets["aime24"], limit=8)
@@ -512,7 +512,7 @@ def test_over_long_prompts_are_skipped_and_counted_as_in_training(tmp_path, shar
 
 @pytest.mark.slow
 def test_training_skips_and_counts_over_long_eval_set_prompts(tmp_path, shared_data, tiny_tok):
-    from bapo.data import render_prompt
+    from bapo.data.loading import render_prompt
     from bapo.loop import run
     from tests.conftest import compose
 

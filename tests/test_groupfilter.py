@@ -2,7 +2,7 @@
 
 import torch
 
-from bapo.groupfilter import REFILL_STRIDE, GroupFilter, groups_of
+from bapo.rollout.groupfilter import REFILL_STRIDE, GroupFilter, groups_of
 from bapo.samples import Problem, Prompt, RolloutBatch, Sample
 from tests.conftest import CursorMaker
 

@@ -1,6 +1,6 @@
-"""A plain ``python train.py`` / ``python eval.py`` starts the node's ranks itself (bapo/launch.py).
+"""A plain ``python train.py`` / ``python eval.py`` starts the node's ranks itself (bapo/entry/launch.py).
 
-Fast: what the memory plan chooses for the GPUs a machine reports (``bapo.launch.usable_devices`` monkeypatched),
+Fast: what the memory plan chooses for the GPUs a machine reports (``bapo.entry.launch.usable_devices`` monkeypatched),
 that an explicit key wins, the launcher keys' checks, SLURM's variables, and docs/gpu.md's table of what the launch
 chooses for each shipped model on 1, 4 and 8 GPUs of 80 and 141 GB (regenerated here: ``python tests/test_launch.py
 --record`` rewrites it). Slow (real processes, 2 gloo ranks on the CPU): launched ranks equal torchrun's metric for
@@ -21,8 +21,8 @@ import pytest
 if __name__ == "__main__":  # --record, run as a script from the repository
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bapo import launch  # noqa: E402
-from bapo.checks import ConfigError  # noqa: E402
+from bapo.entry import launch  # noqa: E402
+from bapo.infra.checks import ConfigError  # noqa: E402
 from tests.conftest import ROOT, compose  # noqa: E402
 
 DOC = ROOT / "docs" / "gpu.md"
@@ -150,7 +150,7 @@ SLURM_RANKS = {  # srun --nodes=2 --ntasks-per-node=4 python train.py ...: task 
 
 
 def test_slurm_one_task_per_rank_is_mapped_to_torchruns_variables(monkeypatch):
-    from bapo import dist
+    from bapo.infra import dist
 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.setenv(k, "")  # recorded, so that what from_slurm sets is undone after the test
@@ -166,7 +166,7 @@ def test_slurm_one_task_per_rank_is_mapped_to_torchruns_variables(monkeypatch):
 
 
 def test_slurm_one_task_per_node_launches_the_nodes_ranks(monkeypatch, gpus):
-    from bapo import dist
+    from bapo.infra import dist
 
     gpus(8)
     # srun --nodes=2 --ntasks-per-node=1 (hydra/launcher=slurm, one task per node): the task is a launching parent

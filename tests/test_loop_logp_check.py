@@ -9,7 +9,7 @@ import pytest
 
 from bapo.learner import Learner
 from bapo.loop import run
-from bapo.offpolicy import Producer
+from bapo.rollout.producer import Producer
 from tests.test_loop import _cfg
 
 pytestmark = pytest.mark.slow  # end to end: real runs of the loop

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from bapo import checkpoint
+from bapo.infra.tracking import LOST, MetricsLogger, truncate_metrics
 from bapo.loop import run
-from bapo.tracking import LOST, MetricsLogger, truncate_metrics
 from tests.test_loop import _cfg
 
 

@@ -276,7 +276,8 @@ def test_train_py_names_an_uncached_hub_id_in_one_line(tmp_path):
 
 RESOLVE_WORKER = """
 import json, sys, time
-from bapo import dist, modeling
+from bapo.infra import dist
+from bapo import modeling
 
 calls, real = [], modeling._snapshot
 

@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bapo.buffer import ReplayBuffer
-from bapo.offpolicy import Interrupted, Producer, batch_version, min_staleness, offer_weights
+from bapo.experience.buffer import ReplayBuffer
+from bapo.rollout.producer import Interrupted, Producer, batch_version, min_staleness, offer_weights
 from tests.conftest import CursorMaker
 from tests.test_buffer import make
 

@@ -1,7 +1,7 @@
 """`python train.py learner=fsdp ...` without torchrun: one rank of its own, and every exit path tears it down.
 
 The GPU model configs pick ``learner=fsdp``; started without torchrun the run joins a one-rank process group
-(``bapo.dist.init_one_rank``) and trains through the same FSDP2 code. On a GPU machine a model whose learner
+(``bapo.infra.dist.init_one_rank``) and trains through the same FSDP2 code. On a GPU machine a model whose learner
 state cannot fit on one GPU is refused at start-up, naming the torchrun command instead."""
 
 import os
@@ -9,8 +9,8 @@ import os
 import pytest
 import torch.distributed as tdist
 
-from bapo import dist
 from bapo.config import ConfigError, check_combinations
+from bapo.infra import dist
 from bapo.learner import Learner
 from bapo.loop import run
 from tests.conftest import compose, run_config

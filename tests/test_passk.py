@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bapo import passk as M
+from bapo.eval import passk as M
 from bapo.reward import is_equivalent, normalize_answer
 
 

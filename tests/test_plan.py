@@ -335,7 +335,7 @@ def test_a_micro_batch_holds_the_longest_sequence():
 
 def test_the_plan_refuses_what_the_launch_refuses():
     from bapo.config import ConfigError
-    from bapo.rollout.vllm import check_tensor_parallel
+    from bapo.engines.vllm import check_tensor_parallel
 
     with pytest.raises(ConfigError) as launch:
         check_tensor_parallel(4, 2)

@@ -362,8 +362,8 @@ def test_qwen7b_without_torchrun_trains_and_exports(world, engine):
     )
 
 
-# The same command through the launch (bapo/launch.py) on a machine that reports N GPUs (BAPO_FAKE_DEVICES, its test
-# hook: the ranks run gloo on the CPU): on 2 of 141 GB it starts 2 ranks as configured (the plan fits); on one of
+# The same command through the launch (bapo/entry/launch.py) on a machine that reports N GPUs (BAPO_FAKE_DEVICES, its
+# test hook: the ranks run gloo on the CPU): on 2 of 141 GB it starts 2 ranks as configured (the plan fits); on one of
 # 80 GB it takes the memory plan's choice, the learner's state on the host, in one process. The HF variant.
 LAUNCHES = {"2x141": (2, False), "1x80": (1, True)}  # devices reported: (ranks, learner.cpu_offload chosen)
 
@@ -372,10 +372,10 @@ LAUNCHES = {"2x141": (2, False), "1x80": (1, True)}  # devices reported: (ranks,
 @pytest.mark.parametrize("devices", LAUNCHES)
 def test_qwen7b_as_written_starts_the_ranks_of_the_devices_it_sees(world, devices):
     """`python train.py algo=bapo model=qwen7b` on a machine reporting 2 GPUs, then 1: the launch's choice, asserted
-    against what bapo.launch.decide chooses for that composition and those devices."""
+    against what bapo.entry.launch.decide chooses for that composition and those devices."""
     from unittest import mock
 
-    from bapo import launch as launcher
+    from bapo.entry import launch as launcher
 
     ranks, offload = LAUNCHES[devices]
     env, run_dir = world["env"] | {launcher.FAKE_DEVICES: devices}, world["base"] / f"qwen7b-launch-{devices}"
@@ -417,8 +417,8 @@ import torch
 _cpu = torch.Tensor.cpu
 torch.Tensor.cpu = lambda self, *a, **k: _cpu(self, *a, **k).clone()
 if os.environ.get("LOCAL_RANK") is not None:  # a learner rank (a server's environment has no LOCAL_RANK)
-    from bapo.rollout import vllm_server
-    from bapo.rollout.staging import digest, fingerprint
+    from bapo.engines import vllm_server
+    from bapo.engines.staging import digest, fingerprint
 
     _load = vllm_server.VLLMServerRollout.load_weights
 
@@ -504,7 +504,7 @@ def test_paper_7b_split_trains_ahead_through_vllm_servers_and_resumes_exactly(wo
     assert "resumed from" in out and "step_000002" in out
     assert untimed(rows(resumed)) == untimed(rows(full))
     ps = subprocess.run(["ps", "-eo", "stat,args"], capture_output=True, text=True).stdout.splitlines()
-    assert not [p for p in ps if "bapo.rollout.vllm_server" in p and not p.startswith("Z")]
+    assert not [p for p in ps if "bapo.engines.vllm_server" in p and not p.startswith("Z")]
     assert assert_every_sync_checked(base / "probe", async_mode=True) >= 8  # every batch's version, both ranks
 
 

@@ -4,9 +4,9 @@ from types import SimpleNamespace
 
 import torch
 
-from bapo.rollout_maker import RolloutMaker, decode_share, encode_share, merge_stats
+from bapo.infra.seeding import derive_seed
+from bapo.rollout.maker import RolloutMaker, decode_share, encode_share, merge_stats
 from bapo.samples import Partial, Problem, Prompt, RolloutBatch, Sample
-from bapo.seeding import derive_seed
 
 
 def prompt(i: int) -> Prompt:

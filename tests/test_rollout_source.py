@@ -1,4 +1,4 @@
-"""The rollout-source seam: ``run()`` drives any :class:`~bapo.rollout_source.RolloutSource`.
+"""The rollout-source seam: ``run()`` drives any :class:`~bapo.rollout.source.RolloutSource`.
 
 A second source, written here in a few lines, replays the batches a first run took; the loop built with it
 through the same ``run()`` trains to the same numbers, without generating a single rollout.
@@ -12,8 +12,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from bapo import loop
-from bapo.offpolicy import Producer
-from bapo.rollout_source import Interrupted, RolloutSource
+from bapo.rollout.producer import Producer
+from bapo.rollout.source import Interrupted, RolloutSource
 
 ROOT = Path(__file__).resolve().parents[1]
 VOLATILE = ("time/", "reward/verify_s", "rollout/tokens_per_s", "buffer/consumer_wait_s", "buffer/producer_wait_s")

@@ -1,8 +1,8 @@
-"""The staleness schedule's pure functions, against hand-computed cases (``bapo.schedule``)."""
+"""The staleness schedule's pure functions, against hand-computed cases (``bapo.rollout.schedule``)."""
 
 import pytest
 
-from bapo.schedule import Schedule, batch_version
+from bapo.rollout.schedule import Schedule, batch_version
 
 
 def test_asking_lists_the_batches_of_a_version_from_the_consumers_side():

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from bapo.config import ConfigError
-from bapo.data import DataFileError
+from bapo.data.loading import DataFileError
 from bapo.learner import TrainingDiverged
 from bapo.loop import run
 from tests.test_loop import _cfg
@@ -170,7 +170,7 @@ def test_a_data_file_that_cannot_serve_is_a_data_file_error_naming_it(tmp_path, 
 
 
 def test_a_hub_file_datasets_cannot_parse_or_a_name_it_cannot_find_names_the_key(tmp_path):
-    from bapo.data import load_hub
+    from bapo.data.loading import load_hub
 
     f = tmp_path / "bad.jsonl"
     f.write_text('{"problem": "1+1?", "answer": "2"}\nnot json\n')
@@ -204,7 +204,7 @@ def test_online_logging_without_an_api_key_fails_before_anything_is_written(tmp_
 
 
 def test_online_logging_with_a_netrc_entry_passes_the_check(tmp_path, monkeypatch):
-    from bapo.tracking import check_wandb
+    from bapo.infra.tracking import check_wandb
 
     netrc = tmp_path / "netrc"
     netrc.write_text("machine api.wandb.ai\n  login user\n  password " + "x" * 40 + "\n")
@@ -223,7 +223,7 @@ def test_a_failing_wandb_init_leaves_no_metrics_file(tmp_path, monkeypatch):
     """Whatever makes wandb.init fail, metrics.jsonl is not created first: the folder holds no run to refuse."""
     import wandb
 
-    from bapo.tracking import MetricsLogger
+    from bapo.infra.tracking import MetricsLogger
 
     def broken(**kw):
         raise wandb.errors.UsageError("no network")
@@ -278,7 +278,7 @@ def test_divergence_after_a_checkpoint_names_the_newest_one(tmp_path, monkeypatc
     ],
 )
 def test_hydra_entry_turns_file_system_errors_into_one_line(err, status, text, capsys, monkeypatch):
-    from bapo.cli import hydra_entry
+    from bapo.entry.cli import hydra_entry
 
     monkeypatch.setenv("HYDRA_FULL_ERROR", "0")  # restored (unset) after the test; hydra_entry sets it to 1
 
@@ -293,7 +293,7 @@ def test_hydra_entry_turns_file_system_errors_into_one_line(err, status, text, c
 
 
 def test_hydra_entry_leaves_other_errors_and_a_users_full_error_alone(monkeypatch):
-    from bapo.cli import hydra_entry
+    from bapo.entry.cli import hydra_entry
 
     monkeypatch.setenv("HYDRA_FULL_ERROR", "0")  # restored (unset) after the test; hydra_entry sets it to 1
 
@@ -367,7 +367,7 @@ def test_a_refused_start_in_a_run_folder_puts_back_hydra_files_the_log_and_the_l
     Hydra's files and the lock, a live run's included."""
     import logging
 
-    from bapo.cli import guarded
+    from bapo.entry.cli import guarded
 
     run_dir = tmp_path / "run"
     _old_run(run_dir)
@@ -385,7 +385,7 @@ def test_a_refused_start_in_a_run_folder_puts_back_hydra_files_the_log_and_the_l
 
 
 def test_a_start_up_error_in_a_folder_hydra_made_for_it_removes_it_and_its_empty_parents(tmp_path, job_log):
-    from bapo.cli import guarded
+    from bapo.entry.cli import guarded
 
     run_dir = tmp_path / "outputs" / "2026-12-05" / "10-00-00"
     job_log(run_dir)
@@ -398,8 +398,8 @@ def test_a_busy_folder_is_not_touched_and_a_failed_holder_never_removes_what_it_
     """Another process's lock: refused at once, nothing written; the folder (a live run's) keeps every file."""
     import fcntl
 
-    from bapo.cli import guarded
-    from bapo.rundir import RunFolderBusy
+    from bapo.entry.cli import guarded
+    from bapo.entry.rundir import RunFolderBusy
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -418,7 +418,7 @@ def test_a_busy_folder_is_not_touched_and_a_failed_holder_never_removes_what_it_
         assert info.value.code == 2 and ran == []  # refused before the job ran
         assert tree(run_dir) == before
         with pytest.raises(RunFolderBusy):  # and still the holder's
-            from bapo.rundir import RunFolder
+            from bapo.entry.rundir import RunFolder
 
             RunFolder.open(run_dir)
     finally:
@@ -426,8 +426,8 @@ def test_a_busy_folder_is_not_touched_and_a_failed_holder_never_removes_what_it_
 
 
 def test_a_run_that_wrote_its_files_keeps_them_and_its_log_ends_with_the_error_line(tmp_path, job_log, capsys):
-    from bapo.cli import guarded
-    from bapo.rundir import RunFolder
+    from bapo.entry.cli import guarded
+    from bapo.entry.rundir import RunFolder
 
     run_dir = tmp_path / "run"
     log = job_log(run_dir)
@@ -450,8 +450,8 @@ def test_a_run_that_wrote_its_files_keeps_them_and_its_log_ends_with_the_error_l
 
 def test_a_sweep_cell_that_fails_is_recorded_and_returns(tmp_path, job_log, capsys):
     """Before: the cell's sys.exit escaped Hydra's job handling and ended the sweep."""
-    from bapo.cli import guarded
-    from bapo.sweep import SUMMARY, Cell, rows
+    from bapo.entry.cli import guarded
+    from bapo.entry.sweep import SUMMARY, Cell, rows
 
     sweep_dir = tmp_path / "sweep"
     cell = Cell(sweep_dir, "learner.lr=-1", 1, ("learner.lr=-1",))

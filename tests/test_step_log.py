@@ -1,6 +1,6 @@
 """The run's log file keeps what a post-mortem needs while a progress bar has the terminal: a step summary every
 SUMMARY_EVERY steps or SUMMARY_EVERY_S seconds, and the last step logged, even when the run stops on an error
-(bapo.tracking.StepLog). Before, with ``logger.progress=true``, train.log had no step line at all."""
+(bapo.infra.tracking.StepLog). Before, with ``logger.progress=true``, train.log had no step line at all."""
 
 import logging
 import subprocess
@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from bapo import tracking
-from bapo.tracking import MetricsLogger, StepLog, step_summary
+from bapo.infra import tracking
+from bapo.infra.tracking import MetricsLogger, StepLog, step_summary
 from tests.conftest import ROOT
 
 
@@ -133,7 +133,7 @@ def test_train_log_keeps_step_lines_under_the_progress_bar(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = (run_dir / "train.log").read_text().splitlines()
-    written = steps_written([x.replace("][bapo.tracking][INFO]", "") for x in lines])
+    written = steps_written([x.replace("][bapo.infra.tracking][INFO]", "") for x in lines])
     # steps 0 and 10, and 11 (the last, held until the end); on a loaded machine (a step over a minute) others too
     assert {0, 10, 11} <= set(written) and written == sorted(written), written
     last = next(x for x in lines if "step 11 |" in x)

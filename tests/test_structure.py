@@ -4,7 +4,7 @@ import ast
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "bapo"
-STAGES = {"data", "rollout", "reward", "buffer", "learner"}
+STAGES = {"data", "engines", "reward", "learner"}
 
 
 def imported_bapo_modules(path: Path) -> set[str]:
@@ -33,17 +33,21 @@ def test_stages_do_not_import_each_other():
         assert not others, f"{path.relative_to(PKG)} imports stage(s) {sorted(others)}"
 
 
+def test_the_buffer_imports_no_stage():
+    assert not imported_bapo_modules(PKG / "experience" / "buffer.py") & STAGES
+
+
 def test_algos_is_pure_math():
-    """bapo/algos/ imports only itself and bapo/checks.py (ConfigError and the checks its schema uses)."""
+    """bapo/algos/ imports only itself and bapo/infra/checks.py (ConfigError and the checks its schema uses)."""
     for path in (PKG / "algos").rglob("*.py"):
-        mods = imported_bapo_modules(path) - {"algos", "checks"}
+        mods = imported_bapo_modules(path) - {"algos", "infra"}
         assert not mods, f"{path.name} imports {mods}"
         src = path.read_text()
         assert "torch.distributed" not in src and "open(" not in src, path.name
 
 
 def test_checks_imports_nothing_of_bapo():
-    assert not imported_bapo_modules(PKG / "checks.py")
+    assert not imported_bapo_modules(PKG / "infra" / "checks.py")
 
 
 def test_no_eval_of_model_output():
@@ -85,9 +89,9 @@ def test_run_reads_top_to_bottom():
 
 
 def test_nothing_reaches_into_the_producer_or_the_mailbox():
-    """The producer owns its queue, cursor and snapshots; only bapo/offpolicy.py touches their fields."""
+    """The producer owns its queue, cursor and snapshots; only bapo/rollout/producer.py touches their fields."""
     for path in PKG.rglob("*.py"):
-        if path.name == "offpolicy.py":
+        if path.name == "producer.py":
             continue
         src = path.read_text()
         for private in ("._queue", "._snaps", "._next", "._consumed", ".mailbox."):
@@ -95,7 +99,7 @@ def test_nothing_reaches_into_the_producer_or_the_mailbox():
 
 
 def test_one_config_system():
-    """ConfigError and the check helpers are defined once, in bapo/checks.py; training and evaluation use them."""
+    """ConfigError and the check helpers are defined once, in bapo/infra/checks.py; training and evaluation use them."""
     helpers = {"ConfigError", "require", "_require", "choice", "_choice", "typed", "_typed", "variant", "_variant"}
     for path in PKG.rglob("*.py"):
         if path.name == "checks.py":

@@ -21,7 +21,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
-from bapo.tasks import MixedSpec, is_heldout, mixed_lines, mixed_problem
+from bapo.data.tasks import MixedSpec, is_heldout, mixed_lines, mixed_problem
 from scripts.build.common import encode_batch, token_balance
 from tests.conftest import ROOT, assert_measure_refuses_other_folders, run_config
 

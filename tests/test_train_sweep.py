@@ -105,7 +105,7 @@ def test_cfg_job_composes_every_cell_of_a_sweep(tmp_path):
 def test_the_sweep_summary_reads_its_own_launch_and_says_whose_fault(tmp_path, monkeypatch, capsys):
     from omegaconf import OmegaConf
 
-    from bapo.sweep import LAUNCH_ENV, Cell, SweepSummary, summarize
+    from bapo.entry.sweep import LAUNCH_ENV, Cell, SweepSummary, summarize
 
     def cell(name: str, launch: str, status: str, code: int) -> None:
         monkeypatch.setenv(LAUNCH_ENV, launch)

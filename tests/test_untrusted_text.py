@@ -9,11 +9,12 @@ import logging
 
 import pytest
 
-from bapo import checkpoint, rundir
+from bapo import checkpoint
 from bapo.checkpoint import CheckpointError
 from bapo.config import ConfigError
-from bapo.data import LoadReport, load_jsonl
-from bapo.paths import exported_max_new_tokens
+from bapo.data.loading import LoadReport, load_jsonl
+from bapo.entry import rundir
+from bapo.infra.paths import exported_max_new_tokens
 
 DEEP = "[" * 200_000 + "]" * 200_000
 

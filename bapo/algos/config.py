@@ -22,7 +22,7 @@ from bapo.algos.advantages import ADVANTAGE_KINDS
 from bapo.algos.correction import PROXIMAL, check_correction
 from bapo.algos.eps_feedback import EpsFeedbackState
 from bapo.algos.surrogate import AGG_MODES, IS_WEIGHTS, KL_ESTIMATORS, POSITIVE_WEIGHTS, RATIO_LEVELS, TOKEN_MASKS
-from bapo.checks import ConfigError, choice, delegated, require, typed, variant
+from bapo.infra.checks import ConfigError, choice, delegated, require, typed, variant
 
 SCOPES = ("mini_batch", "micro_batch")
 

@@ -50,7 +50,7 @@ from bapo.algos.bounds import ADAPTIVE, ReduceSum, _reduce, make_bound_fn, posit
 from bapo.algos.correction import check_correction, correction_weights, loglinear_proximal
 from bapo.algos.eps_feedback import EpsFeedbackState, eps_feedback_g, eps_feedback_loss, eps_feedback_sums
 from bapo.algos.surrogate import MAX_RATIO, check_surrogate_options, policy_loss, second_moment_cutoff
-from bapo.checks import ConfigError, delegated, imported, require
+from bapo.infra.checks import ConfigError, delegated, imported, require
 
 ChooseFn = Callable[..., tuple[dict[str, float], dict[str, float]]]
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from omegaconf import MISSING
 
-from bapo.checks import ConfigError, choice, require, resumable
+from bapo.infra.checks import ConfigError, choice, require, resumable
 from bapo.learner.fsdp import MIXED_PRECISION
 
 OLD_LOGP = ("rollout", "recompute")  # the engine's recorded log-probs | the learner's at the same version

@@ -3,8 +3,8 @@
 :func:`wrap` applies ``torch.distributed.fsdp.fully_shard`` to every decoder layer
 and then to the root, after which the model trains under the ordinary
 :class:`bapo.learner.Learner` (built *after* wrapping, so AdamW holds the sharded
-parameters) with ``reduce_sum=bapo.dist.reduce_sum`` and
-``reduce_max=bapo.dist.reduce_max``.
+parameters) with ``reduce_sum=bapo.infra.dist.reduce_sum`` and
+``reduce_max=bapo.infra.dist.reduce_max``.
 
 Gradient scaling. The learner normalises the loss by *global* totals (tokens,
 sequences of the mini-batch over all ranks, all-reduced through ``reduce_sum``), so
@@ -27,7 +27,7 @@ schedule, skip count, eps_feedback's eps) goes to ``plain.pt`` beside it, read w
 ``weights_only=True``; and ``.metadata`` is read by :class:`MetadataUnpickler`, which
 admits DCP's own metadata classes and nothing else, then checked (file names, no
 transforms, no non-tensor entries) before DCP sees it. Inside a checkpoint folder the
-files are also checked against its manifest (:mod:`bapo.ckpt_folder`), and the loaded
+files are also checked against its manifest (:mod:`bapo.infra.ckpt_folder`), and the loaded
 tensors must be finite. Every failure is a CheckpointError raised on all ranks together.
 """
 
@@ -57,8 +57,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from bapo import ckpt_folder
-from bapo.ckpt_folder import CheckpointError
+from bapo.infra import ckpt_folder
+from bapo.infra.ckpt_folder import CheckpointError
 
 MIXED_PRECISION = ("auto", "bf16", "fp32")
 
@@ -91,7 +91,7 @@ def wrap(
     if mixed_precision not in MIXED_PRECISION:
         raise ValueError(f"mixed_precision must be one of {MIXED_PRECISION}, got {mixed_precision!r}")
     if not dist.is_initialized():
-        raise RuntimeError("fsdp.wrap needs a process group: call bapo.dist.init() under torchrun first")
+        raise RuntimeError("fsdp.wrap needs a process group: call bapo.infra.dist.init() under torchrun first")
     bf16 = uses_bf16(mixed_precision, device)
     mp = MixedPrecisionPolicy(**(dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else {}))
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cpu_offload else OffloadPolicy()
@@ -208,7 +208,7 @@ def save_hf(
 
     A collective: the weights are gathered one tensor at a time, cast on the shard before the gather
     (:class:`bapo.learner.strategy.StreamedWeights`), and only rank 0 keeps them (on the CPU). Rank 0 writes,
-    under a temporary name renamed into place (:func:`bapo.ckpt_folder.staged_folder`: an interrupted export
+    under a temporary name renamed into place (:func:`bapo.infra.ckpt_folder.staged_folder`: an interrupted export
     leaves no half-written folder, and the folder is readable as the umask allows). A failure (a full disk)
     raises on every rank.
     """
@@ -415,7 +415,7 @@ def load_sharded(path: str | Path, *, model: nn.Module, optimizer: torch.optim.O
 
     Never unpickles a class (module docstring). ``verify``: first check the files against the manifest of the
     checkpoint folder around ``path`` (rank 0 hashes, every rank gets the verdict); ``False`` for a bare DCP
-    folder written outside :func:`bapo.ckpt_folder.save`. Non-finite weights or optimizer moments are refused.
+    folder written outside :func:`bapo.infra.ckpt_folder.save`. Non-finite weights or optimizer moments are refused.
     """
     path = Path(path)
     err, md, plain = None, None, None

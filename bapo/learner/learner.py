@@ -53,8 +53,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bapo import ckpt_folder
 from bapo.algos import Objective, importance_ratio, stats
+from bapo.infra import ckpt_folder
 from bapo.learner.batching import collate, response_rows, split, split_by_tokens, without_tokens
 from bapo.learner.critic import Critic
 from bapo.learner.forward import ForwardInputs, forward

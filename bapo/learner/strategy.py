@@ -7,7 +7,7 @@ update nor the loop branches on it:
 ===================  ==================================  =======================================
                      ``single``                          ``fsdp``
 ===================  ==================================  =======================================
-device               ``learner.device``                  this rank's (``bapo.dist.init``)
+device               ``learner.device``                  this rank's (``bapo.infra.dist.init``)
 wrap                 move to the device                  ``fully_shard`` per decoder layer + root
 collectives          none                                all-reduce sum / max over the ranks
 mini-batch           all of it                           this rank's share (``dist.shard``)
@@ -29,7 +29,7 @@ mapping whose values are gathered (``full_tensor``) only when read, one paramete
 rank never holds the whole unsharded model. Reading it is a collective: every rank must read the
 same keys in the same order (``items()`` does), which is why the producer only hands these *live*
 weights to an engine inline on the learner's thread (sync mode, at a step boundary); the async
-producer's thread gets :meth:`snapshot` copies, made on the learner's thread (``bapo.offpolicy``).
+producer's thread gets :meth:`snapshot` copies, made on the learner's thread (``bapo.rollout.producer``).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from bapo import ckpt_folder, dist
+from bapo.infra import ckpt_folder, dist
 
 
 def make_strategy(cfg, device: torch.device | None = None):

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from omegaconf import MISSING
 
-from bapo.checks import choice, require, resumable
+from bapo.infra.checks import choice, require, resumable
 from bapo.reward.extract import FALLBACKS
 
 

@@ -10,7 +10,7 @@ data is bulk-handled, each timed once:
 - collate: ``bapo.learner.batching.collate`` (tensors) against the legacy collate below, which
   is what the code did with tuples: ``torch.tensor(tuple)`` per row and field;
 - gather (2 ranks): 2 gloo processes (forked, with torchrun's variables, 1 torch thread each) gather
-  their rollout shares: ``bapo.rollout_maker.gather_batch`` (flat tensors) against
+  their rollout shares: ``bapo.rollout.maker.gather_batch`` (flat tensors) against
   ``torch.distributed.all_gather_object`` of the tuple-based share (pickled Python objects);
   the time of a stage is its slower rank's;
 - checkpoint write / read: ``bapo.checkpoint.write`` and ``load`` of a replay-buffer-shaped
@@ -52,9 +52,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this tree's bapo and scripts/
 
-from bapo import checkpoint, dist  # noqa: E402
+from bapo import checkpoint  # noqa: E402
+from bapo.infra import dist
 from bapo.learner.batching import TOKEN_EXTRAS, collate  # noqa: E402
-from bapo.rollout_maker import gather_batch, merge_stats  # noqa: E402
+from bapo.rollout.maker import gather_batch, merge_stats  # noqa: E402
 from bapo.samples import Problem, Prompt, RolloutBatch, Sample, ScoredSample, TrainBatch  # noqa: E402
 from scripts.bench.harness import timed  # noqa: E402
 

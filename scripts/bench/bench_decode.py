@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this tree's bapo
 
 import torch  # noqa: E402
 
+from bapo.engines import HFRollout  # noqa: E402
 from bapo.modeling import load_model, load_tokenizer  # noqa: E402
-from bapo.rollout import HFRollout  # noqa: E402
 from scripts.bench.harness import add_model_flags, arith_prompts, local_model, medians, parser, start, tokens_per_s  # noqa: E402
 
 PATHS = ("lean", "generate")

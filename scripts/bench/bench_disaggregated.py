@@ -25,8 +25,9 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
-from bapo import loop, offpolicy
+from bapo import loop
 from bapo.config import ROOT
+from bapo.rollout import producer
 
 TRAIN = ["logger.mode=disabled", "logger.progress=false", "eval.every=0", "checkpoint.every=0"]
 
@@ -58,7 +59,7 @@ def one(name: str, overrides: list[str], out: Path) -> dict:
     """Run the loop once, recording when batches were made and when the learner learned."""
     made: list[tuple[float, float]] = []
     learned: list[tuple[float, float]] = []
-    real_learn, real_produce = loop.learn, offpolicy.Producer._produce_one
+    real_learn, real_produce = loop.learn, producer.Producer._produce_one
 
     def learn(rc, s, samples):
         t0 = time.monotonic()
@@ -74,13 +75,13 @@ def one(name: str, overrides: list[str], out: Path) -> dict:
         finally:
             made.append((t0, time.monotonic()))
 
-    loop.learn, offpolicy.Producer._produce_one = learn, produce
+    loop.learn, producer.Producer._produce_one = learn, produce
     try:
         with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
             cfg = compose(config_name="config", overrides=[*TRAIN, *overrides])
         loop.run(cfg, out / name)
     finally:
-        loop.learn, offpolicy.Producer._produce_one = real_learn, real_produce
+        loop.learn, producer.Producer._produce_one = real_learn, real_produce
     rows = [json.loads(x) for x in (out / name / "metrics.jsonl").read_text().splitlines()][1:]
     # the window: from the first batch's start to the last update's end (the start's and the end's evaluations
     # fall outside it)

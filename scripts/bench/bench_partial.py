@@ -54,7 +54,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from bapo.config import build
-    from bapo.schedule import partial_lag
+    from bapo.rollout.schedule import partial_lag
 
     common = [x for x in args.overrides.split(",") if x]
     common += [f"train.steps={args.steps}", "eval.every=0", "checkpoint.every=0", "logger.mode=disabled"]

@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this tree's bapo
 
 from omegaconf import OmegaConf  # noqa: E402
 
+from bapo.engines import HFRollout, VLLMRollout  # noqa: E402
 from bapo.modeling import load_model, load_tokenizer  # noqa: E402
-from bapo.rollout import HFRollout, VLLMRollout  # noqa: E402
 from scripts.bench.harness import ROOT, add_model_flags, arith_prompts, local_model, parser, tokens_per_s  # noqa: E402
 
 

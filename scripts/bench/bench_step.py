@@ -88,12 +88,13 @@ def worker(root: Path, overrides: list[str], threads: int) -> None:
 
     if threads:
         torch.set_num_threads(threads)
-    from bapo import advantages, loop
+    from bapo import loop
     from bapo.config import build
+    from bapo.engines import decode
+    from bapo.experience import scoring
+    from bapo.infra.seeding import seed_everything
     from bapo.learner import collate
-    from bapo.rollout import decode
     from bapo.samples import RolloutBatch
-    from bapo.seeding import seed_everything
 
     with initialize_config_dir(version_base="1.3", config_dir=str(root / "conf")):
         cfg = compose(config_name="config", overrides=overrides)
@@ -131,7 +132,7 @@ def worker(root: Path, overrides: list[str], threads: int) -> None:
             tuple(prompts),
         )
         with clock.stage("scoring"):
-            scored, _ = advantages.score(
+            scored, _ = scoring.score(
                 rb,
                 learner,
                 algo=rc.algo,

@@ -49,7 +49,7 @@ def main() -> None:
     ap.add_argument("--no-sync", action="store_true")
     args = ap.parse_args()
 
-    from bapo import dist
+    from bapo.infra import dist
     from bapo.learner import fsdp
     from bapo.learner.strategy import StreamedWeights
     from bapo.modeling import load_model, load_tokenizer
@@ -67,7 +67,7 @@ def main() -> None:
         "load_rise_mb": rss_mb("VmHWM") - before,
     }
     if not args.no_sync:
-        from bapo.rollout.vllm import VLLMRollout
+        from bapo.engines.vllm import VLLMRollout
 
         engine = VLLMRollout(args.model, load_tokenizer(args.model), n=1, enforce_eager=True, seed=0)
         folder = Path(tempfile.mkdtemp(prefix="bench-sync-"))
@@ -76,7 +76,7 @@ def main() -> None:
             engine._weights_dir = folder
             engine._reload_from_disk(fsdp.full_state_dict(model, rank0_only=False))
             if engine.tied and engine.on_cpu:
-                from bapo.rollout.vllm import _repack_lm_head
+                from bapo.engines.vllm import _repack_lm_head
 
                 engine.llm.collective_rpc(_repack_lm_head)
             engine.llm.reset_prefix_cache()

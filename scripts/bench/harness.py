@@ -89,8 +89,8 @@ def local_model(name: str) -> str | None:
 def arith_prompts(name: str, tok, count: int) -> list:
     """``count`` held-out arithmetic prompts rendered for model ``name``: the tiny model's own task, and short
     sums for a pretrained model (which does not know the tiny model's format)."""
-    from bapo.data import render_prompt
-    from bapo.tasks import ArithSpec, arith_heldout
+    from bapo.data.loading import render_prompt
+    from bapo.data.tasks import ArithSpec, arith_heldout
 
     spec = ArithSpec() if name == "tiny" else ArithSpec(max_value=20, max_terms=2)
     return [render_prompt(p, tok) for p in arith_heldout(count, seed=1, heldout_frac=0.1, spec=spec)]

@@ -5,7 +5,7 @@ The shipped tiny model (``scripts/build/build_tiny_model.py``) is near-determini
 and there is no entropy to lose (docs/study/v1/README.md). This testbed is built to start where
 off-policy RL on LLMs starts: mostly wrong, uncertain, with room to learn.
 
-The task (``bapo.tasks.mixed_problem``): expressions of 3-5 operands with ``+``, ``-`` and ``*``
+The task (``bapo.data.tasks.mixed_problem``): expressions of 3-5 operands with ``+``, ``-`` and ``*``
 and the usual precedence ("What is 12 + 8 * 7 - 20?"). The worked solutions do the products
 first, in a random order, then either go left to right or add the positive and the negative
 terms apart and take the difference: every solution is correct, but length and order vary.
@@ -13,7 +13,7 @@ The gold answer is an integer, graded by the ordinary reward stage (``reward=mat
 
 Steps, all deterministic under ``--seed``:
 1. Write the task's problem sets: ``train.jsonl`` and ``heldout.jsonl``, split by a hash
-   of the problem text (``bapo.tasks.is_heldout``), so they never overlap.
+   of the problem text (``bapo.data.tasks.is_heldout``), so they never overlap.
 2. Train a byte-level BPE tokenizer (digits one per token) with a ChatML template.
 3. Build a small Llama (untied embeddings, for vLLM's weight reload).
 4. Supervised warm start on correct worked solutions, stopped early: as soon as the
@@ -26,7 +26,7 @@ Steps, all deterministic under ``--seed``:
    ``build_info.json``.
 
 The long-chain-of-thought testbed, ``assets/tiny-longcot`` (study v3), is the same build with half the
-solutions in a long, slip-prone style (products by repeated addition, ``bapo.tasks.mixed_long_lines``)
+solutions in a long, slip-prone style (products by repeated addition, ``bapo.data.tasks.mixed_long_lines``)
 and every ``a+b`` / ``a*b`` step written in either order at random (``commute``). Long solutions fail
 more often, so the model's wrong responses are longer than its right ones (about 1.7x), and the
 commuted steps keep it uncertain per token (0.30 nats) at the same accuracy. Without ``--commute`` the
@@ -61,7 +61,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this tree's bapo and scripts/
 
-from bapo.tasks import (  # noqa: E402
+from bapo.data.tasks import (  # noqa: E402
     MixedSpec,
     is_heldout,
     mixed_lines,
@@ -119,7 +119,7 @@ def sft_problem(
     """A training-split problem's text (never one that hashes into the held-out split) and a worked solution.
 
     With ``long_share`` > 0, that share of the solutions is the long, slip-prone style
-    (``bapo.tasks.mixed_long_lines``). With ``ramble_share`` > 0, that share, drawn alike for every problem,
+    (``bapo.data.tasks.mixed_long_lines``). With ``ramble_share`` > 0, that share, drawn alike for every problem,
     never boxes an answer: after its first attempt it starts another, and another, until it is at least
     ``ramble_chars`` characters long (:func:`ramble`; :func:`encode_sft` cuts it at the token cap, with no end
     token). At 0 neither makes an extra random draw, so the tiny-explore and tiny-longcot builds are unchanged.
@@ -139,7 +139,7 @@ def sft_problem(
 
 def ramble(expr: str, lines: list[str], rng: random.Random, *, min_chars: int, commuted: bool) -> str:
     """A worked solution that never concludes: ``lines`` (a first attempt), then fresh attempts at the same
-    expression (``bapo.tasks.mixed_lines``, commuted like the first), one after another, and no box.
+    expression (``bapo.data.tasks.mixed_lines``, commuted like the first), one after another, and no box.
 
     Every line is true; what makes it wrong is that it never answers, and it runs on to the length cap,
     like a long-CoT model's rechecking loop that is cut off by ``max_new_tokens``. The attempts are fresh

@@ -13,7 +13,7 @@ Why the warm-start teacher is careless: the RL task needs headroom. A model
 that is simply under-trained makes confident, unsystematic errors that a few
 minutes of RL cannot fix. Instead, the teacher's worked solutions do each step
 carelessly with probability ``--slip-rate`` (adding without carrying,
-subtracting column by column without borrowing; ``bapo.tasks.careless``), and
+subtracting column by column without borrowing; ``bapo.data.tasks.careless``), and
 the error carries into later steps. The warm-started policy therefore knows
 both procedures and mixes them, so its held-out accuracy starts low (20-40%),
 and the outcome reward alone can teach it to carry, which is the kind of
@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this tree's bapo and scripts/
 
-from bapo.tasks import ArithSource, ArithSpec, arith_heldout, arith_problem, arith_solution, is_heldout  # noqa: E402
+from bapo.data.tasks import ArithSource, ArithSpec, arith_heldout, arith_problem, arith_solution, is_heldout  # noqa: E402
 from scripts.build.common import (  # noqa: E402
     BOX,
     ROOT,

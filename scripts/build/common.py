@@ -26,7 +26,7 @@ if str(ROOT) not in sys.path:
 
 from bapo.algos import grpo_advantages, positive_contribution  # noqa: E402
 from bapo.checkpoint import staged_folder  # noqa: E402
-from bapo.data import DEFAULT_INSTRUCTION  # noqa: E402
+from bapo.data.loading import DEFAULT_INSTRUCTION  # noqa: E402
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"

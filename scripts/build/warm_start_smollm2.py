@@ -7,8 +7,8 @@ supervised warm start stopped early (``scripts/build/build_tiny_explore_model.py
 pretrained model, so the study's comparison can be repeated on weights that were not built here:
 
 1. Supervised steps on correct worked solutions of training-split mixops problems (the short style of
-   ``bapo.tasks.mixed_problem``, the same generator the tiny testbeds learn from), rendered with the
-   product's own prompt (``bapo.data.render_prompt``: SmolLM2's chat template, its system turn, the
+   ``bapo.data.tasks.mixed_problem``, the same generator the tiny testbeds learn from), rendered with the
+   product's own prompt (``bapo.data.loading.render_prompt``: SmolLM2's chat template, its system turn, the
    boxing instruction), the loss on the solution tokens and the end token only.
 2. Every ``--eval-every`` steps the sampled held-out accuracy (T = 1) is probed; the warm start stops at
    ``--target``, so the model is still mostly wrong and uncertain: the study's 10-25% band.
@@ -42,8 +42,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this tree's bapo and scripts/
 
-from bapo.data import Problem, render_prompt  # noqa: E402
-from bapo.tasks import mixed_split  # noqa: E402
+from bapo.data.loading import Problem, render_prompt  # noqa: E402
+from bapo.data.tasks import mixed_split  # noqa: E402
 from scripts.build.build_tiny_explore_model import (  # noqa: E402
     HELDOUT_FRAC,
     N_HELDOUT,

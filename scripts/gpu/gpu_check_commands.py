@@ -29,7 +29,7 @@ GiB = 2**30
 QWEN7B = ["algo=bapo", "model=qwen7b"]  # python train.py algo=bapo model=qwen7b
 PLAN_ARGS = ["--plan", "--nproc", "1", "--gpu-memory", "141"]  # one H200
 PAPER_MODEL = "r1_distill_qwen_7b"  # experiment=paper_7b's
-STAGED_COPIES = 1  # a version is removed once its server has loaded it: one copy at the peak (bapo/rollout/staging.py)
+STAGED_COPIES = 1  # a version is removed once its server has loaded it: one copy at the peak (bapo/engines/staging.py)
 
 
 def gib(n: float | None) -> float | None:

@@ -259,7 +259,7 @@ def against_eager(learner, path: str, *, seq: int = 128) -> dict:
 
 def one_rank_group():
     """This process as a world of one (NCCL on a GPU, gloo on the CPU), as ``python train.py`` makes it."""
-    from bapo import dist as bdist
+    from bapo.infra import dist as bdist
 
     return bdist.init_one_rank()
 

@@ -4,7 +4,7 @@ a dry run), build the learner as the loop builds it (FSDP2 meta-load in a one-ra
 temperature (0.6) and compare the engine's log-probs of its own samples with the learner's
 (``Learner.response_logp``): the mean and largest |difference| over the response tokens, and the share above 0.1.
 
-``server``: ``rollout=vllm_server`` starts its server (``python -m bapo.rollout.vllm_server``: vLLM's OpenAI server
+``server``: ``rollout=vllm_server`` starts its server (``python -m bapo.engines.vllm_server``: vLLM's OpenAI server
 under a parent watch); the learner makes one update (a large learning rate, so versions differ visibly) and its
 weights are streamed to the server (``engine.load_weights(learner.weights(), 1)``: the FSDP learner's
 ``StreamedWeights``, a staged folder, the server's reload, the prefix-cache reset). Then: whether the server holds
@@ -64,9 +64,9 @@ def standin_world(ctx, rollout: list[str]):
 
 
 def engine_for(rc, path: str, tok, learner):
-    """The rollout engine of ``rc`` as the loop builds it (``bapo.rollout.build_rollout``)."""
+    """The rollout engine of ``rc`` as the loop builds it (``bapo.engines.build_rollout``)."""
     from bapo.config import prompt_limit
-    from bapo.rollout import build_rollout
+    from bapo.engines import build_rollout
 
     context = getattr(learner.model.config, "max_position_embeddings", None)
     limit = prompt_limit(rc.data.max_prompt_tokens, rc.rollout.max_new_tokens, context)
@@ -75,7 +75,7 @@ def engine_for(rc, path: str, tok, learner):
 
 
 def prompts(tok, k: int):
-    from bapo.data import render_prompts
+    from bapo.data.loading import render_prompts
     from bapo.samples import Problem
 
     problems = [Problem(f"p{i}", f"What is {i} + {i + 1}? Show your steps.", str(2 * i + 1)) for i in range(k)]
@@ -112,7 +112,7 @@ def server_holds_learner_weights(engine, learner) -> dict:
     """Whether the server's workers read exactly the learner's weights at the last sync: the learner's tensors
     gathered again one name at a time (``weights[name]``, not the sync's stream), fingerprinted in the engine's
     dtype (tied names once), against the digest the workers answered (``engine.fingerprint()``)."""
-    from bapo.rollout.staging import digest, fingerprint
+    from bapo.engines.staging import digest, fingerprint
 
     out: dict[str, Any] = {
         "sync_parts_s": {k: round(v, 3) for k, v in (getattr(engine, "sync_parts", None) or {}).items()}

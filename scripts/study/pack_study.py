@@ -33,7 +33,7 @@ What a run's line keeps, and why:
 - ``problems``: every line or file that could not be read, as ``<run>/<file>[:<line>]: <problem>``.
 - ``folder`` (only when false): a run that ``scripts/run_grid.py`` queued or started (``logs/grid.jsonl``), or a
   cell of ``python train.py -m`` that failed (``sweep_summary.jsonl``), and that left no run folder: a start-up
-  error may remove the folder it made (``bapo/cli.py``), and an interrupted grid never starts the rest. Its
+  error may remove the folder it made (``bapo/entry/cli.py``), and an interrupted grid never starts the rest. Its
   ``overrides`` are the ones its launcher gave it, its ``exception`` the ``error:`` line of run_grid's log of it or
   of the sweep summary (``run_grid: queued, never started`` when it has no attempt), and its ``config`` and
   ``metrics`` are empty. Such a run is listed, never dropped. (A run with a folder whose logs name no failure
@@ -57,7 +57,9 @@ from omegaconf import OmegaConf
 FORMAT, VERSION = "bapo-study", 1
 SKIP_DIRS = {".hydra", ".submitit", "checkpoints", "export", "wandb"}
 GRID_LOG = "grid.jsonl"  # scripts/run_grid.py: one line per run queued and per attempt, in <sweep dir>/logs/
-SWEEP_SUMMARY = "sweep_summary.jsonl"  # python train.py -m: a row per cell run, in the sweep folder (bapo/sweep.py)
+SWEEP_SUMMARY = (
+    "sweep_summary.jsonl"  # python train.py -m: a row per cell run, in the sweep folder (bapo/entry/sweep.py)
+)
 NEVER_STARTED = "run_grid: queued, never started"  # the exception of a queued run with no attempt (an interrupted grid)
 # Metrics of runs written before the clip window moved to clip/*: read under their new names.
 RENAMED = {"bapo/ratio_low": "clip/low", "bapo/ratio_high": "clip/high", "bapo/rho": "clip/rho"}
@@ -65,7 +67,7 @@ RENAMED = {"bapo/ratio_low": "clip/low", "bapo/ratio_high": "clip/high", "bapo/r
 
 class UsageParser(argparse.ArgumentParser):
     """argparse whose bad arguments are one line on stderr, ``error: UsageError: <what>``, and exit status 2 (the
-    entry points' convention, ``bapo/cli.py``), not argparse's usage block."""
+    entry points' convention, ``bapo/entry/cli.py``), not argparse's usage block."""
 
     def error(self, message: str) -> NoReturn:
         usage_error(f"{message} (see {self.prog} --help)")
@@ -114,7 +116,7 @@ def last_exception(path: Path) -> str | None:
 
 def last_exception_in(text: str) -> str | None:
     """The last failure a log's text records: the exception line of its last traceback, or the entry points'
-    one-line ``error: <Class>: <message>`` (``bapo/cli.py``), whichever comes later; cut to 120 characters."""
+    one-line ``error: <Class>: <message>`` (``bapo/entry/cli.py``), whichever comes later; cut to 120 characters."""
     lines = text.splitlines()
     found = None
     i = 0
@@ -275,7 +277,7 @@ def launched_runs(sweep: Path) -> dict[str, dict]:
     """The runs the launchers of this sweep queued or started, name -> ``overrides``, ``started`` and ``error`` (the
     error line of its last failure, after where it was read): scripts/run_grid.py's ``logs/grid.jsonl`` (a line
     per run queued, a line per attempt) and ``python train.py -m``'s ``sweep_summary.jsonl`` (a row per cell run:
-    ``bapo/sweep.py``), the later line winning. A cell whose last row says complete is left out. Unreadable lines
+    ``bapo/entry/sweep.py``), the later line winning. A cell whose last row says complete is left out. Unreadable lines
     are skipped."""
     runs: dict[str, dict] = {}
     for row in _json_lines(sweep / "logs" / GRID_LOG):

@@ -20,7 +20,7 @@ import torch
 from bapo.algos import OBJECTIVES, build_objective, register_objective
 from bapo.algos.config import algo_config
 from bapo.algos.surrogate import aggregate
-from bapo.checks import ConfigError, to_plain
+from bapo.infra.checks import ConfigError, to_plain
 from tests.conftest import compose
 
 ROOT = Path(__file__).resolve().parents[2]

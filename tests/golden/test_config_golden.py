@@ -38,7 +38,7 @@ ADDED: dict[str, object] = {
     "algo.surrogate.positive_weight": "ratio",
     "algo.surrogate.token_mask": "none",
     "algo.surrogate.mask_threshold": None,
-    # Partial rollouts (bapo/rollout_maker.py): off, every response generated whole, as before.
+    # Partial rollouts (bapo/rollout/maker.py): off, every response generated whole, as before.
     "rollout.partial_budget": None,
     # The learner's torch threads (placement.learner_threads): torch's default, as before.
     "placement.learner_threads": None,

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from bapo import ckpt_folder, dist
 from bapo.algos import surrogate_objective, token_logp
+from bapo.infra import ckpt_folder, dist
 from bapo.learner import Learner, collate
 from bapo.modeling import load_model
 from bapo.samples import Problem, Prompt, Sample, ScoredSample
@@ -162,7 +162,7 @@ def main(out_dir: str, packing: bool, max_tokens: int | None, dtype: str) -> Non
     after_one = fsdp.full_state_dict(lrn.model)
     lrn.save(out / "ckpt")
     dist.barrier()
-    if dist.rank() == 0:  # as bapo.ckpt_folder.save would, so that the loads below verify it
+    if dist.rank() == 0:  # as bapo.infra.ckpt_folder.save would, so that the loads below verify it
         ckpt_folder.write_manifest(out / "ckpt")
     dist.barrier()
     straight = lrn.update(mine)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from bapo import dist
+from bapo.infra import dist
 from bapo.learner import fsdp
 from bapo.learner.strategy import FSDPStrategy, StreamedWeights
 from bapo.modeling import load_model
@@ -153,7 +153,7 @@ def prompts(count: int):
 
 
 def check_eval_shared() -> str:
-    from bapo.evaluate import generate_shared
+    from bapo.eval.evaluate import generate_shared
 
     ps = prompts(5)
     samples, origin = generate_shared(FakeEngine(), ps, n=3, temperature=1.0, seed=11)
@@ -175,7 +175,7 @@ def check_eval_shared() -> str:
 
 def check_maker_tp() -> str:
     from bapo.reward import MathVerifier
-    from bapo.rollout_maker import RolloutMaker
+    from bapo.rollout.maker import RolloutMaker
 
     engine = FakeEngine(tp=2)
     with MathVerifier(num_workers=0) as verifier:

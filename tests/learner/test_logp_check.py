@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 import torch
 
-from bapo.advantages import check_logp, check_rows
 from bapo.algos import surrogate_objective
 from bapo.algos.correction import logp_mismatch
+from bapo.experience.scoring import check_logp, check_rows
 from bapo.learner import Learner
 from bapo.samples import Problem, Prompt, RolloutBatch, Sample
 from tests.conftest import learner_cfg
@@ -131,7 +131,7 @@ def test_share_zero_runs_no_forward(tiny_model):
 
 @pytest.mark.parametrize("bad", ["-0.1", "1.5", "nan"])
 def test_a_share_outside_0_1_is_refused_naming_the_key(bad):
-    from bapo.checks import ConfigError
+    from bapo.infra.checks import ConfigError
     from tests.conftest import run_config
 
     with pytest.raises(ConfigError, match=r"^learner\.logp_check_share: must be"):

@@ -260,9 +260,9 @@ def test_empty_micro_batches_for_rank_sync_change_nothing(data, packing):
 
 def test_engine_logp_matches_the_shared_prompt_learner(tiny_model, tiny_tok):
     """The rollout engine's behaviour log-probs against the learner's with the default layout (prompts shared)."""
-    from bapo.data import render_prompt
-    from bapo.rollout import HFRollout
-    from bapo.tasks import ArithSpec, arith_heldout
+    from bapo.data.loading import render_prompt
+    from bapo.data.tasks import ArithSpec, arith_heldout
+    from bapo.engines import HFRollout
 
     prompts = [render_prompt(p, tiny_tok) for p in arith_heldout(6, seed=1, heldout_frac=0.1, spec=ArithSpec())]
     samples = HFRollout(tiny_model, tiny_tok, n=4, max_new_tokens=32).generate(prompts, seed=1)

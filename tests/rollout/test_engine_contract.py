@@ -1,4 +1,4 @@
-"""The contract every registered engine meets (``bapo.rollout.registry.ENGINES``), parametrised over the registry.
+"""The contract every registered engine meets (``bapo.engines.registry.ENGINES``), parametrised over the registry.
 
 For each engine, built by its own ``from_config`` from its YAML (``conf/rollout/<name>.yaml``) through the typed
 rollout schema: generate -> samples grouped by prompt, tagged with the engine's version, with one finite
@@ -23,13 +23,13 @@ import torch
 from omegaconf import OmegaConf
 
 from bapo.algos import surrogate_objective
-from bapo.checks import ConfigError
-from bapo.data import render_prompt
+from bapo.data.loading import render_prompt
+from bapo.data.tasks import ArithSpec, arith_heldout
+from bapo.engines import ENGINES, RolloutEngine, build_rollout, engine_class, engine_traits
+from bapo.engines.registry import ENGINE_CONFIGS, EngineTraits
+from bapo.infra.checks import ConfigError
+from bapo.infra.paths import compose_option
 from bapo.learner import Learner
-from bapo.paths import compose_option
-from bapo.rollout import ENGINES, RolloutEngine, build_rollout, engine_class, engine_traits
-from bapo.rollout.registry import ENGINE_CONFIGS, EngineTraits
-from bapo.tasks import ArithSpec, arith_heldout
 from tests.conftest import learner_cfg, perturbed
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -113,7 +113,7 @@ def test_every_engine_declares_traits_and_builds_from_config():
 
 def test_reading_traits_imports_no_engine_library():
     """The registry imports an engine's module when asked for it, never its library: vLLM loads only when built."""
-    code = "import sys, bapo.rollout as r; r.engine_traits('vllm'); assert 'vllm' not in sys.modules, 'imported'"
+    code = "import sys, bapo.engines as r; r.engine_traits('vllm'); assert 'vllm' not in sys.modules, 'imported'"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
 

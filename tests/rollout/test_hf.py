@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from bapo.config import ConfigError
-from bapo.data import render_prompt
+from bapo.data.loading import render_prompt
+from bapo.data.tasks import ArithSpec, arith_heldout
+from bapo.engines import HFRollout, RolloutEngine, build_rollout, make_sample, pad_id_of, stop_ids_of
+from bapo.engines.decode import _pick
 from bapo.modeling import load_model
-from bapo.rollout import HFRollout, RolloutEngine, build_rollout, make_sample, pad_id_of, stop_ids_of
-from bapo.rollout.decode import _pick
-from bapo.tasks import ArithSpec, arith_heldout
 from tests.rollout.checks import SHAPED_DEFAULTS, assert_cut_at_first_stop, assert_tagged_and_shaped, rows, tiny_copy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -244,8 +244,8 @@ def test_build_rollout_makes_the_configured_engine(tiny_model, tiny_tok):
 MEMORY_PROBE = """
 import resource, sys, torch
 from transformers import LlamaConfig, LlamaForCausalLM
-from bapo.rollout.decode import Sampling
-from bapo.rollout.hf import DECODERS
+from bapo.engines.decode import Sampling
+from bapo.engines.hf import DECODERS
 torch.manual_seed(0)
 cfg = LlamaConfig(vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256)

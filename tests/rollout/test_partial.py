@@ -8,11 +8,11 @@ version) that sampled it."""
 import pytest
 import torch
 
-from bapo.data import render_prompt
-from bapo.rollout import HFRollout
-from bapo.rollout.decode import counter_uniform
+from bapo.data.loading import render_prompt
+from bapo.data.tasks import ArithSpec, arith_heldout
+from bapo.engines import HFRollout
+from bapo.engines.decode import counter_uniform
 from bapo.samples import Partial
-from bapo.tasks import ArithSpec, arith_heldout
 from tests.conftest import perturbed
 from tests.rollout.test_hf import learner_logp
 

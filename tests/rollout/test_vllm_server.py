@@ -17,8 +17,8 @@ import torch
 pytest.importorskip("vllm")
 
 from bapo.config import ConfigError  # noqa: E402
-from bapo.rollout.staging import MANIFEST, WEIGHTS_FILE, digest, fingerprint, save_weights  # noqa: E402
-from bapo.rollout.vllm_server import ServerError, VLLMServerRollout  # noqa: E402
+from bapo.engines.staging import MANIFEST, WEIGHTS_FILE, digest, fingerprint, save_weights  # noqa: E402
+from bapo.engines.vllm_server import ServerError, VLLMServerRollout  # noqa: E402
 from tests.conftest import perturbed  # noqa: E402
 from tests.rollout.checks import assert_tagged_and_shaped, rows  # noqa: E402
 from tests.rollout.test_vllm import TINY, _learner_logp_diff, _prompts  # noqa: E402
@@ -144,7 +144,7 @@ def test_a_server_that_cannot_start_says_why(tiny_tok):
 def _ours() -> list[str]:
     """Live processes of a server this project started (its wrapper and vLLM's engine core under it)."""
     out = subprocess.run(["ps", "-eo", "pid,pgid,args"], capture_output=True, text=True).stdout
-    return [ln for ln in out.splitlines() if "bapo.rollout.vllm_server" in ln and "ps -eo" not in ln]
+    return [ln for ln in out.splitlines() if "bapo.engines.vllm_server" in ln and "ps -eo" not in ln]
 
 
 @pytest.mark.slow
@@ -154,7 +154,7 @@ def test_a_learner_killed_by_sigkill_takes_its_server_down(tmp_path, tiny_tok):
         textwrap.dedent(f"""
         import time
         from transformers import AutoTokenizer
-        from bapo.rollout.vllm_server import VLLMServerRollout
+        from bapo.engines.vllm_server import VLLMServerRollout
         e = VLLMServerRollout({str(TINY)!r}, AutoTokenizer.from_pretrained({str(TINY)!r}), n=1, enforce_eager=True)
         print(e.url, e.proc.pid, flush=True)
         time.sleep(600)

@@ -4,7 +4,7 @@ timeout, a KV cache that holds few sequences, a server started with other flags,
 reset, a server given by URL that holds other weights).
 
 The stand-in answers the routes the engine uses: ``/v1/models``, ``/collective_rpc`` (``bapo_describe`` and
-``bapo_reload``: it reads the staged folder with the real :class:`bapo.rollout.staging.Reader`), ``/v1/completions``
+``bapo_reload``: it reads the staged folder with the real :class:`bapo.engines.staging.Reader`), ``/v1/completions``
 (streamed, token ids and log-probs in vLLM's chunk format) and ``/reset_prefix_cache``."""
 
 import json
@@ -15,9 +15,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from bapo.checks import ConfigError
-from bapo.rollout.staging import Reader
-from bapo.rollout.vllm_server import UNSYNCED, ServerError, VLLMServerRollout, server_devices
+from bapo.engines.staging import Reader
+from bapo.engines.vllm_server import UNSYNCED, ServerError, VLLMServerRollout, server_devices
+from bapo.infra.checks import ConfigError
 from tests.conftest import TINY
 
 IDENTITY = json.loads((TINY / "config.json").read_text())
@@ -229,7 +229,7 @@ def test_a_server_started_with_other_flags_is_refused(fake_server, tiny_tok, key
 
 def test_a_server_given_by_url_gets_the_learners_weights_before_its_first_batch(fake_server, tiny_tok):
     from bapo.modeling import load_model
-    from bapo.rollout_maker import RolloutMaker
+    from bapo.rollout.maker import RolloutMaker
 
     fake, url = fake_server()
     e = _engine(url, tiny_tok)
@@ -274,7 +274,7 @@ def test_a_responses_segments_carry_its_seed_where_draws_are_keyed_by_position(f
     """vLLM's V2 GPU runner keys its Gumbel noise by (seed, position, token): a response's segments then take its own
     seed and together draw the response drawn at once. A runner with one generator per request (CPU) restarts it
     at every request: there each segment's seed is keyed by its offset, so no segment replays another's draws."""
-    from bapo.rollout.vllm import request_seed
+    from bapo.engines.vllm import request_seed
 
     fake, url = fake_server()
     fake.describe["positional_draws"] = positional

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from bapo import dist
+from bapo.infra import dist
 from bapo.learner import fsdp
 from bapo.learner.strategy import StreamedWeights
 from bapo.modeling import load_model, load_tokenizer
@@ -29,7 +29,7 @@ from tests.rollout.test_vllm import ENGINE_KW, _learner_logp_diff, _prompts
 
 def main(out: Path, model_dir: Path, tp: int) -> None:
     device = dist.init()
-    from bapo.rollout.vllm import VLLMRollout
+    from bapo.engines.vllm import VLLMRollout
 
     tok = load_tokenizer(str(model_dir))
     engine = VLLMRollout(str(model_dir), tok, n=2, temperature=0.7, tensor_parallel_size=tp, **ENGINE_KW)
@@ -71,7 +71,7 @@ def main(out: Path, model_dir: Path, tp: int) -> None:
         return f"|logp - new| {d_new:.1e}, |logp - old| {d_old:.1e}, sync {seconds:.3f} s"
 
     def eval_shared():
-        from bapo.evaluate import generate_shared
+        from bapo.eval.evaluate import generate_shared
 
         a, oa = generate_shared(engine, prompts, n=2, temperature=0.7, seed=9)
         b, ob = generate_shared(engine, prompts, n=2, temperature=0.7, seed=9)

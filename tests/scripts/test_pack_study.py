@@ -145,8 +145,8 @@ def test_runs_run_grid_queued_that_left_no_folder_are_packed_and_reported(sweep,
 
 
 def test_failed_cells_of_train_py_m_are_read_from_the_sweep_summary(sweep, tmp_path):
-    """``python train.py -m`` records each cell in ``sweep_summary.jsonl`` (bapo/sweep.py): a failed cell without a
-    folder is listed from it, and one whose folder's logs name nothing takes its line."""
+    """``python train.py -m`` records each cell in ``sweep_summary.jsonl`` (bapo/entry/sweep.py): a failed cell
+    without a folder is listed from it, and one whose folder's logs name nothing takes its line."""
     quiet = "algo=grpo,seed=2"  # complete in the fixture: make it a failure whose own logs say nothing
     (sweep / quiet / "final_metrics.json").unlink()
     rows = [

@@ -53,7 +53,7 @@ def test_bad_input_is_one_error_line_exit_2_and_writes_nothing(case, tmp_path, c
 
 def fake_train(cmd, cwd, env, stdout, stderr):
     """train.py as far as run_grid sees it: a good cell writes a complete run folder; ``learner.lr=-1`` fails at
-    start-up with the entry point's one line and leaves no folder (bapo/cli.py removes it)."""
+    start-up with the entry point's one line and leaves no folder (bapo/entry/cli.py removes it)."""
     run_dir = ROOT / cmd[-1].split("=", 1)[1].strip("'")
     if "learner.lr=-1" in cmd:
         stdout.write("error: ConfigError: learner.lr: must be > 0, got -1.0\n")
@@ -106,7 +106,7 @@ def test_a_real_grid_with_a_bad_cell_runs_the_rest_and_says_so(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     bad = "algo=grpo,debug=smoke,learner.lr=-1,seed=1"
-    # the failed start leaves no folder, or only Hydra's files and its log (bapo/cli.py decides): either way it is
+    # the failed start leaves no folder, or only Hydra's files and its log (bapo/entry/cli.py decides): either way it is
     # named with its error line
     line = next(x for x in proc.stderr.splitlines() if x.startswith(f"failed: {bad}: "))
     assert "error: ConfigError: learner.lr: must be > 0" in line, line

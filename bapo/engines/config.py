@@ -1,0 +1,50 @@
+"""The ``rollout`` group's common schema (conf/rollout/): the keys every engine has.
+
+Each engine's own schema subclasses :class:`RolloutCommon` and lives beside the engine (``HFRollout.config`` in
+``bapo/engines/hf.py``, ``VLLMRollout.config`` in ``bapo/engines/vllm.py``); ``rollout.engine`` picks it through
+the registry (:data:`bapo.engines.registry.ENGINE_CONFIGS`). Types and range checks only (the defaults live in the
+YAML files); a field marked ``resumable`` may change when a run is resumed (memory and speed knobs: the same
+samples' distribution).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import MISSING
+
+from bapo.infra.checks import require, resumable
+
+
+@dataclass
+class RolloutCommon:
+    engine: str = MISSING
+    n: int = MISSING
+    temperature: float = MISSING
+    max_new_tokens: int = MISSING
+    # Partial rollouts: tokens each unfinished response gets per step; the rest waits for later steps' weights
+    # (bapo.rollout.maker, docs/offpolicy.md). None, or max_new_tokens or more (a budget that never interrupts
+    # a response): every response is generated whole within its step.
+    partial_budget: int | None = MISSING
+    # Rollout worker processes under placement.mode=disaggregated (bapo.rollout.workers); each makes its share
+    # of a batch.
+    workers: int = resumable(1)
+
+    def __post_init__(self) -> None:
+        require(self.workers >= 1, "rollout.workers", f"must be >= 1 (worker processes), got {self.workers}")
+        require(self.n >= 1, "rollout.n", f"must be >= 1, got {self.n}")
+        require(self.temperature > 0, "rollout.temperature", f"must be > 0, got {self.temperature}")
+        require(self.max_new_tokens > 0, "rollout.max_new_tokens", "must be > 0")
+        b = self.partial_budget
+        require(
+            b is None or b >= 1,
+            "rollout.partial_budget",
+            f"must be null (off) or tokens per response per step, >= 1, got {b}",
+        )
+
+    @property
+    def segment_budget(self) -> int | None:
+        """The budget that partial rollouts run with: None where no response can be interrupted (off, or a budget
+        of rollout.max_new_tokens or more), so such a run is the plain run, metric for metric."""
+        b = self.partial_budget
+        return b if b is not None and b < self.max_new_tokens else None

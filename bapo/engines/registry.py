@@ -1,0 +1,102 @@
+"""The engine registry: ``rollout.engine`` names to engine classes, and the traits each engine declares.
+
+An engine is named here by a dotted path (``"module:Class"``), so its module, and the library behind
+it, is imported only when a config chooses it (``import vllm`` happens in a run with ``rollout=vllm``
+only). Each class declares its :class:`EngineTraits`, its config schema (``config``: a dataclass that
+subclasses :class:`bapo.engines.config.RolloutCommon`, defined in the engine's module) and builds itself
+from that typed config (``from_config``). The loop and ``eval.py`` read traits, never engine names.
+
+A new engine is one module with its class and its schema, one YAML in ``conf/rollout/``, one line in
+:data:`ENGINES` and a case in ``tests/rollout/test_engine_contract.py``. An engine module imports its
+library (vLLM, an HTTP client) inside its methods, not at the top: the config check imports the module
+of the chosen engine to read its schema.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+from bapo.infra.checks import imported, require
+
+ENGINES: dict[str, str] = {
+    "hf": "bapo.engines.hf:HFRollout",
+    "vllm": "bapo.engines.vllm:VLLMRollout",
+    "vllm_server": "bapo.engines.vllm_server:VLLMServerRollout",
+}
+
+WEIGHT_PATHS = ("in_process", "transport")
+
+
+@dataclass(frozen=True)
+class EngineTraits:
+    """What an engine is, as far as the loop and evaluation must know.
+
+    - ``needs_model_copy``: it samples with a model built in this process (``EngineContext.model``,
+      a copy of the learner's weights); otherwise it loads the checkpoint at ``path`` itself, and a
+      sharded learner may then start from the meta device (nothing to copy it into).
+    - ``can_sleep``: ``sleep()`` may free accelerator memory between updates (only with no request in
+      flight), and ``wake()`` restores it; otherwise both are no-ops.
+    - ``behaviour_logprobs``: a training engine's samples carry the log-prob of each sampled token under
+      softmax(logits / T), which the learner can use as the behaviour policy's.
+    - ``weights``: ``"in_process"``: ``load_weights`` reads the learner's tensors in this process;
+      ``"transport"``: they travel to the engine (a file, a socket) and arrive later.
+    - ``spans_ranks``: one engine may span several torchrun ranks (``tensor_parallel_size``), which must
+      then submit the same prompts with the same seeds.
+    """
+
+    needs_model_copy: bool
+    can_sleep: bool
+    behaviour_logprobs: bool
+    weights: str
+    spans_ranks: bool
+
+    def __post_init__(self) -> None:
+        if self.weights not in WEIGHT_PATHS:
+            raise ValueError(f"EngineTraits.weights: must be one of {list(WEIGHT_PATHS)}, got {self.weights!r}")
+
+
+def engine_class(name: str) -> type:
+    """The class registered as ``name``, or that the import path ``package.module:Class`` names (an engine
+    outside this repository), imported now; a ConfigError names the choices or what the class lacks."""
+    require(
+        name in ENGINES or ":" in name,
+        "rollout.engine",
+        f"must be one of {sorted(ENGINES)} or an import path package.module:Class, got {name!r}",
+    )
+    cls = imported(ENGINES.get(name, name), "rollout.engine")
+    lacks = [a for a in ("traits", "config", "from_config") if not hasattr(cls, a)]
+    require(
+        not lacks and isinstance(cls.traits, EngineTraits),
+        "rollout.engine",
+        f"{name!r} is not an engine class: it needs {lacks or ['traits = EngineTraits(...)']} "
+        f"(docs/extending.md, a new rollout engine)",
+    )
+    return cls
+
+
+def engine_traits(name: str) -> EngineTraits:
+    """The traits the engine registered as ``name`` declares (imports its module, not its library)."""
+    return engine_class(name).traits
+
+
+class _EngineConfigs(Mapping):
+    """``rollout.engine`` names to their schemas, read from the engine classes when looked up (so a config
+    check imports only the chosen engine's module)."""
+
+    def __getitem__(self, name: str) -> type:
+        if name not in self:
+            raise KeyError(name)
+        return engine_class(name).config
+
+    def __contains__(self, name: object) -> bool:
+        return name in ENGINES or (isinstance(name, str) and ":" in name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(ENGINES)
+
+    def __len__(self) -> int:
+        return len(ENGINES)
+
+
+ENGINE_CONFIGS: Mapping[str, type] = _EngineConfigs()

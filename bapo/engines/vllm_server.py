@@ -1,0 +1,791 @@
+"""vLLM's OpenAI-compatible server as the generation engine (``rollout=vllm_server``): generation in processes
+of its own (on a GPU node, GPUs of its own), the learner talking to it over HTTP.
+
+The engine either starts a server (``python -m bapo.engines.vllm_server``, which runs vLLM's
+``vllm.entrypoints.openai.api_server`` under a parent watch, bound to ``rollout.host``) or connects to one a user
+started (``rollout.url``). Either way it first asks the server's workers what model they hold (``/collective_rpc``
+with this module's :class:`WeightLoader` extension) and refuses, in one line, a server of another model, one too
+short for prompt + response, one that returns untempered log-probs (not ``--logprobs-mode processed_logprobs``)
+or fills omitted sampling keys from the checkpoint (not ``--generation-config vllm``). A server given by URL may
+hold any weights: it gets the learner's before its first batch.
+
+Generation: one streamed ``POST /v1/completions`` per prompt, token ids in (``prompt``) and out
+(``return_token_ids``), the sampled token's log-prob under the tempered distribution, this project's stop ids
+(``stop_token_ids``, ``ignore_eos``), every sampling key sent explicitly (no penalties, no top-k, no min-p), and
+``seed`` per prompt (vLLM seeds child j of a request with seed + j, so prompts are spaced ``n`` apart). Requests
+are admitted while the sequences in flight fit the server's KV cache (its blocks x block size, and
+``max_num_seqs``), so a request in flight is running, not queued, and ``rollout.request_timeout_s`` bounds
+*silence*: a stream that sends nothing for that long means a stuck server, whatever the generation's length.
+
+Weight sync. vLLM 0.32's native weight transfer (``--weight-transfer-config '{"backend": "nccl"}'``) needs
+NCCL, which the CPU build lacks and this lab cannot run, so the engine uses the path vLLM offers on every
+platform: the learner stages its weights as safetensors with a manifest of fingerprints
+(:mod:`bapo.engines.staging`), the server's workers reload that folder in place (:meth:`WeightLoader.bapo_reload`:
+each tensor fingerprinted as it is handed to vLLM's reload, a parameter left without weights refused, the CPU
+build's tied output layer re-packed) and answer with what they read, the learner refuses a sync whose answer
+differs, then resets the prefix cache (and checks that it was reset). A version's folder is removed as soon as
+its server has loaded it, so a server's staging holds one copy at its peak. When every rank syncs at once
+(sync mode and evaluations: the streamed weights are a collective) the ranks of one node share one staged
+copy, written by the node's first rank. Space is checked at start (``/dev/shm`` in a container is 64 MB by
+default), and a server's watch removes its staging when the learner dies. ``time/sync_{write,reload,reset,wait}_s``
+split the sync's time. docs/offpolicy.md ("vLLM's server") says what this costs at 7B and what NCCL would save.
+
+Under torchrun every rank has its own server (``rollout.url``: one URL, or one per rank, comma-separated;
+``rollout.gpus``: the launched servers' devices, indices into this process's ``CUDA_VISIBLE_DEVICES``, split over
+the local ranks).
+
+Process hygiene. A launched server runs in a session of its own (a Ctrl-C at the terminal reaches the
+learner only, which stops, saves and then stops the server); :meth:`VLLMServerRollout.close` (run at the
+loop's teardown and at exit) sends SIGTERM to the server's whole process group and SIGKILL after a grace
+period; and the server's wrapper watches its parent, so a learner killed by SIGKILL takes its server (and its
+staged weights) down too.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import uuid
+import weakref
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from bapo.engines.base import EngineContext, RolloutEngine, check_top_p, make_sample
+from bapo.engines.config import RolloutCommon
+from bapo.engines.registry import EngineTraits
+from bapo.engines.staging import (
+    StagingError,
+    check_reply,
+    check_space,
+    make_root,
+    model_bytes,
+    save_weights,
+)
+from bapo.engines.vllm import checkpoint_generation_config, request_seed, vllm_installed
+from bapo.infra import dist
+from bapo.infra.checks import ConfigError, require, resumable
+from bapo.samples import Prompt, Sample
+
+SERVED_NAME = "bapo-policy"
+# what must agree between the learner's checkpoint and the server's model (config.json keys)
+IDENTITY = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+UNSYNCED = -1  # the version of a server given by URL before its first sync: it may hold any weights
+RESET_TRIES = 20  # the prefix cache refuses a reset while blocks are held; it is retried this many times
+
+
+@dataclass
+class VLLMServerConfig(RolloutCommon):
+    """``rollout=vllm_server`` (conf/rollout/vllm_server.yaml): vLLM's OpenAI-compatible server."""
+
+    url: str | None = resumable()  # a running server (or one per torchrun rank, comma-separated); null: start one
+    host: str = resumable()  # where a started server listens (and the address the learner reaches it at)
+    port: int = resumable()  # a started server's port (0: any free one; under torchrun, port + local rank)
+    gpus: str | None = resumable()  # started servers' devices (indices into CUDA_VISIBLE_DEVICES), split over ranks
+    gpu_memory_utilization: float = resumable()
+    tensor_parallel_size: int = resumable()
+    enforce_eager: bool = resumable()
+    server_args: list[str] = resumable()  # more `vllm serve` flags for a started server
+    start_timeout_s: float = resumable()
+    request_timeout_s: float = resumable()  # a streamed request silent this long means a stuck server
+    weights_dir: str | None = resumable()  # where the weight folders go (null: /dev/shm where it exists, else tmp)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(0 <= self.port < 65536, "rollout.port", f"must be 0 (any free port) or a port, got {self.port}")
+        require(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "must be in (0, 1]")
+        require(self.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", "must be >= 1")
+        require(self.start_timeout_s > 0, "rollout.start_timeout_s", "must be > 0 seconds")
+        require(self.request_timeout_s > 0, "rollout.request_timeout_s", "must be > 0 seconds")
+        if self.url is not None:
+            for u in self.url.split(","):
+                require(
+                    u.strip().startswith(("http://", "https://")),
+                    "rollout.url",
+                    f"must be http://host:port (a vLLM server), got {u!r}",
+                )
+
+
+class WeightLoader:
+    """vLLM worker extension (``--worker-extension-cls bapo.engines.vllm_server.WeightLoader``): methods the
+    engine calls on every worker of the server through ``POST /collective_rpc``."""
+
+    def bapo_describe(self) -> dict:
+        cfg = self.model_runner.model_config
+        hf = cfg.hf_config.to_dict()
+        cache, sched = self.vllm_config.cache_config, self.vllm_config.scheduler_config
+        blocks = getattr(cache, "num_gpu_blocks", None)
+        return {
+            "max_model_len": int(cfg.max_model_len),
+            "logprobs_mode": str(cfg.logprobs_mode),
+            "generation_config": str(cfg.generation_config),
+            "kv_tokens": int(blocks * cache.block_size) if blocks else None,
+            "max_num_seqs": int(sched.max_num_seqs),
+            "positional_draws": bool(getattr(self, "use_v2_model_runner", False)) and not _on_cpu(),
+        } | {k: hf.get(k) for k in IDENTITY}
+
+    def bapo_reload(self, path: str) -> dict:
+        """Reload the staged folder ``path`` in place; returns what was read (checked against its manifest)."""
+        from vllm.platforms import current_platform
+
+        from bapo.engines.staging import Reader, reload_checked
+        from bapo.engines.vllm import _repack_lm_head
+
+        device = "cpu" if current_platform.is_cpu() else self.device
+        reader = Reader(path, device)
+        reload_checked(self, iter(reader))
+        if current_platform.is_cpu():  # a tied output layer keeps its old packed copy on CPU
+            _repack_lm_head(self)
+        return reader.check()
+
+    def bapo_fingerprint(self, path: str) -> dict:
+        """What :meth:`bapo_reload` would read from ``path``, without loading it (the GPU check's probe)."""
+        from bapo.engines.staging import Reader
+
+        reader = Reader(path)
+        for _ in reader:
+            pass
+        return reader.check()
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+class ServerError(RuntimeError):
+    """The server failed a request, or died; the message is one line."""
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _bind_error(host: str, port: int) -> str | None:
+    """Why a server cannot listen on ``host:port`` (None: it can)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        return f"rollout.host: {host!r} is not an address of this machine ({e.strerror})"
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(addr)
+        except OSError as e:
+            if e.errno == 98:  # EADDRINUSE
+                return f"rollout.port: {host}:{port} is in use; choose another port, or 0 for any free one"
+            return f"rollout.host: cannot listen on {host}:{port} ({e.strerror or e})"
+    return None
+
+
+def _last_line(log: Path) -> str:
+    try:
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return "(no log)"
+    errors = [ln for ln in lines if "Error" in ln or "error:" in ln]
+    return (errors or lines or ["(empty log)"])[-1][:400]
+
+
+def _stop_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
+    """SIGTERM to the server's process group (vLLM shuts its engine down), SIGKILL after ``grace_s``."""
+    if proc.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    try:  # the engine core may outlive the API process by a moment
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def server_devices(gpus: str, visible: str | None, ranks: int, local: int, tp: int) -> str:
+    """This local rank's server devices: its share of ``gpus`` (indices into the parent's ``visible``
+    ``CUDA_VISIBLE_DEVICES``, or device ids when it is unset), mapped through ``visible``."""
+    ids = [g.strip() for g in gpus.split(",") if g.strip()]
+    per = len(ids) // ranks if ranks else 0
+    require(
+        per >= tp and len(ids) % ranks == 0,
+        "rollout.gpus",
+        f"{gpus!r} has {len(ids)} devices for {ranks} local ranks' servers: give a multiple of {ranks}, "
+        f"at least rollout.tensor_parallel_size={tp} each",
+    )
+    mine = ids[per * local : per * (local + 1)]
+    if not visible:
+        return ",".join(mine)
+    parent = [v.strip() for v in visible.split(",") if v.strip()]
+    bad = [g for g in mine if not g.isdigit() or int(g) >= len(parent)]
+    require(
+        not bad,
+        "rollout.gpus",
+        f"{bad} are not indices into this process's CUDA_VISIBLE_DEVICES={visible!r} (devices 0-{len(parent) - 1})",
+    )
+    return ",".join(parent[int(g)] for g in mine)
+
+
+class _Admission:
+    """Requests in flight while their sequences fit the server's KV cache and ``max_num_seqs``: what runs at once."""
+
+    def __init__(self, tokens: int | None, seqs: int):
+        self.tokens, self.seqs = tokens, seqs
+        self.used_tokens = self.used_seqs = 0
+        self.cond = threading.Condition()
+
+    def fits(self, tokens: int, seqs: int) -> bool:
+        idle = self.used_seqs == 0  # a request larger than the whole cache still runs, alone
+        tok_ok = self.tokens is None or self.used_tokens + tokens <= self.tokens
+        return idle or (tok_ok and self.used_seqs + seqs <= self.seqs)
+
+    def __call__(self, tokens: int, seqs: int):
+        outer = self
+
+        class _Slot:
+            def __enter__(self):
+                with outer.cond:
+                    outer.cond.wait_for(lambda: outer.fits(tokens, seqs))
+                    outer.used_tokens += tokens
+                    outer.used_seqs += seqs
+
+            def __exit__(self, *exc):
+                with outer.cond:
+                    outer.used_tokens -= tokens
+                    outer.used_seqs -= seqs
+                    outer.cond.notify_all()
+
+        return _Slot()
+
+
+class VLLMServerRollout(RolloutEngine):
+    """Sampling through vLLM's OpenAI-compatible server."""
+
+    traits = EngineTraits(
+        needs_model_copy=False, can_sleep=False, behaviour_logprobs=True, weights="transport", spans_ranks=False
+    )
+    config = VLLMServerConfig
+
+    @classmethod
+    def preflight(cls, cfg: VLLMServerConfig) -> None:
+        if cfg.url is None:  # a server to start here; one given by URL runs wherever it runs
+            vllm_installed("vllm_server")
+
+    @classmethod
+    def from_config(cls, cfg: VLLMServerConfig, ctx: EngineContext) -> VLLMServerRollout:
+        """The engine of ``rollout=vllm_server``: it starts a server on ``ctx.path`` (or connects to
+        ``cfg.url``), seeded with ``ctx.seed``, holding ``ctx.max_model_len`` tokens."""
+        return cls(
+            ctx.path,
+            ctx.tokenizer,
+            n=cfg.n,
+            temperature=cfg.temperature,
+            max_new_tokens=cfg.max_new_tokens,
+            url=cfg.url,
+            host=cfg.host,
+            port=cfg.port,
+            gpus=cfg.gpus,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            enforce_eager=cfg.enforce_eager,
+            server_args=list(cfg.server_args),
+            start_timeout_s=cfg.start_timeout_s,
+            request_timeout_s=cfg.request_timeout_s,
+            weights_dir=cfg.weights_dir,
+            dtype=ctx.dtype,
+            seed=ctx.seed,
+            top_p=ctx.top_p,
+            logprobs=ctx.logprobs,
+            max_model_len=ctx.max_model_len,
+        )
+
+    def __init__(
+        self,
+        model_path: str,
+        tokenizer,
+        *,
+        n: int,
+        temperature: float = 1.0,
+        max_new_tokens: int = 64,
+        url: str | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        gpus: str | None = None,
+        gpu_memory_utilization: float = 0.5,
+        tensor_parallel_size: int = 1,
+        enforce_eager: bool = False,
+        server_args: Sequence[str] = (),
+        start_timeout_s: float = 300.0,
+        request_timeout_s: float = 900.0,
+        weights_dir: str | None = None,
+        dtype: str = "float32",
+        seed: int = 0,
+        top_p: float = 1.0,
+        logprobs: bool = True,
+        max_model_len: int | None = None,
+    ):
+        check_top_p(top_p, logprobs)
+        self._hold_sampling(
+            tokenizer,
+            checkpoint_generation_config(str(model_path)),
+            n=n,
+            temperature=temperature,
+            max_new_tokens=max_new_tokens,
+            top_p=top_p,
+            logprobs=logprobs,
+        )
+        self.model_path = str(model_path)
+        self.timeout = request_timeout_s
+        self.dtype = getattr(torch, dtype)
+        self.proc: subprocess.Popen | None = None
+        self.sync_parts: dict[str, float] = {}
+        rank, world, local = dist.rank(), dist.world_size(), dist.local_rank()
+        self.local = local
+        self.node_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        # the weight folders: this rank's own, and the node's shared one for syncs every rank makes at once
+        self.dir = make_root(weights_dir, "bapo-vllm-server-")
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self.dir, True)
+        key = dist.broadcast_object(uuid.uuid4().hex[:12]) if dist.active() else None
+        self.node_dir = None if key is None or self.node_ranks < 2 else self.dir.parent / f"bapo-vllm-node-{key}"
+        if self.node_dir is not None and local == 0:
+            self.node_dir.mkdir(exist_ok=True)
+            self._node_cleanup = weakref.finalize(self, shutil.rmtree, self.node_dir, True)
+        one_copy = _checkpoint_bytes(self.model_path, self.dtype)
+        check_space(self.dir, one_copy * self.node_ranks if local == 0 else one_copy)
+        if url is not None:
+            urls = [u.strip().rstrip("/") for u in url.split(",")]
+            require(
+                len(urls) == world,
+                "rollout.url",
+                f"{len(urls)} server URL(s) for {world} torchrun ranks: give one per rank (each rank loads its "
+                "server's weights), or null to start them",
+            )
+            self.url = urls[rank]
+            self.version = UNSYNCED  # a server we did not start may hold any weights: sync before the first batch
+        else:
+            vllm_installed("vllm_server")
+            self.url = self._start(
+                host=host,
+                port=port + local if port else _free_port(host),
+                gpus=gpus,
+                local=local,
+                dtype=dtype,
+                seed=seed,
+                max_model_len=max_model_len,
+                gpu_memory_utilization=gpu_memory_utilization,
+                tensor_parallel_size=tensor_parallel_size,
+                enforce_eager=enforce_eager,
+                server_args=server_args,
+                start_timeout_s=start_timeout_s,
+            )
+        described = self._check_model(max_model_len)
+        self.admission = _Admission(described.get("kv_tokens"), int(described.get("max_num_seqs") or 256))
+        self.positional = bool(described.get("positional_draws"))  # seeds of a response's segments: vllm.py's docstring
+        self.pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="bapo-vllm-http")
+        dist.before_teardown(self.close)
+
+    # ------------------------------------------------------------------ the server process
+
+    def _start(self, *, host, port, gpus, local, dtype, seed, max_model_len, gpu_memory_utilization,
+               tensor_parallel_size, enforce_eager, server_args, start_timeout_s) -> str:  # fmt: skip
+        why = _bind_error(host, port)
+        if why is not None:
+            raise ConfigError(why)
+        staging = [str(self.dir)] + ([str(self.node_dir)] if self.node_dir is not None and local == 0 else [])
+        args = [
+            sys.executable, "-m", "bapo.engines.vllm_server", "--parent", str(os.getpid()),
+            *(a for d in staging for a in ("--staging", d)), "--",
+            "--model", self.model_path, "--served-model-name", SERVED_NAME, "--host", host, "--port", str(port),
+            "--dtype", dtype, "--seed", str(seed), "--logprobs-mode", "processed_logprobs",
+            "--generation-config", "vllm", "--worker-extension-cls", f"{__name__}.WeightLoader",
+            "--gpu-memory-utilization", str(gpu_memory_utilization),
+            "--tensor-parallel-size", str(tensor_parallel_size), "--disable-log-stats",
+        ]  # fmt: skip
+        if max_model_len:
+            args += ["--max-model-len", str(max_model_len)]
+        if enforce_eager:
+            args.append("--enforce-eager")
+        args += list(server_args)
+        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")  # /collective_rpc and /reset_prefix_cache
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(k, None)  # the server is not a torchrun rank
+        if gpus:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            env["CUDA_VISIBLE_DEVICES"] = server_devices(gpus, visible, self.node_ranks, local, tensor_parallel_size)
+        elif self.node_ranks > 1 and torch.cuda.is_available():
+            raise ConfigError(
+                f"rollout.gpus: {self.node_ranks} learner ranks on this node would each start a server on GPU 0, "
+                f"beside learner rank 0; give each server GPUs of its own, e.g. rollout.gpus="
+                f"'{','.join(str(self.node_ranks + i) for i in range(self.node_ranks))}'"
+            )
+        self.log = self.dir / "server.log"
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(
+                args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+            )
+        self._stopper = weakref.finalize(self, _stop_group, self.proc)
+        url = f"http://{host}:{port}"
+        deadline = time.monotonic() + start_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                keep = Path(tempfile.gettempdir()) / f"bapo-vllm-server-{os.getpid()}.log"
+                shutil.copy(self.log, keep)
+                raise ConfigError(
+                    f"rollout=vllm_server: the server exited with code {self.proc.returncode} before it was ready: "
+                    f"{_last_line(self.log)} (its log: {keep})"
+                )
+            try:
+                self._get(url + "/v1/models", timeout=2)
+                return url
+            except (OSError, ServerError):
+                time.sleep(0.5)
+        _stop_group(self.proc)
+        raise ConfigError(
+            f"rollout.start_timeout_s: the server on {url} was not ready within {start_timeout_s:g} s "
+            f"({_last_line(self.log)})"
+        )
+
+    def close(self) -> None:
+        """Stop a started server (and its engine process) and remove the weight folders."""
+        if getattr(self, "pool", None) is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.proc is not None:
+            self._stopper()
+        self._cleanup()
+        if getattr(self, "_node_cleanup", None) is not None:
+            self._node_cleanup()
+
+    # ------------------------------------------------------------------ HTTP
+
+    def _get(self, url: str, timeout: float | None = None):
+        try:
+            with urllib.request.urlopen(url, timeout=timeout or self.timeout) as r:
+                return json.loads(r.read() or b"null")
+        except urllib.error.HTTPError as e:
+            raise ServerError(f"GET {url}: HTTP {e.code}: {e.read()[:300].decode(errors='replace')}") from None
+
+    def _died(self, e: BaseException) -> str:
+        died = self.proc is not None and self.proc.poll() is not None
+        return f"the server exited with code {self.proc.returncode}: {_last_line(self.log)}" if died else str(e)
+
+    def _post(self, path: str, body: dict | None = None):
+        req = urllib.request.Request(
+            self.url + path, data=json.dumps(body or {}).encode(), headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as r:
+                return json.loads(r.read() or b"null")
+        except urllib.error.HTTPError as e:
+            detail = e.read()[:400].decode(errors="replace").replace("\n", " ")
+            raise ServerError(f"rollout=vllm_server: POST {self.url}{path}: HTTP {e.code}: {detail}") from None
+        except OSError as e:
+            raise ServerError(f"rollout=vllm_server: POST {self.url}{path} failed: {self._died(e)}") from None
+
+    def _stream(self, path: str, body: dict) -> list[dict]:
+        """``POST path`` with ``"stream": true``: every server-sent ``data:`` event, in order. The socket's timeout
+        counts silence only (any byte, a keep-alive comment included, restarts it)."""
+        u = urllib.parse.urlsplit(self.url)
+        conn_cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+        conn = conn_cls(u.hostname, u.port, timeout=self.timeout)
+        events = []
+        try:
+            conn.request("POST", path, json.dumps(body | {"stream": True}), {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            if resp.status != 200:
+                detail = resp.read()[:400].decode(errors="replace").replace("\n", " ")
+                raise ServerError(f"rollout=vllm_server: POST {self.url}{path}: HTTP {resp.status}: {detail}")
+            for raw in resp:
+                line = raw.decode(errors="replace").strip()
+                if not line.startswith("data:"):
+                    continue  # blank separators and ": keep-alive" comments
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    raise ServerError(f"rollout=vllm_server: {self.url}{path}: {str(event['error'])[:400]}")
+                events.append(event)
+        except TimeoutError:
+            raise ServerError(
+                f"rollout.request_timeout_s: the server at {self.url} sent nothing for {self.timeout:g} s on a "
+                "running request (stuck or overloaded); raise rollout.request_timeout_s if it is only slow"
+            ) from None
+        except OSError as e:
+            raise ServerError(f"rollout=vllm_server: POST {self.url}{path} failed: {self._died(e)}") from None
+        finally:
+            conn.close()
+        return events
+
+    def _rpc(self, method: str, **kwargs):
+        out = self._post("/collective_rpc", {"method": method, "kwargs": kwargs})
+        return out.get("results", out) if isinstance(out, dict) else out
+
+    def _check_model(self, max_model_len: int | None) -> dict:
+        """Refuse a server whose model is not this run's, or too short, or sampling otherwise than the learner
+        scores (untempered log-probs, the checkpoint's sampling defaults), or without the control routes."""
+        from transformers import AutoConfig
+
+        try:
+            models = self._get(self.url + "/v1/models", timeout=10)
+        except (OSError, ServerError) as e:
+            raise ConfigError(f"rollout.url: no vLLM server answers at {self.url} ({e})") from None
+        self.served = models["data"][0]["id"]
+        flags = (
+            f"--worker-extension-cls {__name__}.WeightLoader --logprobs-mode processed_logprobs "
+            "--generation-config vllm"
+        )
+        try:
+            described = self._rpc("bapo_describe")
+        except ServerError as e:
+            raise ConfigError(
+                f"rollout.url: {self.url} cannot reload weights ({e}); start it with VLLM_SERVER_DEV_MODE=1 and {flags}"
+            ) from None
+        theirs = described[0] if isinstance(described, list) else described
+        ours = AutoConfig.from_pretrained(self.model_path).to_dict()
+        differ = [k for k in IDENTITY if ours.get(k) != theirs.get(k)]
+        require(
+            not differ,
+            "rollout.url",
+            f"the server at {self.url} serves {self.served!r}, another model than this run's {self.model_path} "
+            f"({', '.join(f'{k} {theirs.get(k)} != {ours.get(k)}' for k in differ)}); start it with --model "
+            f"{self.model_path}",
+        )
+        need = max_model_len or 0
+        require(
+            theirs["max_model_len"] >= need,
+            "rollout.url",
+            f"the server at {self.url} holds {theirs['max_model_len']} tokens, this run needs {need} "
+            "(prompt + rollout.max_new_tokens): restart it with a larger --max-model-len",
+        )
+        mode = theirs.get("logprobs_mode")
+        require(
+            not self.logprobs or mode == "processed_logprobs",
+            "rollout.url",
+            f"the server at {self.url} returns {mode} (log-probs before temperature), the learner scores the "
+            f"tempered distribution: restart it with {flags}",
+        )
+        require(
+            theirs.get("generation_config") == "vllm",
+            "rollout.url",
+            f"the server at {self.url} runs with --generation-config {theirs.get('generation_config')}: keys a "
+            f"request omits would take the checkpoint's defaults; restart it with {flags}",
+        )
+        return theirs
+
+    # ------------------------------------------------------------------ the engine interface
+
+    @torch.no_grad()
+    def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> float:
+        """Stage the learner's weights, have the server's workers reload them, check what they read, reset the
+        prefix cache. Where every rank syncs at once (``weights.collective``), one rank a node writes."""
+        t0 = time.perf_counter()
+        shared = self.node_dir is not None and bool(getattr(weights, "collective", False))
+        folder = (self.node_dir if shared else self.dir) / f"v{version:08d}"
+        err: BaseException | None = None
+        staged = None
+        try:
+            # shared: the node's first rank writes; the others read the stream (a collective) and check the reply
+            staged = save_weights(weights, folder, self.dtype, write=not shared or self.local == 0)
+        except BaseException as e:  # noqa: BLE001 (re-raised below, on every rank together when shared)
+            err = e
+        t_write = time.perf_counter()
+        if shared:
+            _together(err, f"staging weights version {version}")
+        elif err is not None:
+            raise err
+        t1 = t2 = t3 = time.perf_counter()
+        try:
+            reply = self._rpc("bapo_reload", path=str(folder))
+            check_reply(staged, reply, f"rollout=vllm_server at {self.url}")
+            self._last_reply = reply
+            t2 = time.perf_counter()
+            self._reset_prefix_cache()
+            t3 = time.perf_counter()
+        except (StagingError, ServerError) as e:
+            err = e
+        if shared:
+            _together(err, f"reloading weights version {version}")
+            if self.local == 0:
+                shutil.rmtree(folder, ignore_errors=True)
+        else:
+            shutil.rmtree(folder, ignore_errors=True)  # the server holds them now: no copy stays in tmpfs
+            if err is not None:
+                raise err
+        t4 = time.perf_counter()
+        # wait: the node's ranks waiting for each other in a shared sync (and removing the folder)
+        self.sync_parts = {
+            "write": t_write - t0,
+            "reload": t2 - t1,
+            "reset": t3 - t2,
+            "wait": (t1 - t_write) + (t4 - t3),
+        }
+        self.version = version
+        return t4 - t0
+
+    def _reset_prefix_cache(self) -> None:
+        """Drop the prefix cache (its KV was computed by the old weights); vLLM refuses while blocks are held."""
+        for _ in range(RESET_TRIES):
+            out = self._post("/reset_prefix_cache")
+            if not isinstance(out, dict) or out.get("success", True):
+                return
+            time.sleep(0.1)
+        raise ServerError(
+            f"rollout=vllm_server: the server at {self.url} refused to reset its prefix cache {RESET_TRIES} times "
+            "(blocks still held): its cached prompts would keep the old weights' KV"
+        )
+
+    def fingerprint(self) -> list[dict] | None:
+        """What the server's workers read at the last sync (one count and digest per worker), or None before any."""
+        return getattr(self, "_last_reply", None)
+
+    def _complete(self, ids: list[int], n: int, temperature: float, max_tokens: int, seed: int | None):
+        body = {
+            "model": self.served,
+            "prompt": ids,
+            "n": n,
+            "temperature": max(temperature, 0.0),
+            "top_p": self.top_p,
+            "top_k": -1,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "min_tokens": 0,
+            "max_tokens": max_tokens,
+            "stop": [],
+            "stop_token_ids": list(self.stop_ids),
+            "ignore_eos": True,  # stop on exactly these ids, as the HF engine does
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+            "logprobs": 0 if self.logprobs else None,  # the sampled token's only
+            "seed": seed,
+        }
+        toks: dict[int, list[int]] = {i: [] for i in range(n)}
+        lps: dict[int, list[float]] = {i: [] for i in range(n)}
+        with self.admission(n * (len(ids) + max_tokens), n):
+            events = self._stream("/v1/completions", body)
+        for event in events:
+            for c in event.get("choices", []):
+                toks[c["index"]] += list(c.get("token_ids") or [])
+                if self.logprobs and c.get("logprobs"):
+                    lps[c["index"]] += list(c["logprobs"]["token_logprobs"])
+        out = []
+        for i in range(n):
+            if self.logprobs and len(lps[i]) != len(toks[i]):
+                raise ServerError(f"rollout=vllm_server: {len(lps[i])} log-probs for {len(toks[i])} tokens")
+            out.append((toks[i], lps[i] if self.logprobs else None))
+        return out
+
+    def _generate(self, prompts: Sequence[Prompt], n: int, temperature: float, seed: int | None) -> list[Sample]:
+        """``n`` responses per prompt; request p carries seed ``request_seed(seed, p * n)``, so response j of prompt
+        p is drawn with ``request_seed(seed, p * n) + j`` (vLLM's child seeds): reproducible, and no two alike."""
+        jobs = [
+            self.pool.submit(
+                self._complete, list(p.ids), n, temperature, self.max_new_tokens,
+                None if seed is None else request_seed(seed, i * n),
+            )
+            for i, p in enumerate(prompts)
+        ]  # fmt: skip
+        samples = []
+        for i, job in enumerate(jobs):
+            for toks, lp in job.result():
+                samples.append(make_sample(prompts[i], i, toks, lp, self.stop_ids, self.version, self.tokenizer))
+        return samples
+
+    def _segments(
+        self, rows: list[list[int]], caps: list[int], seeds: list[int], offsets: list[int]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """:meth:`RolloutEngine._segments`: one request per row (prompt + prefix), seeded by its response's seed (and
+        its offset where the server's draws are not keyed by position: bapo/engines/vllm.py's docstring)."""
+        jobs = [
+            self.pool.submit(self._complete, r, 1, self.temperature, cap, request_seed(s, 0 if self.positional else o))
+            for r, cap, s, o in zip(rows, caps, seeds, offsets, strict=True)
+        ]
+        out = []
+        for job in jobs:
+            ((toks, lp),) = job.result()
+            out.append((torch.tensor(toks, dtype=torch.long), torch.tensor(lp, dtype=torch.float32)))
+        return out
+
+
+def _checkpoint_bytes(model_path: str, dtype: torch.dtype) -> int:
+    """Bytes of one staged copy of the model at ``model_path`` in ``dtype`` (counted on the meta device)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    return model_bytes(dict(model.state_dict(keep_vars=True)), dtype)
+
+
+def _together(err: BaseException | None, doing: str) -> None:
+    """A failure on any rank of a shared sync fails every rank (none is left waiting at a collective)."""
+    mine = None if err is None else f"{type(err).__name__}: {err}"
+    failed = [(r, m) for r, m in enumerate(dist.all_gather_object(mine)) if m is not None]
+    if err is not None:
+        raise err
+    if failed:
+        raise ServerError(f"rollout=vllm_server: {doing} failed on rank {failed[0][0]}: {failed[0][1]}")
+
+
+# ---------------------------------------------------------------------- the server's wrapper
+
+
+def _watch_parent(parent: int, staging: list[str]) -> None:
+    """In the server: once the learner is gone (even by SIGKILL), remove its staged weights, stop as SIGTERM
+    would, then the whole group."""
+
+    def loop() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        for d in staging:
+            shutil.rmtree(d, ignore_errors=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(20)
+        os.killpg(0, signal.SIGKILL)
+
+    threading.Thread(target=loop, name="bapo-parent-watch", daemon=True).start()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m bapo.engines.vllm_server --parent PID [--staging DIR ...] -- <vllm serve flags>``: vLLM's OpenAI
+    server, stopped (and DIR removed) when process PID (the learner) is gone."""
+    import runpy
+
+    argv = sys.argv[1:] if argv is None else argv
+    usage = "usage: python -m bapo.engines.vllm_server --parent PID [--staging DIR ...] -- <vllm serve flags>"
+    if "--" not in argv or len(argv) < 3 or argv[0] != "--parent":
+        raise SystemExit(usage)
+    ours, theirs = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
+    staging = [ours[i + 1] for i, a in enumerate(ours) if a == "--staging" and i + 1 < len(ours)]
+    _watch_parent(int(ours[1]), staging)
+    sys.argv = ["vllm.entrypoints.openai.api_server", *theirs]
+    runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+"""A rollout worker: one process of a disaggregated run (``placement.mode=disaggregated``; the learner's side
+is :mod:`bapo.rollout.workers`). The learner starts it as
+``python -m bapo.rollout.worker --connect host:port --index i``.
+
+It connects back to the learner (an authenticated ``multiprocessing.connection``; the key comes in the
+environment), receives the run's config, builds the rollout side exactly as a colocated run builds it
+(``bapo.loop.build_maker``: engine, reward pool, prompt stream, rollout maker as share ``i`` of
+``rollout.workers``), joins a two-rank gloo group for weights, and then serves requests one at a time:
+
+- ``weights`` (version, names, shapes, dtypes): receive one flat buffer per dtype and load them;
+- ``make`` (t, version): make its share of rollout batch t; reply with it and the maker's state after it;
+- ``state`` / ``load_state``: the maker's state (the data cursor, the partial-rollout pool);
+- ``generate`` (prompts, n, temperature, seed): an evaluation's samples;
+- ``checksum``: the sum of each weight the engine holds (a check of the transfer);
+- ``stop``.
+
+While it builds and while it serves a request, a thread of its own sends a heartbeat every second or
+so (``beat``), so the learner tells a slow worker from a frozen or unreachable one: silence past
+``placement.worker_timeout_s`` is a lost worker, however long a request takes. A request that fails
+replies with a one-line error (the traceback goes to this worker's log), which the learner raises as the
+run's error. The worker ignores SIGINT (the learner stops it after its checkpoint) and exits on its own
+within about a second when the learner's process is gone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from multiprocessing.connection import Client
+
+import torch
+
+from bapo.rollout.workers import AUTHKEY_ENV, recv, send
+
+log = logging.getLogger("bapo.rollout.worker")
+
+
+def watch_parent(parent: int, period_s: float = 0.5) -> None:
+    """Exit this process once ``parent`` is no longer its parent (the learner died, even by SIGKILL)."""
+
+    def loop() -> None:
+        while True:
+            if os.getppid() != parent:
+                os._exit(3)
+            time.sleep(period_s)
+
+    threading.Thread(target=loop, name="bapo-parent-watch", daemon=True).start()
+
+
+class Heart:
+    """The worker's end of ``conn``: replies and heartbeats, sent one at a time.
+
+    While :attr:`busy` is set, a daemon thread sends ``("beat", None)`` every ``period_s``. It beats only while the
+    worker works, so an idle worker's socket never fills while the learner is busy elsewhere."""
+
+    def __init__(self, conn, period_s: float):
+        self.conn, self.period_s = conn, period_s
+        self.busy = threading.Event()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._beat, name="bapo-heartbeat", daemon=True).start()
+
+    def send(self, msg) -> None:
+        with self._lock:
+            send(self.conn, msg)
+
+    def reply(self, msg) -> None:
+        """The work is done: stop beating and send its answer."""
+        self.busy.clear()
+        self.send(msg)
+
+    def _beat(self) -> None:
+        while True:
+            time.sleep(self.period_s)
+            if self.busy.is_set():
+                try:
+                    self.send(("beat", None))
+                except (OSError, ValueError):  # the learner is gone: the parent watch ends this process
+                    return
+
+
+def beat_period(timeout_s: float) -> float:
+    """Heartbeats come every second, or 5 to a timeout shorter than 5 s."""
+    return min(1.0, timeout_s / 5)
+
+
+def one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def build(init: dict):
+    """The rollout maker and engine of share ``init['share']`` of the run in ``init``."""
+    from omegaconf import OmegaConf
+
+    from bapo import loop
+    from bapo.config import build as build_config
+    from bapo.modeling import load_model
+
+    torch.set_num_threads(int(init["threads"]))
+    rc = build_config(OmegaConf.create(init["config"]), init["run_dir"])
+    path = init["path"]
+    _, tok, load = loop.model_files(rc)
+    engine_model = None
+    if loop.engine_traits(rc.rollout.engine).needs_model_copy:
+        engine_model = load_model(path, dtype=rc.model.dtype, **load, device="cpu")
+    maker, engine, verifier, _, _ = loop.build_maker(
+        rc,
+        path=path,
+        tokenizer=tok,
+        engine_model=engine_model,
+        limit=int(init["limit"]),
+        rank=int(init["share"]),
+        world=int(init["shares"]),
+    )
+    return maker, engine, verifier, engine_model
+
+
+def expected_weights(engine_model) -> dict[str, tuple[int, ...]] | None:
+    if engine_model is None:
+        return None
+    return {k: tuple(v.shape) for k, v in engine_model.state_dict().items()}
+
+
+def check_weights(meta: list, expected: dict | None) -> None:
+    """A ValueError naming the first difference between the learner's weights and this worker's model."""
+    if expected is None:
+        return
+    got = {n: tuple(shape) for n, shape, _ in meta}
+    missing = sorted(set(expected) - set(got))
+    extra = sorted(set(got) - set(expected))
+    if missing or extra:
+        raise ValueError(
+            f"the learner's weights do not fit this worker's model: {len(missing)} missing (e.g. "
+            f"{missing[:1]}), {len(extra)} unexpected (e.g. {extra[:1]}): the worker loaded a different model"
+        )
+    for n, shape in got.items():
+        if expected[n] != shape:
+            raise ValueError(
+                f"the learner's weight {n} has shape {list(shape)}, this worker's model {list(expected[n])}"
+            )
+
+
+def receive_weights(pg, meta: list) -> dict[str, torch.Tensor]:
+    """The flat buffers of :meth:`bapo.rollout.workers.WorkerPool.push_weights`, cut back into named tensors."""
+    out: dict[str, torch.Tensor] = {}
+    for dtype_name in sorted({d for _, _, d in meta}):
+        dtype = getattr(torch, dtype_name)
+        rows = [(n, shape) for n, shape, d in meta if d == dtype_name]
+        sizes = [int(torch.Size(shape).numel()) for _, shape in rows]
+        flat = torch.empty(sum(sizes), dtype=dtype)
+        pg.recv([flat], 0, 0).wait()
+        for (n, shape), piece in zip(rows, torch.split(flat, sizes), strict=True):
+            out[n] = piece.view(shape)
+    return out
+
+
+def serve(conn, heart: Heart, pg, maker, engine, expected) -> None:
+    """Answer the learner's requests until it says stop or goes away."""
+    while True:
+        try:
+            msg = recv(conn)
+        except (EOFError, OSError):
+            return
+        kind = msg[0]
+        if kind == "stop":
+            return
+        heart.busy.set()
+        try:
+            if kind == "weights":
+                _, version, meta = msg
+                check_weights(meta, expected)
+                weights = receive_weights(pg, meta)
+                reply = engine.load_weights(weights, int(version))
+            elif kind == "make":
+                _, t, version = msg
+                if engine.version != version:
+                    raise RuntimeError(f"batch {t} asks for version {version}, this worker holds {engine.version}")
+                batch = maker.make(int(t), int(version), None)
+                reply = (batch, maker.state_dict())
+            elif kind == "checksum":  # what the engine holds, for a test of the transfer
+                reply = {k: float(v.double().sum()) for k, v in engine.model.state_dict().items()}
+            elif kind == "state":
+                reply = maker.state_dict()
+            elif kind == "load_state":
+                maker.load_state_dict(msg[1])
+                reply = None
+            elif kind == "generate":
+                _, prompts, n, temperature, seed = msg
+                reply = engine.generate(prompts, n=n, temperature=temperature, seed=seed)
+            else:
+                raise ValueError(f"unknown request {kind!r}")
+        except Exception as e:  # noqa: BLE001 (every failure goes back to the learner as one line)
+            traceback.print_exc()
+            sys.stderr.flush()
+            heart.reply(("error", one_line(e)))
+            continue
+        heart.reply(("ok", reply))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="a rollout worker of a disaggregated bapo run (started by the learner)"
+    )
+    parser.add_argument("--connect", required=True, metavar="HOST:PORT")
+    parser.add_argument("--index", type=int, required=True)
+    parser.add_argument("--parent", type=int, default=None, help="the learner's pid (default: this process's parent)")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's: it stops us after its checkpoint
+    watch_parent(args.parent or os.getppid())  # a learner gone before this line is noticed too
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker{args.index} %(levelname)s %(message)s")
+    host, port = args.connect.rsplit(":", 1)
+    key = os.environ.pop(AUTHKEY_ENV, "")
+    conn = Client((host, int(port)), authkey=bytes.fromhex(key))
+    send(conn, ("hello", args.index, os.getpid()))
+    kind, init = recv(conn)
+    if kind != "init":
+        return 2
+    timeout_s = float(init.get("timeout_s", 900))
+    heart = Heart(conn, beat_period(timeout_s))
+    heart.busy.set()
+    try:
+        maker, engine, verifier, engine_model = build(init)
+    except Exception as e:  # noqa: BLE001 (a worker that cannot start says why in one line)
+        traceback.print_exc()
+        heart.reply(("error", one_line(e)))
+        return 1
+    heart.send(("started", {"pid": os.getpid(), "threads": torch.get_num_threads()}))
+    import torch.distributed as tdist
+
+    store_host, store_port = init["store"]
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = tdist.TCPStore(store_host, int(store_port), is_master=False, timeout=timeout)
+    pg = tdist.ProcessGroupGloo(tdist.PrefixStore(init["prefix"], store), 1, 2, timeout)
+    heart.reply(("ready", None))
+    try:
+        serve(conn, heart, pg, maker, engine, expected_weights(engine_model))
+    finally:
+        verifier.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
