@@ -26,7 +26,6 @@ from bapo.checkpoint import CheckpointConfig
 from bapo.data.config import DATA, ArithConfig, ArithDataConfig, FileDataConfig, HubDataConfig
 from bapo.engines.config import RolloutCommon
 from bapo.engines.registry import ENGINE_CONFIGS, engine_traits
-from bapo.entry.launch import LauncherConfig
 from bapo.experience.buffer import BufferConfig
 from bapo.infra.checks import (
     ConfigError,
@@ -40,6 +39,7 @@ from bapo.infra.checks import (
     typed,
     variant,
 )
+from bapo.infra.dist import LauncherConfig
 from bapo.infra.paths import HELDOUT, ROOT, eval_sets, exported_max_new_tokens, resolve_path
 from bapo.infra.tracking import LoggerConfig
 from bapo.learner.config import LEARNER, FSDPLearnerConfig, LearnerCommon, SingleLearnerConfig
@@ -247,26 +247,13 @@ def derive_sizes(train: TrainConfig, rollout: RolloutCommon, learner: LearnerCom
     return Sizes(samples, samples // mb, updates, reuse)
 
 
-def cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def check_combinations(rc: RunConfig, world: int | None = None, launched: bool | None = None) -> None:
+def check_combinations(rc: RunConfig, world: int | None = None) -> None:
     """Combinations of keys that no stage supports, refused at startup with every key involved named.
 
-    ``world``: the number of torchrun ranks (default: ``$WORLD_SIZE``, 1 without torchrun); ``launched``: whether
-    a launcher started this process (default: ``$WORLD_SIZE`` is set)."""
+    ``world``: the number of torchrun ranks (default: ``$WORLD_SIZE``, 1 without torchrun). Whether the run fits
+    the GPUs it is given is the memory plan's to say (``bapo.plan.check_one_gpu``, the launch), not the config's."""
     world = int(os.environ.get("WORLD_SIZE", "1")) if world is None else world
-    launched = "WORLD_SIZE" in os.environ if launched is None else launched
     fsdp = rc.learner.kind == "fsdp"
-    if fsdp and not launched and cuda_available():
-        from bapo.entry.launch import (
-            check_one_gpu,  # one GPU of our own (bapo.infra.dist.init_one_rank) holds the learner
-        )
-
-        check_one_gpu(rc)
     sleeps = engine_traits(rc.rollout.engine).can_sleep and getattr(rc.rollout, "enable_sleep_mode", False)
     require(
         not (rc.train.async_rollout and sleeps),

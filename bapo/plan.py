@@ -61,6 +61,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bapo.infra.checks import ConfigError, require
+
 GiB = 2**30
 USABLE = 0.95  # of the device's memory: the rest is left to fragmentation
 CUDA_CONTEXT_NCCL_GIB = 1.5  # per process: the CUDA context, cuBLAS workspaces, NCCL's communicator buffers
@@ -461,7 +463,8 @@ def held_snapshots(rc) -> int:
 
 def model_config(model) -> Any:
     """The transformers config of the typed ``model`` group: ``model.arch``, else the local checkpoint's."""
-    from bapo.config import ConfigError, resolve_path
+    from bapo.infra.checks import ConfigError
+    from bapo.infra.paths import resolve_path
     from bapo.modeling import arch_config
 
     if model.arch:
@@ -683,8 +686,8 @@ def compose(overrides: list[str]):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from bapo.config import ROOT
     from bapo.infra.checks import known_options
+    from bapo.infra.paths import ROOT
 
     with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf"), job_name="train"), known_options():
         return hydra_compose(config_name="config", overrides=overrides)
@@ -729,6 +732,52 @@ def plan_for(overrides: list[str], *, nproc=None, gpu_memory=None, host_memory=N
     return make_plan(rc, world=world, gpu_memory_gib=gpu, host_memory_gib=host_memory)
 
 
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def check_one_gpu(rc, launched: bool | None = None) -> None:
+    """``learner=fsdp`` in one process on a GPU machine (no launcher started it: ``launched``, default
+    ``$WORLD_SIZE`` set): one rank, one GPU. Refused unless the memory plan says the run fits there, naming the
+    smallest change that fits (CPU offload) or the launch that spreads it over the node. Called by the training
+    entry once the config is built, before the model loads."""
+    launched = "WORLD_SIZE" in os.environ if launched is None else launched
+    if rc.learner.kind != "fsdp" or launched or not cuda_available():
+        return
+    verdict = _one_gpu_verdict(rc)
+    require(
+        verdict is None,
+        "learner.kind",
+        f"fsdp in one process trains on one GPU, and {verdict}; or launch it on every GPU of the node: "
+        f"`python train.py ...` with launcher.nproc_per_node=auto (the default) or "
+        f"`torchrun --standalone --nproc_per_node=<GPUs> train.py ...` (the same overrides), or pick a smaller "
+        f"model or placement (python train.py ... --plan prints the memory plan)",
+    )
+
+
+def _one_gpu_verdict(rc) -> str | None:
+    """Why the run cannot fit on this machine's first GPU, by the memory plan, and the smallest change that fits
+    (None: it fits, or the model's shape is not known before it is loaded)."""
+    import torch
+
+    have = torch.cuda.get_device_properties(0).total_memory / 2**30
+    try:
+        p = make_plan(rc, world=1, gpu_memory_gib=have)
+    except ConfigError:
+        return None
+    if p.fits:
+        return None
+    s, gib = p.setup.shape, 2**30
+    why = f"the memory plan of its {s.params / 1e9:.1f}B parameters needs {p.peak / gib:.0f} GiB a GPU "
+    why += f"(cuda:0 has {p.limit / gib:.0f} GiB usable of {have:.0f})"
+    offloaded = with_offload(rc, 1, have)
+    if offloaded is not None and offloaded.fits:
+        why += f": it fits with learner.cpu_offload=true ({offloaded.peak / gib:.0f} GiB a GPU, its state on the host)"
+    return why
+
+
 class _OneLine(argparse.ArgumentParser):
     """Bad arguments are one ``error:`` line and exit status 2, as every entry point's bad input is."""
 
@@ -766,7 +815,7 @@ def cli(argv: list[str], prog: str = "train.py") -> int:
     Exit status 0 when it fits, 1 when it does not, 2 for bad input (``error: <Class>: <message>``)."""
     from hydra.errors import HydraException
 
-    from bapo.entry.cli import user_errors
+    from bapo.infra.checks import UserError
 
     parser = _OneLine(prog=f"{prog} [overrides] --plan", description=__doc__.splitlines()[0])
     parser.add_argument("--plan", action="store_true", help="print the memory plan and exit")
@@ -781,7 +830,7 @@ def cli(argv: list[str], prog: str = "train.py") -> int:
         parser.error(f"unknown option(s) {unknown}: Hydra's own flags do not combine with --plan")
     try:
         plan = plan_for(overrides, nproc=args.nproc, gpu_memory=args.gpu_memory, host_memory=args.host_memory)
-    except (*user_errors(), HydraException) as e:
+    except (UserError, HydraException) as e:
         print(f"error: {type(e).__name__}: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
     print(plan.render(" ".join(overrides)))

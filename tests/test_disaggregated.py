@@ -63,7 +63,7 @@ def worker_pids(parent: int) -> list[int]:
                 cmd = Path(f"/proc/{k}/cmdline").read_bytes()
             except FileNotFoundError:
                 continue
-            if b"bapo.rollout.worker" in cmd:
+            if b"bapo.entry.worker" in cmd:
                 out.append(int(k))
     return sorted(out)
 
@@ -468,10 +468,10 @@ def test_weights_cross_the_gloo_group_bit_for_bit(tmp_path):
     from omegaconf import OmegaConf
 
     cfg = _cfg(DIS)
-    from bapo import loop
+    from bapo.build import model_files
 
     rc = build(cfg, tmp_path)
-    path, tok, load = loop.model_files(rc)
+    path, tok, load = model_files(rc)
     spec = workers.WorkerSpec(
         config=OmegaConf.to_container(cfg, resolve=True), path=path, limit=64, run_dir=str(tmp_path)
     )

@@ -113,7 +113,7 @@ def workdir(tmp_path, monkeypatch):
     (held / ".hydra").mkdir(parents=True)
     (held / ".hydra" / "overrides.yaml").write_text("- placement=disaggregated\n")
     for log in ("train.log", "eval.log"):  # the holder's job log (Hydra opens the one of its own job's name)
-        (held / log).write_text("[...][bapo.entry.rundir][INFO] - starting\n")
+        (held / log).write_text("[...][bapo.rundir][INFO] - starting\n")
     (held / ".lock").write_text('{"pid": 1, "host": "elsewhere", "since": "2026-12-05T10:00:00+0000"}')
     fd = os.open(held / ".lock", os.O_RDWR)
     fcntl.flock(fd, fcntl.LOCK_EX)

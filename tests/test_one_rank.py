@@ -9,7 +9,7 @@ import os
 import pytest
 import torch.distributed as tdist
 
-from bapo.config import ConfigError, check_combinations
+from bapo.config import ConfigError
 from bapo.infra import dist
 from bapo.learner import Learner
 from bapo.loop import run
@@ -80,21 +80,24 @@ def test_one_rank_fsdp_matches_the_single_process_learner(tmp_path):
 def test_a_model_too_big_for_one_gpu_is_refused_without_torchrun(monkeypatch):
     import torch
 
-    import bapo.config as config
+    from bapo import plan
 
     rc = run_config("model=qwen7b")
-    monkeypatch.setattr(config, "cuda_available", lambda: True)
+    monkeypatch.setattr(plan, "cuda_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"total_memory": 80 * 2**30}))
     with pytest.raises(ConfigError, match=r"learner.kind: .*torchrun --standalone --nproc_per_node") as e:
-        check_combinations(rc, world=1, launched=False)
+        plan.check_one_gpu(rc, launched=False)
     assert "7.6B parameters" in str(e.value)
     # the smallest change that fits one GPU is named, with what the plan says it then needs
     assert "it fits with learner.cpu_offload=true (" in str(e.value)
     offloaded = run_config("model=qwen7b", "learner.cpu_offload=true")
-    check_combinations(offloaded, world=1, launched=False)  # and it does start
-    check_combinations(rc, world=8, launched=True)  # under torchrun it is the user's node to fill
+    plan.check_one_gpu(offloaded, launched=False)  # and it does start
+    plan.check_one_gpu(rc, launched=True)  # under torchrun it is the user's node to fill
     small = run_config("model=qwen2.5_0.5b")
-    check_combinations(small, world=1, launched=False)  # 0.5B: 8 GiB of learner state fits on one GPU
+    plan.check_one_gpu(small, launched=False)  # 0.5B: 8 GiB of learner state fits on one GPU
+    plan.check_one_gpu(run_config("model=qwen7b", "learner=single"), launched=False)  # not fsdp: not this check's
+    with pytest.raises(ConfigError, match="learner.kind"):  # the training entry runs it before the model loads
+        run(compose("model=qwen7b"), "unused")
 
 
 def test_async_colocated_vllm_that_sleeps_is_refused():

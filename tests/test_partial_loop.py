@@ -59,7 +59,7 @@ def test_combinations_partial_rollouts_cannot_serve_are_refused():
     ok = ["debug=smoke", "rollout.partial_budget=24", "buffer.max_staleness=3"]
     rc = run_config(*ok, "learner=fsdp")
     with pytest.raises(ConfigError, match=r"^rollout\.partial_budget: .*torchrun started 2 ranks"):
-        check_combinations(rc, world=2, launched=True)
+        check_combinations(rc, world=2)
     with pytest.raises(ConfigError, match=r"^algo\.filter_groups: "):
         run_config(*ok, "algo.filter_groups=true")
     with pytest.raises(ConfigError, match=r"^rollout\.decode: .*use rollout\.decode=lean"):

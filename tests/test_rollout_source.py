@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+from bapo import build as build_module
 from bapo import loop
 from bapo.rollout.producer import Producer
 from bapo.rollout.source import Interrupted, RolloutSource
@@ -115,7 +116,7 @@ def test_both_sources_meet_the_interface():
 def test_run_trains_the_same_from_a_replaying_source(tmp_path, monkeypatch):
     """Run 1 takes its batches from the producer and records them; run 2 replays them through ``run()``: every
     metric but timings is equal, and run 2's engine made no rollout (it only evaluated)."""
-    made = loop.make_source
+    made = build_module.make_source
     recorded = {}
 
     def recording(rc, maker, engine, interrupt):
@@ -123,7 +124,7 @@ def test_run_trains_the_same_from_a_replaying_source(tmp_path, monkeypatch):
         return recorded["source"]
 
     over = ["train.steps=2", "eval.every=1"]
-    monkeypatch.setattr(loop, "make_source", recording)
+    monkeypatch.setattr(build_module, "make_source", recording)
     loop.run(_cfg(over), tmp_path / "live")
     batches = recorded["source"].batches
     assert [b.index for b in batches] == [1, 2]
@@ -133,7 +134,7 @@ def test_run_trains_the_same_from_a_replaying_source(tmp_path, monkeypatch):
         maker.make = None  # the batch maker must not run: every batch comes from the recording
         return recorded["replay"]
 
-    monkeypatch.setattr(loop, "make_source", replaying)
+    monkeypatch.setattr(build_module, "make_source", replaying)
     loop.run(_cfg(over), tmp_path / "replay")
     live, replay = _rows(tmp_path / "live"), _rows(tmp_path / "replay")
     assert [r["step"] for r in replay] == [0, 1, 2]

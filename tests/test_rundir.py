@@ -16,7 +16,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from bapo.config import ConfigError
-from bapo.entry.rundir import (
+from bapo.rundir import (
     ABSENT,
     LOCK_NAME,
     Change,
@@ -34,7 +34,7 @@ ENV = dict(os.environ, PYTHONPATH=str(ROOT))
 # A run that holds the folder and appends to its open metrics.jsonl, like the loop; one more line on stdin's cue.
 HOLDER = """
 import json, sys
-from bapo.entry.rundir import RunFolder
+from bapo.rundir import RunFolder
 with RunFolder.open(sys.argv[1]) as rf:
     m = open(rf.path / "metrics.jsonl", "a")
     m.write(json.dumps({"step": 0}) + "\\n"); m.flush()
@@ -45,7 +45,7 @@ with RunFolder.open(sys.argv[1]) as rf:
 # A second launch told to replace whatever is there (the worst case: it would delete the first run's files).
 INTRUDER = """
 import sys
-from bapo.entry.rundir import RunFolder, plan_start
+from bapo.rundir import RunFolder, plan_start
 with RunFolder.open(sys.argv[1]) as rf:
     plan = plan_start(rf.path, resume=None, overwrite=True, steps=1, find_latest=lambda d: None)
     rf.clear()
@@ -55,7 +55,7 @@ print("intruded")
 # Holds the folder until killed; with "fork", first forks a child that outlives it (a reward worker).
 SLEEPER = """
 import os, sys, time
-from bapo.entry.rundir import RunFolder
+from bapo.rundir import RunFolder
 rf = RunFolder.open(sys.argv[1])
 child = 0
 if sys.argv[2] == "fork":
@@ -174,9 +174,9 @@ def test_clear_removes_the_previous_run_and_nothing_else(tmp_path):
 def plan(caplog, run: Path, **kw) -> tuple:
     """plan_start's plan and its log lines."""
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="bapo.entry.rundir"):
+    with caplog.at_level(logging.INFO, logger="bapo.rundir"):
         p = plan_start(run, **{"resume": None, "overwrite": False, "steps": 4} | kw)
-    return p, [r.getMessage() for r in caplog.records if r.name == "bapo.entry.rundir"]
+    return p, [r.getMessage() for r in caplog.records if r.name == "bapo.rundir"]
 
 
 def test_a_fresh_start_is_refused_over_another_runs_checkpoints_or_metrics_and_allowed_with_overwrite(tmp_path, caplog):
@@ -433,7 +433,7 @@ MUST_NOT = ("algo.bounds.rho0", "learner.lr", "rollout.temperature", "rollout.n"
 def test_resumable_keys_come_from_the_schema_marks():
     """Every listed key names keys of the composed configs (a typo or a removed field would list nothing), and the
     anchors fall on their side."""
-    from bapo.entry import rundir
+    from bapo import rundir
     from tests.conftest import compose
 
     flat = set()

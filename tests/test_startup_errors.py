@@ -399,7 +399,7 @@ def test_a_busy_folder_is_not_touched_and_a_failed_holder_never_removes_what_it_
     import fcntl
 
     from bapo.entry.cli import guarded
-    from bapo.entry.rundir import RunFolderBusy
+    from bapo.rundir import RunFolderBusy
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -418,7 +418,7 @@ def test_a_busy_folder_is_not_touched_and_a_failed_holder_never_removes_what_it_
         assert info.value.code == 2 and ran == []  # refused before the job ran
         assert tree(run_dir) == before
         with pytest.raises(RunFolderBusy):  # and still the holder's
-            from bapo.entry.rundir import RunFolder
+            from bapo.rundir import RunFolder
 
             RunFolder.open(run_dir)
     finally:
@@ -427,7 +427,7 @@ def test_a_busy_folder_is_not_touched_and_a_failed_holder_never_removes_what_it_
 
 def test_a_run_that_wrote_its_files_keeps_them_and_its_log_ends_with_the_error_line(tmp_path, job_log, capsys):
     from bapo.entry.cli import guarded
-    from bapo.entry.rundir import RunFolder
+    from bapo.rundir import RunFolder
 
     run_dir = tmp_path / "run"
     log = job_log(run_dir)

@@ -1,4 +1,5 @@
-"""The house's shape, enforced: stages never import each other; only loop.py wires them."""
+"""The house's shape, enforced: every import runs down the floors below, stages never import each other, and only
+build.py (the composition) and loop.py (the steps) wire them."""
 
 import ast
 from pathlib import Path
@@ -11,7 +12,9 @@ def imported_bapo_modules(path: Path) -> set[str]:
     tree = ast.parse(path.read_text())
     mods = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("bapo."):
+        if isinstance(node, ast.ImportFrom) and node.module == "bapo":  # from bapo import checkpoint, rundir
+            mods |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("bapo."):
             mods.add(node.module.split(".")[1])
         elif isinstance(node, ast.Import):
             mods |= {a.name.split(".")[1] for a in node.names if a.name.startswith("bapo.")}
@@ -71,9 +74,42 @@ def imported_stage_code(path: Path) -> set[str]:
     return mods & STAGES
 
 
-def test_loop_is_the_only_wiring():
+def test_build_and_loop_are_the_only_wiring():
     wiring = {p.name for p in PKG.rglob("*.py") if len(imported_stage_code(p)) >= 3}
-    assert wiring == {"loop.py"}, wiring
+    assert wiring == {"build.py", "loop.py"}, wiring
+
+
+# The floors of bapo/, lowest first: a module may import its own folder and the floors strictly below its own, so no
+# import runs back up and no two folders (or top-level modules) import each other. A new folder or top-level
+# module is placed here, where its concept lives.
+FLOORS = [
+    {"infra"},  # checks, paths, dist, seeding, the checkpoint folder, tracking
+    {"samples", "algos", "reward", "monitor"},
+    {"data", "checkpoint"},
+    {"modeling"},
+    {"engines", "learner", "experience"},  # tokens out and weights in; the update; scoring and the buffer
+    {"rollout"},  # what makes batches
+    {"config"},  # every group's schema, gathered
+    {"plan", "eval", "rundir"},
+    {"build"},  # the composition
+    {"loop"},  # the steps
+    {"entry"},  # the command line, the launch, sweeps, the worker process
+]
+FLOOR = {unit: i for i, units in enumerate(FLOORS) for unit in units}
+
+
+def test_every_import_runs_down_the_floors():
+    units = {p.relative_to(PKG).parts[0].removesuffix(".py") for p in PKG.rglob("*.py")} - {"__init__"}
+    assert units <= FLOOR.keys(), f"place {sorted(units - FLOOR.keys())} on a floor of FLOORS"
+    up = []
+    for path in PKG.rglob("*.py"):
+        unit = path.relative_to(PKG).parts[0].removesuffix(".py")
+        if unit == "__init__":
+            continue
+        for other in imported_bapo_modules(path) - {unit}:
+            if FLOOR[other] >= FLOOR[unit]:
+                up.append(f"{path.relative_to(PKG)} -> {other}")
+    assert not up, f"imports that run back up or sideways: {up}"
 
 
 def test_run_reads_top_to_bottom():

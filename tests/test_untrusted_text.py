@@ -9,11 +9,10 @@ import logging
 
 import pytest
 
-from bapo import checkpoint
+from bapo import checkpoint, rundir
 from bapo.checkpoint import CheckpointError
 from bapo.config import ConfigError
 from bapo.data.loading import LoadReport, load_jsonl
-from bapo.entry import rundir
 from bapo.infra.paths import exported_max_new_tokens
 
 DEEP = "[" * 200_000 + "]" * 200_000

@@ -47,8 +47,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bapo.config import ROOT, ConfigError, resolve_path
 from bapo.data.tasks import ArithSource, ArithSpec, arith_heldout, is_heldout
+from bapo.infra.checks import ConfigError
+from bapo.infra.paths import ROOT, resolve_path
 from bapo.samples import Problem, Prompt
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ Weight sync. The learner's weights are streamed into the engine's model, one ten
 through vLLM's in-place reload (``collective_rpc("reload_weights", weights_iterator=...)``): each
 tensor is cast to the engine's dtype, handed to the model's own ``load_weights`` and dropped, and
 vLLM re-runs its post-load processing (the CPU build's oneDNN repacking) layer by layer. With an
-FSDP learner the mapping is :class:`bapo.learner.strategy.StreamedWeights`, so each parameter is
+FSDP learner the mapping is :class:`bapo.learner.weights.StreamedWeights`, so each parameter is
 gathered only when the engine reads it: no rank holds a full state dict and nothing touches disk.
 Only where the workers live in other processes (``tensor_parallel_size > 1`` in one process, no
 torchrun) does the state dict go through a private safetensors folder and ``reload_weights``
@@ -317,7 +317,7 @@ class VLLMRollout(RolloutEngine):
     def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> float:
         """Load the learner's weights into the workers; returns the seconds it took.
 
-        ``weights`` is read once, in its own order (a :class:`~bapo.learner.strategy.StreamedWeights`
+        ``weights`` is read once, in its own order (a :class:`~bapo.learner.weights.StreamedWeights`
         is gathered as it is read: every rank loads at the same time)."""
         t0 = time.perf_counter()
         self.wake(("weights",))

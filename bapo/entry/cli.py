@@ -12,7 +12,7 @@ before the job starts (composition, override syntax, creating the run folder and
 :func:`guarded` wraps the job itself.
 
 A refused start leaves the run folder exactly as it found it. ``train.py`` takes the folder's lock
-(``bapo.entry.rundir.RunFolder``) before anything else, so a start refused because another run holds the
+(``bapo.rundir.RunFolder``) before anything else, so a start refused because another run holds the
 folder touches nothing in it. Hydra writes nothing there first: conf/config.yaml sets
 ``hydra.output_subdir: null``, and :func:`guarded` writes Hydra's record of the job (``.hydra/``) once
 the lock is held. Hydra does create the folder and open the job's log (``train.log``) before the job;
@@ -45,8 +45,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
-    from bapo.entry.rundir import RunFolder
     from bapo.entry.sweep import Cell
+    from bapo.rundir import RunFolder
 
 T = TypeVar("T")
 
@@ -57,20 +57,18 @@ HYDRA_DIR = ".hydra"  # Hydra's record of a job: config.yaml, hydra.yaml, overri
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
-    """Bad input: exit status 2. (A data-file error is a ``ConfigError``: it names the key that points at the file.)"""
-    from bapo.entry.rundir import RunFolderBusy
-    from bapo.infra.checks import ConfigError
+    """Bad input: exit status 2 (``bapo.infra.checks.UserError``: a ConfigError, a data-file error, a busy folder)."""
+    from bapo.infra.checks import UserError
 
-    return (ConfigError, RunFolderBusy)
+    return (UserError,)
 
 
 def run_errors() -> tuple[type[BaseException], ...]:
-    """A run that failed for a reason its message explains: exit status 1 (a full disk is a CheckpointError)."""
-    from bapo.checkpoint import CheckpointError
-    from bapo.learner.learner import TrainingDiverged
-    from bapo.rollout.workers import WorkerError
+    """A run that failed for a reason its message explains: exit status 1 (``bapo.infra.checks.RunFailed``: a
+    CheckpointError, TrainingDiverged, a WorkerError)."""
+    from bapo.infra.checks import RunFailed
 
-    return (CheckpointError, TrainingDiverged, WorkerError)
+    return (RunFailed,)
 
 
 def only_hydra_files(run_dir: Path) -> bool:
@@ -210,7 +208,7 @@ def launch_here(cfg: Any, hc: Any, script: str | Path, run_dir: Path, cell: Cell
         how.apply(cfg)
         return False
     handoff = outcome_file(cell) if cell is not None else None
-    env = {} if cell is None else cell.handoff(handoff)
+    env = {k: None for k in own_env()} | ({} if cell is None else cell.handoff(handoff))  # None: not passed on
     after = (
         ""
         if entry != "train"
@@ -312,9 +310,9 @@ class StartedFolder:
 
     @classmethod
     def take(cls, run_dir: Path, files: dict[str, str]) -> StartedFolder:
-        """Lock ``run_dir`` (:class:`bapo.entry.rundir.RunFolderBusy` at once if another process holds it: nothing is
+        """Lock ``run_dir`` (:class:`bapo.rundir.RunFolderBusy` at once if another process holds it: nothing is
         touched), note what it holds, then write ``files`` into ``.hydra/``."""
-        from bapo.entry.rundir import RunFolder
+        from bapo.rundir import RunFolder
 
         try:
             st = run_dir.stat()  # before the lock file is made in it
@@ -423,7 +421,7 @@ class StartedFolder:
 
 
 def _entries(run_dir: Path, logs: list[Path]) -> dict[str, tuple[bool, int, int]]:
-    from bapo.entry.rundir import LOCK_NAME
+    from bapo.rundir import LOCK_NAME
 
     skip = {HYDRA_DIR, LOCK_NAME, *(log.name for log in logs)}
     out = {}

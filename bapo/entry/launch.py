@@ -45,7 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bapo.infra.checks import ConfigError, require, resumable
+from bapo.infra.checks import ConfigError, require
+from bapo.infra.dist import LauncherConfig
 
 log = logging.getLogger(__name__)
 
@@ -53,27 +54,6 @@ FAKE_DEVICES = "BAPO_FAKE_DEVICES"  # test hook (module docstring)
 RDZV_PORT = 29400  # the first node's rendezvous port under SLURM (torchrun's default)
 LAYOUT_GROUPS = ("placement", "learner", "launcher")  # on the command line, the plan changes none of them
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)  # what the elastic agent passes on
-
-
-@dataclass
-class LauncherConfig:
-    """``launcher``: how many ranks a plain ``python train.py`` starts, and what it chose (written by the launch)."""
-
-    nproc_per_node: str = resumable()  # auto | N
-    nnodes: str = resumable()  # auto (SLURM's node count, else 1) | N
-    rdzv_endpoint: str | None = resumable()  # host:port of the first node; null: SLURM's first node, or this host
-    chosen: str | None = resumable()  # written by the launch: what it started, and why (module docstring)
-
-    def __post_init__(self) -> None:
-        for key in ("nproc_per_node", "nnodes"):
-            value = getattr(self, key)
-            require(
-                value == "auto" or (value.isdigit() and int(value) >= 1),
-                f"launcher.{key}",
-                f"auto or N >= 1, got {value!r}",
-            )
-        host, _, port = (self.rdzv_endpoint or "h:1").rpartition(":")
-        require(bool(host) and port.isdigit(), "launcher.rdzv_endpoint", f"host:port, got {self.rdzv_endpoint!r}")
 
 
 # ----------------------------------------------------------------------------- what this machine has
@@ -394,13 +374,11 @@ def start(
     how: Launch, script: str | Path, args: Sequence[str], env: dict[str, str | None] | None = None, after: str = ""
 ) -> Outcome:
     """Start this node's ranks of ``how`` running ``python -u script args`` through torch's elastic launcher (module
-    docstring), with ``env`` added to their environment, and wait for them. ``after``: what the line of a killed rank
-    adds (how to resume)."""
+    docstring), with ``env`` added to their environment (a None value: that variable removed), and wait for them.
+    ``after``: what the line of a killed rank adds (how to resume)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    from bapo.entry.cli import own_env
 
     config = LaunchConfig(
         min_nodes=how.nnodes,
@@ -411,7 +389,7 @@ def start(
         rdzv_endpoint=how.rdzv_endpoint or "localhost:0",
         max_restarts=0,
     )
-    ranks_env = {k: None for k in own_env()} | (env or {}) | {"TORCHELASTIC_SIGNALS_TO_HANDLE": None}
+    ranks_env = dict(env or {}) | {"TORCHELASTIC_SIGNALS_TO_HANDLE": None}
     if how.nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         ranks_env["OMP_NUM_THREADS"] = "1"  # torchrun's default for several ranks a node
     handlers = {s: signal.getsignal(s) for s in SIGNALS}
@@ -438,44 +416,4 @@ def start(
             signal.signal(s, h)
 
 
-# ----------------------------------------------------------------------------- one GPU without a launch
-
-
-def check_one_gpu(rc) -> None:
-    """``learner=fsdp`` in one process on a GPU machine: one rank, one GPU. Refused unless the memory plan says the run
-    fits there, naming the smallest change that fits (CPU offload) or the launch that spreads it over the node."""
-    verdict = _one_gpu_verdict(rc)
-    require(
-        verdict is None,
-        "learner.kind",
-        f"fsdp in one process trains on one GPU, and {verdict}; or launch it on every GPU of the node: "
-        f"`python train.py ...` with launcher.nproc_per_node=auto (the default) or "
-        f"`torchrun --standalone --nproc_per_node=<GPUs> train.py ...` (the same overrides), or pick a smaller "
-        f"model or placement (python train.py ... --plan prints the memory plan)",
-    )
-
-
-def _one_gpu_verdict(rc) -> str | None:
-    """Why the run cannot fit on this machine's first GPU, by the memory plan, and the smallest change that fits
-    (None: it fits, or the model's shape is not known before it is loaded)."""
-    import torch
-
-    from bapo import plan
-
-    have = torch.cuda.get_device_properties(0).total_memory / 2**30
-    try:
-        p = plan.make_plan(rc, world=1, gpu_memory_gib=have)
-    except ConfigError:
-        return None
-    if p.fits:
-        return None
-    s, gib = p.setup.shape, 2**30
-    why = f"the memory plan of its {s.params / 1e9:.1f}B parameters needs {p.peak / gib:.0f} GiB a GPU "
-    why += f"(cuda:0 has {p.limit / gib:.0f} GiB usable of {have:.0f})"
-    offloaded = plan.with_offload(rc, 1, have)
-    if offloaded is not None and offloaded.fits:
-        why += f": it fits with learner.cpu_offload=true ({offloaded.peak / gib:.0f} GiB a GPU, its state on the host)"
-    return why
-
-
-__all__ = ["Launch", "LauncherConfig", "Outcome", "announce", "check_one_gpu", "decide", "start", "usable_devices"]
+__all__ = ["Launch", "LauncherConfig", "Outcome", "announce", "decide", "start", "usable_devices"]

@@ -5,7 +5,7 @@ checks ranges with :func:`require` / :func:`choice`; :func:`typed` merges a plai
 OmegaConf, so a wrong type, an unknown key or a missing one is refused in one line naming the full key
 (``rollout.temperature: must be > 0, got -1.0``), with a ``did you mean`` hint for a key that exists one
 sub-group further down. :func:`variant` picks a group's schema by its selector key. A field marked
-:func:`resumable` may change when a run is resumed (``bapo.entry.rundir`` derives its list from the marks).
+:func:`resumable` may change when a run is resumed (``bapo.rundir`` derives its list from the marks).
 
 Why OmegaConf structured dataclasses and not pydantic models: Hydra composes the config as OmegaConf
 nodes and refuses an unknown override itself (struct mode), with the exception fields (``full_key``,
@@ -40,7 +40,16 @@ from omegaconf.errors import OmegaConfBaseException
 RESUMABLE_MARK = "resumable"
 
 
-class ConfigError(ValueError):
+class UserError(Exception):
+    """Bad input: an entry point reports it in one line, ``error: <Class>: <message>``, and exits with status 2."""
+
+
+class RunFailed(Exception):
+    """A run that failed for a reason its message explains (a full disk, a diverged update, a rollout worker lost
+    too often): one line, exit status 1."""
+
+
+class ConfigError(UserError, ValueError):
     """A config key has a bad value; the message names the key."""
 
 

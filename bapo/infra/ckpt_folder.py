@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from bapo.infra import dist
+from bapo.infra.checks import RunFailed
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +53,8 @@ MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "bapo-checkpoint-manifest/1"
 
 
-class CheckpointError(RuntimeError):
-    pass
+class CheckpointError(RunFailed, RuntimeError):
+    """A checkpoint that cannot be written or read as it should (a full disk, a damaged or hostile file)."""
 
 
 # ---------------------------------------------------------------- finding checkpoints

@@ -6,6 +6,8 @@ torchrun every helper degrades to one process: rank 0 of 1, and the collectives
 return their input unchanged, so the same code runs in a plain ``python train.py``.
 
 Under SLURM with one task per rank, :func:`from_slurm` maps SLURM's variables to torchrun's first.
+:class:`LauncherConfig` is the ``launcher`` group's schema: how many ranks a plain ``python train.py`` starts
+(bapo.entry.launch).
 
 The collectives are plain functions of tensors or objects, so they can be handed
 to code that must not know about process groups (``Learner(reduce_sum=...)``, the
@@ -19,11 +21,14 @@ import datetime
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+
+from bapo.infra.checks import require, resumable
 
 T = TypeVar("T")
 
@@ -31,6 +36,27 @@ T = TypeVar("T")
 _JOINED = False  # did init() create the process group (and so teardown() own it)?
 _BEFORE_TEARDOWN: list = []  # callbacks teardown() runs first (colocated vLLM engines shut down)
 _SET_ENV: list[str] = []  # launcher variables init_one_rank() set
+
+
+@dataclass
+class LauncherConfig:
+    """``launcher``: how many ranks a plain ``python train.py`` starts, and what it chose (written by the launch)."""
+
+    nproc_per_node: str = resumable()  # auto | N
+    nnodes: str = resumable()  # auto (SLURM's node count, else 1) | N
+    rdzv_endpoint: str | None = resumable()  # host:port of the first node; null: SLURM's first node, or this host
+    chosen: str | None = resumable()  # written by the launch: what it started, and why (bapo.entry.launch)
+
+    def __post_init__(self) -> None:
+        for key in ("nproc_per_node", "nnodes"):
+            value = getattr(self, key)
+            require(
+                value == "auto" or (value.isdigit() and int(value) >= 1),
+                f"launcher.{key}",
+                f"auto or N >= 1, got {value!r}",
+            )
+        host, _, port = (self.rdzv_endpoint or "h:1").rpartition(":")
+        require(bool(host) and port.isdigit(), "launcher.rdzv_endpoint", f"host:port, got {self.rdzv_endpoint!r}")
 
 
 def launched() -> bool:

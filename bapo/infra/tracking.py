@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bapo.infra.checks import choice, resumable
+from bapo.infra.checks import ConfigError, choice, resumable
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +90,6 @@ class MetricsLogger:
                     resume="allow" if run_id else None,
                 )
             except Exception as e:  # wandb's UsageError, CommError, a timeout: all mean "not this way"
-                from bapo.config import ConfigError
-
                 msg = str(e).strip().split("\n")[0]
                 raise ConfigError(
                     f"logger.mode: wandb could not start (mode={mode}: {type(e).__name__}: {msg}); "
@@ -181,8 +179,6 @@ def check_wandb(mode: str) -> None:
         return
     import netrc
     from urllib.parse import urlparse
-
-    from bapo.config import ConfigError
 
     host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
     env = os.environ.get("NETRC")

@@ -59,6 +59,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from bapo.infra import ckpt_folder
 from bapo.infra.ckpt_folder import CheckpointError
+from bapo.learner.weights import StreamedWeights, write_dtype, write_extra
 
 MIXED_PRECISION = ("auto", "bf16", "fp32")
 
@@ -207,12 +208,11 @@ def save_hf(
     ``from_pretrained`` loads, with the weights in ``dtype`` (the model's own, not the fp32 masters).
 
     A collective: the weights are gathered one tensor at a time, cast on the shard before the gather
-    (:class:`bapo.learner.strategy.StreamedWeights`), and only rank 0 keeps them (on the CPU). Rank 0 writes,
+    (:class:`bapo.learner.weights.StreamedWeights`), and only rank 0 keeps them (on the CPU). Rank 0 writes,
     under a temporary name renamed into place (:func:`bapo.infra.ckpt_folder.staged_folder`: an interrupted export
     leaves no half-written folder, and the folder is readable as the umask allows). A failure (a full disk)
     raises on every rank.
     """
-    from bapo.learner.strategy import StreamedWeights, write_dtype, write_extra
 
     main = not dist.is_initialized() or dist.get_rank() == 0
     if device is None:

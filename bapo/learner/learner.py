@@ -55,6 +55,7 @@ import torch.nn.functional as F
 
 from bapo.algos import Objective, importance_ratio, stats
 from bapo.infra import ckpt_folder
+from bapo.infra.checks import RunFailed
 from bapo.learner.batching import collate, response_rows, split, split_by_tokens, without_tokens
 from bapo.learner.critic import Critic
 from bapo.learner.forward import ForwardInputs, forward
@@ -63,7 +64,7 @@ from bapo.learner.strategy import make_strategy
 from bapo.samples import ScoredSample, TrainBatch
 
 
-class TrainingDiverged(RuntimeError):
+class TrainingDiverged(RunFailed, RuntimeError):
     """Updates keep failing, or the weights are no longer finite: the run cannot go on."""
 
 

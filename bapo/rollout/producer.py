@@ -6,7 +6,7 @@ batch gets, which versions the learner publishes, and which may be live rather t
 schedule of :mod:`bapo.rollout.schedule`; this module adds what running it takes: the weight mailbox, the queue of
 batches made ahead, the thread, pause/resume, and checkpoint state.
 
-Live weights under FSDP are a :class:`~bapo.learner.strategy.StreamedWeights`: nothing is gathered
+Live weights under FSDP are a :class:`~bapo.learner.weights.StreamedWeights`: nothing is gathered
 when they are published, and the engine gathers one parameter at a time as it loads them, on every
 rank together (the sync producer runs inline on the learner's thread). A copy is a full snapshot
 gathered at publish time on the learner's thread, kept on the CPU: the async producer's thread
@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 from bapo.infra import dist
+from bapo.infra.checks import RunFailed, UserError
 from bapo.rollout.schedule import MODES, Schedule, batch_version, min_staleness
 from bapo.rollout.source import Interrupted
 
@@ -268,9 +269,7 @@ class Producer:
         """The producer's error, raised on the learner's thread: as itself when the entry point reports it in one
         line (``bapo.entry.cli``: bad input, or a run that failed, such as a rollout worker lost too often), else
         wrapped, so that a bug's traceback also shows where the learner noticed it."""
-        from bapo.entry.cli import run_errors, user_errors
-
-        if isinstance(self._error, user_errors() + run_errors()):
+        if isinstance(self._error, UserError | RunFailed):
             raise self._error
         raise RuntimeError("the rollout producer failed") from self._error
 

@@ -1,10 +1,11 @@
 """A rollout worker: one process of a disaggregated run (``placement.mode=disaggregated``; the learner's side
 is :mod:`bapo.rollout.workers`). The learner starts it as
-``python -m bapo.rollout.worker --connect host:port --index i``.
+``python -m bapo.entry.worker --connect host:port --index i`` (the process's entry, which hands :func:`main` the
+builder of its side, ``bapo.build.worker_side``).
 
 It connects back to the learner (an authenticated ``multiprocessing.connection``; the key comes in the
 environment), receives the run's config, builds the rollout side exactly as a colocated run builds it
-(``bapo.loop.build_maker``: engine, reward pool, prompt stream, rollout maker as share ``i`` of
+(``bapo.build.build_maker``: engine, reward pool, prompt stream, rollout maker as share ``i`` of
 ``rollout.workers``), joins a two-rank gloo group for weights, and then serves requests one at a time:
 
 - ``weights`` (version, names, shapes, dtypes): receive one flat buffer per dtype and load them;
@@ -33,6 +34,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Client
 
 import torch
@@ -93,33 +95,6 @@ def beat_period(timeout_s: float) -> float:
 def one_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
-
-
-def build(init: dict):
-    """The rollout maker and engine of share ``init['share']`` of the run in ``init``."""
-    from omegaconf import OmegaConf
-
-    from bapo import loop
-    from bapo.config import build as build_config
-    from bapo.modeling import load_model
-
-    torch.set_num_threads(int(init["threads"]))
-    rc = build_config(OmegaConf.create(init["config"]), init["run_dir"])
-    path = init["path"]
-    _, tok, load = loop.model_files(rc)
-    engine_model = None
-    if loop.engine_traits(rc.rollout.engine).needs_model_copy:
-        engine_model = load_model(path, dtype=rc.model.dtype, **load, device="cpu")
-    maker, engine, verifier, _, _ = loop.build_maker(
-        rc,
-        path=path,
-        tokenizer=tok,
-        engine_model=engine_model,
-        limit=int(init["limit"]),
-        rank=int(init["share"]),
-        world=int(init["shares"]),
-    )
-    return maker, engine, verifier, engine_model
 
 
 def expected_weights(engine_model) -> dict[str, tuple[int, ...]] | None:
@@ -204,7 +179,9 @@ def serve(conn, heart: Heart, pg, maker, engine, expected) -> None:
         heart.reply(("ok", reply))
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None, build: Callable[[dict], tuple]) -> int:
+    """The worker's life (module docstring). ``build(init)``: its side of the run in ``init``, as (maker, engine,
+    verifier, the engine's model or None)."""
     parser = argparse.ArgumentParser(
         description="a rollout worker of a disaggregated bapo run (started by the learner)"
     )
@@ -244,7 +221,3 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         verifier.close()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

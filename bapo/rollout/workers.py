@@ -1,7 +1,7 @@
 """Rollout workers in other processes: the learner's side of ``placement.mode=disaggregated``.
 
 The learner process keeps the loop, the schedule and the weights; ``rollout.workers`` worker processes
-(``python -m bapo.rollout.worker``) each hold an engine, a reward pool and the prompt stream, and make
+(``python -m bapo.entry.worker``) each hold an engine, a reward pool and the prompt stream, and make
 their share of every rollout batch with the weights the learner pushes. The in-process producer
 (:class:`bapo.rollout.producer.Producer`) drives them unchanged: this module gives it a batch maker
 (:class:`RemoteMaker`) and an engine to lend for evaluation (:class:`RemoteEngine`), so the schedule,
@@ -62,7 +62,7 @@ import torch
 import torch.distributed as tdist
 
 from bapo.engines.base import RolloutEngine
-from bapo.infra.checks import ConfigError
+from bapo.infra.checks import ConfigError, RunFailed
 from bapo.rollout.source import Interrupted
 from bapo.samples import Prompt, RolloutBatch, Sample
 
@@ -83,7 +83,7 @@ def recv(conn: Connection) -> Any:
     return pickle.loads(conn.recv_bytes())  # noqa: S301
 
 
-class WorkerError(RuntimeError):
+class WorkerError(RunFailed, RuntimeError):
     """The run's error from its workers (one line, exit status 1): a failure a worker reported itself (bad input,
     never retried), a worker that could not start, or one lost more times in a row than the restarts allow."""
 
@@ -245,7 +245,7 @@ class WorkerPool:
         cmd = [
             self.python,
             "-m",
-            "bapo.rollout.worker",
+            "bapo.entry.worker",
             "--connect",
             f"{host}:{port}",
             "--index",

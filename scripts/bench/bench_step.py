@@ -88,7 +88,7 @@ def worker(root: Path, overrides: list[str], threads: int) -> None:
 
     if threads:
         torch.set_num_threads(threads)
-    from bapo import loop
+    from bapo.build import build_stages
     from bapo.config import build
     from bapo.engines import decode
     from bapo.experience import scoring
@@ -100,7 +100,7 @@ def worker(root: Path, overrides: list[str], threads: int) -> None:
         cfg = compose(config_name="config", overrides=overrides)
     rc = build(cfg, tempfile.mkdtemp(prefix="bench-step-"))
     seed_everything(rc.seed)
-    s = loop.build_stages(rc)
+    s = build_stages(rc)
     maker, learner, engine = s.source.maker, s.learner, s.source.engine
     clock = Clock()
     decode._pick = clock.wrap("  sampling", decode._pick)

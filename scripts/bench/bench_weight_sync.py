@@ -51,7 +51,7 @@ def main() -> None:
 
     from bapo.infra import dist
     from bapo.learner import fsdp
-    from bapo.learner.strategy import StreamedWeights
+    from bapo.learner.weights import StreamedWeights
     from bapo.modeling import load_model, load_tokenizer
 
     device = dist.init()

@@ -4,7 +4,7 @@ gpu_check_worker.py, in a one-rank process group of its own: NCCL on a GPU, gloo
 ``metaload``: :func:`scripts.build.standin.write_standin` writes a Qwen2 checkpoint at the 7B's width (hidden 3584,
 vocabulary 152,064, a few layers: a few GB in bf16) into a temporary HF cache under
 ``deepseek-ai/DeepSeek-R1-Distill-Qwen-7B``; ``bapo.modeling.model_path`` resolves the id offline to its snapshot;
-the learner is built as ``bapo.loop.build_stages`` builds it (the policy on the meta device, FSDP2 reading each
+the learner is built as ``bapo.build.build_stages`` builds it (the policy on the meta device, FSDP2 reading each
 rank's rows of the safetensors); every shard is compared with the same rows of an eager ``from_pretrained`` load,
 and a forward pass of the sharded policy with the eager model's.
 
@@ -173,7 +173,7 @@ def arch_overrides(arch: dict) -> list[str]:
 
 
 def build_learner(rc, path: str):
-    """The policy learner as ``bapo.loop.build_stages`` builds it for ``learner=fsdp rollout=vllm``: the policy on
+    """The policy learner as ``bapo.build.build_stages`` builds it for ``learner=fsdp rollout=vllm``: the policy on
     the meta device, FSDP2 reading each rank's shard of the checkpoint at ``path``. Returns (learner, tokenizer)."""
     from bapo.algos import build_objective
     from bapo.learner import Learner, master_dtype

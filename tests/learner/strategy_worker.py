@@ -32,7 +32,8 @@ import torch
 
 from bapo.infra import dist
 from bapo.learner import fsdp
-from bapo.learner.strategy import FSDPStrategy, StreamedWeights
+from bapo.learner.strategy import FSDPStrategy
+from bapo.learner.weights import StreamedWeights
 from bapo.modeling import load_model
 
 

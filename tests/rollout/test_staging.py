@@ -97,7 +97,7 @@ def test_streamed_fsdp_weights_reach_the_folder_whole_when_the_host_copy_frees_i
     head once, as an alias) with the full weights' values. Deduplicating by address dropped 11 of 27 tensors."""
     from bapo.infra import dist
     from bapo.learner import fsdp
-    from bapo.learner.strategy import StreamedWeights
+    from bapo.learner.weights import StreamedWeights
 
     device = dist.init_one_rank("gloo")
     try:

@@ -22,7 +22,7 @@ import torch
 
 from bapo.infra import dist
 from bapo.learner import fsdp
-from bapo.learner.strategy import StreamedWeights
+from bapo.learner.weights import StreamedWeights
 from bapo.modeling import load_model, load_tokenizer
 from tests.rollout.test_vllm import ENGINE_KW, _learner_logp_diff, _prompts
 

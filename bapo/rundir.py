@@ -37,7 +37,8 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from bapo.config import ConfigError, resumable_keys
+from bapo.config import resumable_keys
+from bapo.infra.checks import ConfigError, UserError
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ EVIDENCE = ("checkpoints", "metrics.jsonl", "final_metrics.json", "export")
 RESUMABLE = (*resumable_keys(), "resume", "overwrite", "paths.*", "hydra.*")
 
 
-class RunFolderBusy(RuntimeError):
+class RunFolderBusy(UserError, RuntimeError):
     """Another live process holds the run folder's lock."""
 
 
