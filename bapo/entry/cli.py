@@ -44,6 +44,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from bapo.infra.checks import error_line, fail
+
 if TYPE_CHECKING:
     from bapo.entry.sweep import Cell
     from bapo.rundir import RunFolder
@@ -99,18 +101,6 @@ def remove_empty_parents(run_dir: Path) -> None:
             p.rmdir()  # only an empty folder
         except OSError:
             break
-
-
-def error_line(e: BaseException, message: str | None = None) -> str:
-    """``error: <Class>: <message>`` in one line."""
-    text = " ".join((str(e) if message is None else message).split("\n")).strip()
-    return f"error: {type(e).__name__}: {text}"
-
-
-def fail(e: BaseException, status: int, message: str | None = None) -> None:
-    """Print ``error: <Class>: <message>`` (one line) to stderr and exit with ``status``."""
-    print(error_line(e, message), file=sys.stderr)
-    sys.exit(status)
 
 
 def guarded(

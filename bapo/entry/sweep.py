@@ -179,7 +179,7 @@ class SweepSummary(Callback):
         if status == 0:
             print(line, flush=True)
             return
-        from bapo.entry.cli import fail
+        from bapo.infra.checks import fail
 
         sys.stdout.flush()
         fail(SweepFailed(line), status)

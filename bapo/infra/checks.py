@@ -28,6 +28,7 @@ import difflib
 import importlib
 import math
 import re
+import sys
 import types
 import typing
 from collections.abc import Callable, Iterator
@@ -51,6 +52,18 @@ class RunFailed(Exception):
 
 class ConfigError(UserError, ValueError):
     """A config key has a bad value; the message names the key."""
+
+
+def error_line(e: BaseException, message: str | None = None) -> str:
+    """``error: <Class>: <message>`` in one line."""
+    text = " ".join((str(e) if message is None else message).split("\n")).strip()
+    return f"error: {type(e).__name__}: {text}"
+
+
+def fail(e: BaseException, status: int, message: str | None = None) -> None:
+    """Print ``error: <Class>: <message>`` (one line) to stderr and exit with ``status``."""
+    print(error_line(e, message), file=sys.stderr)
+    sys.exit(status)
 
 
 def require(cond: bool, key: str, msg: str) -> None:
