@@ -41,6 +41,16 @@ class RolloutCommon:
             "rollout.partial_budget",
             f"must be null (off) or tokens per response per step, >= 1, got {b}",
         )
+        if self.segment_budget is not None:  # responses will be interrupted: the engine must continue them
+            from bapo.engines.registry import engine_traits
+
+            require(
+                engine_traits(self.engine).continues,
+                "rollout.partial_budget",
+                f"rollout.engine={self.engine} cannot continue a response from its prefix (its traits say "
+                f"continues=False), which partial rollouts need: set rollout.partial_budget=null, or use an engine "
+                f"that can (hf, vllm, vllm_server)",
+            )
 
     @property
     def segment_budget(self) -> int | None:

@@ -43,6 +43,8 @@ class EngineTraits:
       ``"transport"``: they travel to the engine (a file, a socket) and arrive later.
     - ``spans_ranks``: one engine may span several torchrun ranks (``tensor_parallel_size``), which must
       then submit the same prompts with the same seeds.
+    - ``continues``: it continues a response from its prefix (``RolloutEngine._segments``), as partial rollouts
+      (``rollout.partial_budget``) need; a budget that would interrupt responses is refused at start-up otherwise.
     """
 
     needs_model_copy: bool
@@ -50,6 +52,7 @@ class EngineTraits:
     behaviour_logprobs: bool
     weights: str
     spans_ranks: bool
+    continues: bool = False
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHT_PATHS:

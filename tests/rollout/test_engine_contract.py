@@ -11,6 +11,7 @@ and skips elsewhere, saying so.
 """
 
 import copy
+import dataclasses
 import importlib.util
 import json
 import os
@@ -158,7 +159,22 @@ def test_traits_are_what_the_engine_does(built, tiny_tok):
     assert len(engine.generate(_prompts(tiny_tok, 1), seed=3)) == N
     tp = int(getattr(engine, "tensor_parallel_size", 1))
     assert tp == 1 or traits.spans_ranks
+    assert traits.continues == (type(engine)._segments is not RolloutEngine._segments)  # continues what it says
     assert traits.weights in ("in_process", "transport")
+
+
+def test_partial_rollouts_on_an_engine_that_cannot_continue_are_refused_in_one_line(monkeypatch):
+    """An engine whose traits say continues=False (a plugin without ``_segments``) with a budget that interrupts
+    responses: one ConfigError naming the key at start-up, not a NotImplementedError at step 1."""
+    from bapo.config import build
+    from bapo.engines.hf import HFRollout
+    from tests.conftest import compose
+
+    monkeypatch.setattr(HFRollout, "traits", dataclasses.replace(HFRollout.traits, continues=False))
+    with pytest.raises(ConfigError, match=r"^rollout\.partial_budget: rollout\.engine=hf cannot continue"):
+        build(compose("rollout.partial_budget=8"), "unused")
+    build(compose("rollout.partial_budget=null"), "unused")  # no partial rollouts: nothing to continue
+    build(compose("rollout.partial_budget=100000"), "unused")  # a budget that never interrupts a response
 
 
 def _engine_plugin_from_docs() -> str:
