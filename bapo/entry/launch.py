@@ -327,18 +327,18 @@ def _env(values: dict[str, str | None]) -> Iterator[None]:
     """``os.environ`` with ``values`` set (None: removed), as it was afterwards."""
     old = {k: os.environ.get(k) for k in values}
     try:
-        for k, v in values.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _put_env(values)
         yield
     finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _put_env(old)
+
+
+def _put_env(values: dict[str, str | None]) -> None:
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 # ----------------------------------------------------------------------------- starting the ranks
