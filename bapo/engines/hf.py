@@ -66,7 +66,11 @@ class HFRollout(RolloutEngine):
     """Batched sampling with the lean loop or HF ``generate``."""
 
     traits = EngineTraits(
-        needs_model_copy=True, can_sleep=False, behaviour_logprobs=True, weights="in_process", spans_ranks=False,
+        needs_model_copy=True,
+        can_sleep=False,
+        behaviour_logprobs=True,
+        weights="in_process",
+        spans_ranks=False,
         continues=True,
     )
     config = HFRolloutConfig

@@ -180,7 +180,11 @@ class VLLMRollout(RolloutEngine):
     # Weights are loaded in this process (one engine per torchrun rank); a disk copy is the engine's own
     # fallback where its workers live elsewhere (tensor parallel without torchrun), invisible to the loop.
     traits = EngineTraits(
-        needs_model_copy=False, can_sleep=True, behaviour_logprobs=True, weights="in_process", spans_ranks=True,
+        needs_model_copy=False,
+        can_sleep=True,
+        behaviour_logprobs=True,
+        weights="in_process",
+        spans_ranks=True,
         continues=True,
     )
     config = VLLMRolloutConfig

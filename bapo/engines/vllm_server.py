@@ -285,7 +285,11 @@ class VLLMServerRollout(RolloutEngine):
     """Sampling through vLLM's OpenAI-compatible server."""
 
     traits = EngineTraits(
-        needs_model_copy=False, can_sleep=False, behaviour_logprobs=True, weights="transport", spans_ranks=False,
+        needs_model_copy=False,
+        can_sleep=False,
+        behaviour_logprobs=True,
+        weights="transport",
+        spans_ranks=False,
         continues=True,
     )
     config = VLLMServerConfig
