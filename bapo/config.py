@@ -311,10 +311,10 @@ def check_combinations(rc: RunConfig, world: int | None = None) -> None:
     )
     if rc.placement.mode == "disaggregated":
         require(
-            rc.rollout.engine == "hf",
+            engine_traits(rc.rollout.engine).runs_in_workers,
             "rollout.engine",
-            f"placement.mode=disaggregated runs the hf engine in its workers (got {rc.rollout.engine!r}); for vLLM "
-            "in processes of its own use rollout=vllm_server (it starts one vLLM server per learner rank)",
+            f"{rc.rollout.engine} cannot run in rollout worker processes (placement.mode=disaggregated; its traits "
+            "say runs_in_workers=False, hf's do); for vLLM in processes of its own use rollout=vllm_server",
         )
         require(
             rc.rollout.segment_budget is None or rc.rollout.workers == 1,

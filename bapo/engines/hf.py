@@ -72,6 +72,7 @@ class HFRollout(RolloutEngine):
         weights="in_process",
         spans_ranks=False,
         continues=True,
+        runs_in_workers=True,
     )
     config = HFRolloutConfig
 

@@ -45,6 +45,8 @@ class EngineTraits:
       then submit the same prompts with the same seeds.
     - ``continues``: it continues a response from its prefix (``RolloutEngine._segments``), as partial rollouts
       (``rollout.partial_budget``) need; a budget that would interrupt responses is refused at start-up otherwise.
+    - ``runs_in_workers``: it can run in rollout worker processes (``placement.mode=disaggregated``: built there
+      from the run's config, on the host, its weights sent over gloo); refused at start-up otherwise.
     """
 
     needs_model_copy: bool
@@ -53,6 +55,7 @@ class EngineTraits:
     weights: str
     spans_ranks: bool
     continues: bool = False
+    runs_in_workers: bool = False
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHT_PATHS:

@@ -177,6 +177,21 @@ def test_partial_rollouts_on_an_engine_that_cannot_continue_are_refused_in_one_l
     build(compose("rollout.partial_budget=100000"), "unused")  # a budget that never interrupts a response
 
 
+def test_rollout_workers_take_an_engine_by_its_traits_not_its_name(monkeypatch):
+    """placement=disaggregated builds the engine in worker processes: an engine whose traits say it cannot run
+    there is one ConfigError naming rollout.engine (vLLM's in-process engine; hf once its trait is switched off)."""
+    from bapo.config import build
+    from bapo.engines.hf import HFRollout
+    from tests.conftest import compose
+
+    with pytest.raises(ConfigError, match=r"^rollout\.engine: vllm cannot run in rollout worker processes"):
+        build(compose("placement=disaggregated", "rollout=vllm"), "unused")
+    build(compose("placement=disaggregated"), "unused")  # hf runs there
+    monkeypatch.setattr(HFRollout, "traits", dataclasses.replace(HFRollout.traits, runs_in_workers=False))
+    with pytest.raises(ConfigError, match=r"^rollout\.engine: hf cannot run in rollout worker processes"):
+        build(compose("placement=disaggregated"), "unused")
+
+
 def _engine_plugin_from_docs() -> str:
     """The engine plugin of docs/extending.md, as a reader copies it: the python block after its marker."""
     text = (ROOT / "docs" / "extending.md").read_text()
