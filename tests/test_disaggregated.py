@@ -25,6 +25,7 @@ from bapo.infra.checks import ConfigError
 from bapo.loop import run
 from bapo.rollout import workers
 from bapo.rollout.worker import check_weights
+from tests.helpers.runs import killed_after_step_3
 from tests.test_loop import _cfg
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -520,7 +521,6 @@ def test_torchrun_learner_ranks_with_workers_train_as_the_colocated_ranks_and_re
     # the workers, every rank reads the FSDP weights together, and each worker makes the share its rank would
     # have. Training metrics equal the colocated 2-rank run's; evaluation is one generator (worker 0) here
     # where the colocated ranks are two, so its metrics are not compared.
-    import shutil
 
     from tests.test_loop_fsdp import torchrun
 
@@ -535,10 +535,7 @@ def test_torchrun_learner_ranks_with_workers_train_as_the_colocated_ranks_and_re
     full = rows(tmp_path / "full")
     assert [r["step"] for r in full] == [0, 1, 2, 3, 4]
     assert training(rows(tmp_path / "colocated")) == training(full)
-    # as if killed after step 3: the step-4 checkpoint and the end of the run never happened
-    shutil.copytree(tmp_path / "full", tmp_path / "resumed")
-    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "step_000004")
-    (tmp_path / "resumed" / "final_metrics.json").unlink()
+    killed_after_step_3(tmp_path / "full", tmp_path / "resumed")
     out = torchrun(tmp_path / "resumed", *dis, "resume=auto")
     assert "resumed from" in out and "step_000002" in out
     assert untimed(rows(tmp_path / "resumed")) == untimed(full)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.runs import killed_after_step_3
 from tests.test_loop_resume import rows, untimed
 
 pytestmark = pytest.mark.slow  # end to end: real runs of the loop (make test-fast skips them)
@@ -67,10 +68,7 @@ def test_two_rank_fsdp_run_trains_checkpoints_and_resumes_exactly(tmp_path, mode
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(tmp_path / "full" / "export")  # the gathered HF export loads
-    # as if killed after step 3: the step-4 checkpoint and the end of the run never happened
-    shutil.copytree(tmp_path / "full", tmp_path / "resumed")
-    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "step_000004")
-    (tmp_path / "resumed" / "final_metrics.json").unlink()
+    killed_after_step_3(tmp_path / "full", tmp_path / "resumed")
     out = torchrun(tmp_path / "resumed", *mode, "resume=auto")
     assert "resumed from" in out and "step_000002" in out
     assert untimed(rows(tmp_path / "resumed")) == untimed(full)

@@ -23,7 +23,6 @@ import importlib
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +33,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from scripts.build.standin import write_standin
+from tests.helpers.runs import killed_after_step_3
 from tests.test_loop_resume import rows, untimed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -295,6 +295,16 @@ def export_weights(folder: Path) -> dict:
     return {k: v for f in files for k, v in load_file(f).items()}
 
 
+def resumed_after_step_3(full: Path, base: Path, py: str, train: list[str], env: dict) -> Path:
+    """``full``'s run as if killed after step 3 (its step-4 checkpoint, export and end never happened), resumed
+    with ``resume=auto`` under torchrun: it continues from step 2 and logs ``full``'s metrics. Its folder."""
+    resumed = killed_after_step_3(full, base / "resumed", export=True)
+    out = launch(py, [*train, f"hydra.run.dir={resumed}", "resume=auto"], env, torchrun=True)
+    assert "resumed from" in out and "step_000002" in out
+    assert untimed(rows(resumed)) == untimed(rows(full))
+    return resumed
+
+
 # ----------------------------------------------------------------------------- the rehearsals
 
 
@@ -311,15 +321,7 @@ def test_paper_7b_under_torchrun_checkpoints_resumes_exports_and_evaluates(world
     ckpt = full / "checkpoints" / "step_000002"
     assert json.loads((ckpt / "meta.json").read_text())["world_size"] == 2
 
-    # killed after step 3: the step-4 checkpoint, the export and the end of the run never happened
-    shutil.copytree(full, base / "resumed", symlinks=True)
-    resumed = base / "resumed"
-    shutil.rmtree(resumed / "checkpoints" / "step_000004")
-    shutil.rmtree(resumed / "export")
-    (resumed / "final_metrics.json").unlink()
-    out = launch(py, [*train, f"hydra.run.dir={resumed}", "resume=auto"], env, torchrun=True)
-    assert "resumed from" in out and "step_000002" in out
-    assert untimed(rows(resumed)) == untimed(rows(full))
+    resumed = resumed_after_step_3(full, base, py, train, env)
     a, b = export_weights(full / "export"), export_weights(resumed / "export")
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
     start = export_weights(world["base"] / "hub" / f"models--{HUB_IDS['paper_7b'].replace('/', '--')}" / "snapshots")
@@ -495,14 +497,7 @@ def test_paper_7b_split_trains_ahead_through_vllm_servers_and_resumes_exactly(wo
     cfg = yaml.safe_load((full / "config.yaml").read_text())
     assert cfg["rollout"]["engine"] == "vllm_server" and cfg["train"]["async_rollout"] is True
     assert_engine_matches_learner(got)
-    shutil.copytree(full, base / "resumed", symlinks=True)
-    resumed = base / "resumed"
-    shutil.rmtree(resumed / "checkpoints" / "step_000004")
-    shutil.rmtree(resumed / "export")
-    (resumed / "final_metrics.json").unlink()
-    out = launch(py, [*train, f"hydra.run.dir={resumed}", "resume=auto"], env, torchrun=True)
-    assert "resumed from" in out and "step_000002" in out
-    assert untimed(rows(resumed)) == untimed(rows(full))
+    resumed_after_step_3(full, base, py, train, env)
     ps = subprocess.run(["ps", "-eo", "stat,args"], capture_output=True, text=True).stdout.splitlines()
     assert not [p for p in ps if "bapo.engines.vllm_server" in p and not p.startswith("Z")]
     assert assert_every_sync_checked(base / "probe", async_mode=True) >= 8  # every batch's version, both ranks

