@@ -10,7 +10,7 @@ import torch
 from bapo.algos import grpo_advantages
 from bapo.experience.scoring import proximal, recompute_logp, score
 from bapo.samples import Problem, Prompt, RolloutBatch, Sample
-from tests.conftest import learner_cfg
+from tests.helpers.config import learner_cfg
 
 
 def batch_of(tok, model, lengths=(3, 5, 2, 4), version=0) -> RolloutBatch:

@@ -10,7 +10,8 @@ import pytest
 
 from bapo.config import ConfigError
 from bapo.modeling import attention_kernel, load_model
-from tests.conftest import TINY, compose, run_config
+from tests.helpers.config import compose, run_config
+from tests.helpers.paths import TINY
 
 
 def test_auto_is_flash_attention_only_on_a_gpu_with_flash_attn(monkeypatch):

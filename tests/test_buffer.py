@@ -1,27 +1,20 @@
 import pytest
-import torch
 
 from bapo.experience.buffer import ReplayBuffer, StalenessError
-from bapo.samples import Problem, Prompt, Sample, ScoredSample
-
-
-def make(group: int, version: int, k: int = 2) -> list[ScoredSample]:
-    prompt = Prompt(Problem(str(group), "p", "1"), "p", (1, 2))
-    sample = lambda: Sample(prompt, group, torch.tensor([3]), torch.tensor([-0.1]), "t", version, False)  # noqa: E731
-    return [ScoredSample(sample(), 1.0, 0.0, True) for _ in range(k)]
+from tests.helpers.samples import scored_group
 
 
 def test_fifo_serves_whole_groups_in_order():
     buf = ReplayBuffer(max_staleness=None, capacity=100)
-    buf.put(make(0, 0) + make(1, 0) + make(2, 0))
-    got = buf.get(5, version=0)  # 2+2 fit, the third group of 2 would make 6
+    buf.put(scored_group(0, 0) + scored_group(1, 0) + scored_group(2, 0))
+    got = buf.get(5, version=0)  # 2+2 fit, the third group of 2 would scored_group 6
     assert [s.sample.group for s in got] == [0, 0, 1, 1]
     assert len(buf) == 2
 
 
 def test_stale_groups_are_dropped_and_counted():
     buf = ReplayBuffer(max_staleness=2, capacity=100)
-    buf.put(make(0, 0) + make(1, 3))
+    buf.put(scored_group(0, 0) + scored_group(1, 3))
     got = buf.get(10, version=3)  # group 0 has staleness 3 > 2
     assert {s.sample.version for s in got} == {3}
     assert buf.metrics()["buffer/dropped_stale"] == 2
@@ -29,7 +22,7 @@ def test_stale_groups_are_dropped_and_counted():
 
 def test_check_enforces_the_bound():
     buf = ReplayBuffer(max_staleness=1, capacity=100)
-    s = make(0, 0)
+    s = scored_group(0, 0)
     assert buf.check(s, 1) == {
         "buffer/staleness_mean": 1.0,
         "buffer/staleness_max": 1.0,
@@ -41,7 +34,7 @@ def test_check_enforces_the_bound():
 
 def test_capacity_evicts_oldest():
     buf = ReplayBuffer(max_staleness=None, capacity=4)
-    buf.put(make(0, 0) + make(1, 0) + make(2, 0))
+    buf.put(scored_group(0, 0) + scored_group(1, 0) + scored_group(2, 0))
     assert len(buf) == 4 and buf.metrics()["buffer/dropped_capacity"] == 2
     assert buf.get(10, 0)[0].sample.group == 1
 
@@ -49,7 +42,7 @@ def test_capacity_evicts_oldest():
 def test_uniform_sampling_is_deterministic_under_seed():
     def order(seed):
         buf = ReplayBuffer(max_staleness=None, capacity=100, sampling="uniform", seed=seed)
-        buf.put([s for g in range(6) for s in make(g, 0)])
+        buf.put([s for g in range(6) for s in scored_group(g, 0)])
         return [s.sample.group for s in buf.get(6, 0)]
 
     assert order(1) == order(1)
@@ -58,7 +51,7 @@ def test_uniform_sampling_is_deterministic_under_seed():
 
 def test_state_roundtrip():
     buf = ReplayBuffer(max_staleness=3, capacity=100, sampling="uniform", seed=4)
-    buf.put(make(0, 0) + make(1, 1) + make(2, 1))
+    buf.put(scored_group(0, 0) + scored_group(1, 1) + scored_group(2, 1))
     state = buf.state_dict()
     a = buf.get(4, 1)
     buf2 = ReplayBuffer(max_staleness=3, capacity=100, sampling="uniform", seed=0)
@@ -77,7 +70,7 @@ def test_uniform_sampling_leaves_the_rest_in_order():
     """Before: a uniform draw reshuffled the whole buffer for good; what is not drawn keeps its FIFO order."""
     buf = ReplayBuffer(max_staleness=None, capacity=100, sampling="uniform", seed=3)
     for t in range(6):
-        buf.put(make(t, 0, 2))  # six groups of two, from batches 0..5
+        buf.put(scored_group(t, 0, 2))  # six groups of two, from batches 0..5
     drawn = buf.get(4, 0)
     left = [g[0].sample.prompt.problem.id for g in buf.groups]
     assert len(drawn) == 4 and left == sorted(left, key=lambda i: int(i.split("-")[0]))

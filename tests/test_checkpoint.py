@@ -29,7 +29,7 @@ from bapo.checkpoint import CheckpointError
 from bapo.infra import ckpt_folder
 from bapo.learner import fsdp
 from bapo.samples import Problem, Prompt
-from tests.test_ckpt_folder import Payload, _enospc, flip_byte
+from tests.helpers.checkpoints import Payload, enospc, flip_byte
 
 
 def small_learner(seed: int = 0) -> SimpleNamespace:
@@ -210,7 +210,7 @@ def test_a_full_disk_inside_dcp_removes_the_partial_folder_and_says_so(tmp_path,
 
     def full_for_shards(self, path, mode):
         if str(path).endswith(".distcp") and "w" in mode:
-            _enospc()
+            enospc()
         return real(self, path, mode)
 
     monkeypatch.setattr(FileSystem, "create_stream", full_for_shards)

@@ -23,20 +23,11 @@ import torch
 from bapo.infra import ckpt_folder
 from bapo.infra.ckpt_folder import CheckpointError
 from bapo.learner import fsdp
+from tests.helpers.checkpoints import Payload, enospc, flip_byte
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "assets" / "tiny-math"
 FILES = ["state.pt", "meta.json", "producer_rank0.pt", "learner/plain.pt", "learner/__0_0.distcp"]
-
-
-class Payload:
-    """What an attacker pickles: unpickling it calls ``os.system(cmd)``."""
-
-    def __init__(self, cmd: str):
-        self.cmd = cmd
-
-    def __reduce__(self):
-        return (os.system, (self.cmd,))
 
 
 def commit(ckpt_dir: Path, step: int, keep: int = 5, **kw) -> Path:
@@ -49,17 +40,6 @@ def commit(ckpt_dir: Path, step: int, keep: int = 5, **kw) -> Path:
     (tmp / "learner" / "__0_0.distcp").write_bytes(torch.arange(256, dtype=torch.int64).numpy().tobytes())
     state = {"step": step, "weights": torch.full((64,), float(step) + 0.25)}
     return ckpt_folder.save(ckpt_dir, step, state, keep=keep, tmp=tmp, **kw)
-
-
-def flip_byte(f: Path, at: int | None = None) -> None:
-    data = bytearray(f.read_bytes())
-    at = len(data) // 2 if at is None else at
-    data[at] ^= 0x01
-    f.write_bytes(bytes(data))
-
-
-def _enospc(*args, **kwargs):
-    raise OSError(errno.ENOSPC, "No space left on device")
 
 
 # ---------------------------------------------------------------- checksums
@@ -235,7 +215,7 @@ def test_a_full_disk_while_saving_removes_the_partial_folder_and_says_so(tmp_pat
 
     def half_then_full(*args, **kw):
         real(*args, **kw)
-        _enospc()
+        enospc()
 
     owner = ckpt_folder.torch if where == "torch.save" else ckpt_folder
     monkeypatch.setattr(owner, where.split(".")[-1], half_then_full)
@@ -252,7 +232,7 @@ def test_a_full_disk_in_a_staged_folder_removes_it_and_keeps_the_old_one(tmp_pat
     with pytest.raises(CheckpointError, match="^no space left on device while writing .*/\\.tmp-out-"):
         with ckpt_folder.staged_folder(tmp_path / "out") as tmp:
             (tmp / "new.txt").write_text("half")
-            _enospc()
+            enospc()
     assert [p.name for p in tmp_path.iterdir()] == ["out"] and (tmp_path / "out" / "old.txt").read_text() == "old"
     with ckpt_folder.staged_folder(tmp_path / "out") as tmp:
         (tmp / "new.txt").write_text("new")
@@ -268,7 +248,7 @@ def test_a_full_disk_while_exporting_keeps_the_previous_export(tmp_path, monkeyp
 
     def half_then_full(out, **kw):
         (Path(out) / "model.safetensors").write_bytes(b"partial")
-        _enospc()
+        enospc()
 
     monkeypatch.setattr(model, "save_pretrained", half_then_full)
     with pytest.raises(CheckpointError, match="^no space left on device while writing"):
@@ -280,7 +260,7 @@ def test_a_full_disk_while_exporting_keeps_the_previous_export(tmp_path, monkeyp
 def test_is_enospc_looks_through_causes_and_dcp_failures():
     try:
         try:
-            _enospc()
+            enospc()
         except OSError as e:
             raise RuntimeError("wrapped") from e
     except RuntimeError as e:
@@ -303,7 +283,7 @@ def test_a_failure_in_a_together_block_removes_the_partial_write_and_is_raised(t
             raise ValueError("bad")
     with pytest.raises(CheckpointError, match=r"^no space left on device while writing x \(removed the partial"):
         with ckpt_folder.together("writing x", cleanup=tmp / "learner" / "plain.pt"):
-            _enospc()
+            enospc()
     assert not tmp.exists()
 
 

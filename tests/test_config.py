@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from bapo.config import ConfigError, build, check_combinations
 from bapo.infra.paths import HELDOUT
-from tests.conftest import compose
+from tests.helpers.config import compose
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = [

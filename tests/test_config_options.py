@@ -17,7 +17,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from bapo.infra.checks import ConfigError, _members, known_options, typed
-from tests.conftest import run_config
+from tests.helpers.config import run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"

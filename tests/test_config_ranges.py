@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from bapo.config import ConfigError, prompt_limit
-from tests.conftest import run_config
+from tests.helpers.config import run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "assets" / "tiny-math"
@@ -74,8 +74,8 @@ def test_prompt_limit_names_the_value_the_exporting_run_used(tmp_path):
 def test_training_from_an_export_with_hf_defaults_names_the_key_and_the_runs_value(tmp_path):
     """Before: 'rollout.max_new_tokens: 512 leaves no room ...', naming neither model.max_new_tokens nor 48."""
     from bapo.loop import run
-    from tests.test_loop import _cfg
+    from tests.helpers.config import smoke_cfg
 
     export = _export_with_config(tmp_path, 48)
     with pytest.raises(ConfigError, match=r"^rollout\.max_new_tokens: 512 \(model\.max_new_tokens\).*=48 \(what"):
-        run(_cfg(["model=hf", f"model.name_or_path={export}"]), tmp_path / "run")
+        run(smoke_cfg(["model=hf", f"model.name_or_path={export}"]), tmp_path / "run")

@@ -8,7 +8,7 @@ import pytest
 
 from bapo.algos import build_objective
 from bapo.config import build
-from tests.conftest import compose
+from tests.helpers.config import compose
 
 RIVALS = ["cispo", "m2po", "topr", "dppo", "gspo"]
 

@@ -7,7 +7,8 @@ from bapo.data import loading, tasks
 from bapo.data.loading import ListSource, LoadReport, load_hub, load_jsonl, problem_sources, render_prompt
 from bapo.data.tasks import ArithSource, ArithSpec, arith_heldout, arith_problem, careless, is_heldout
 from bapo.samples import Problem
-from tests.conftest import alarm_guard, run_config
+from tests.helpers.config import run_config
+from tests.helpers.guards import alarm_guard
 
 
 def test_arith_answers_are_right():

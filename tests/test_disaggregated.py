@@ -25,8 +25,8 @@ from bapo.infra.checks import ConfigError
 from bapo.loop import run
 from bapo.rollout import workers
 from bapo.rollout.worker import check_weights
+from tests.helpers.config import smoke_cfg
 from tests.helpers.runs import killed_after_step_3
-from tests.test_loop import _cfg
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMING = ("time/", "reward/verify_s", "rollout/tokens_per_s", "buffer/consumer_wait_s", "buffer/producer_wait_s")
@@ -95,7 +95,7 @@ def wait_until(cond, timeout: float, what: str) -> None:
 )
 def test_bad_values_are_refused_at_startup_naming_the_key(tmp_path, over, key):
     with pytest.raises(ConfigError, match=f"^{key}"):
-        build(_cfg([*DIS, *over]), tmp_path)
+        build(smoke_cfg([*DIS, *over]), tmp_path)
 
 
 def test_a_port_in_use_is_one_line_naming_placement_port(tmp_path):
@@ -195,7 +195,7 @@ def test_a_worker_error_on_the_producer_thread_reaches_the_learner_as_itself():
     # train.async_rollout=true makes batches on the producer's thread; the entry point reports a WorkerError in one
     # line (exit 1), which it cannot when the error arrives wrapped in the producer's RuntimeError (before).
     from bapo.rollout.producer import Producer
-    from tests.conftest import CursorMaker
+    from tests.helpers.fakes import CursorMaker
 
     class Lost(CursorMaker):
         def make(self, t, version, weights):
@@ -242,7 +242,7 @@ def test_merge_shares_joins_in_share_order_and_recounts_accuracy():
 
 
 def test_a_worker_that_cannot_start_is_one_error_naming_why(tmp_path):
-    cfg = _cfg(DIS)
+    cfg = smoke_cfg(DIS)
     from omegaconf import OmegaConf
 
     spec = workers.WorkerSpec(
@@ -292,8 +292,8 @@ def threads():
 )
 def test_one_worker_makes_the_colocated_runs_batches(tmp_path, mode, threads):
     common = ["train.steps=4", "checkpoint.every=0", "placement.learner_threads=1", *mode]
-    run(_cfg(common), tmp_path / "colocated")
-    run(_cfg([*common, *DIS]), tmp_path / "disaggregated")
+    run(smoke_cfg(common), tmp_path / "colocated")
+    run(smoke_cfg([*common, *DIS]), tmp_path / "disaggregated")
     a, b = rows(tmp_path / "colocated"), rows(tmp_path / "disaggregated")
     assert len(a) == 5 and untimed(a) == untimed(b)
     assert {r["rollout/worker_restarts"] for r in b[1:]} == {0.0}
@@ -310,8 +310,8 @@ def test_partial_rollouts_take_new_weights_between_segments_in_the_worker(tmp_pa
     common += ["rollout.partial_budget=12", "buffer.max_staleness=7"]
     if asynchronous:
         common += ["train.async_rollout=true"]
-    run(_cfg(common), tmp_path / "colocated")
-    run(_cfg([*common, *DIS]), tmp_path / "disaggregated")
+    run(smoke_cfg(common), tmp_path / "colocated")
+    run(smoke_cfg([*common, *DIS]), tmp_path / "disaggregated")
     a, b = rows(tmp_path / "colocated"), rows(tmp_path / "disaggregated")
     assert untimed(a) == untimed(b)
     assert max(r["rollout/resumed_frac"] for r in b[1:]) > 0  # responses spanned segments
@@ -321,9 +321,9 @@ def test_partial_rollouts_take_new_weights_between_segments_in_the_worker(tmp_pa
 @pytest.mark.slow
 def test_two_workers_each_make_a_share_and_the_run_is_reproducible(tmp_path):
     common = ["train.steps=3", "checkpoint.every=0", *DIS, "rollout.workers=2"]
-    run(_cfg(common), tmp_path / "a")
-    run(_cfg(common), tmp_path / "b")
-    run(_cfg(["train.steps=3", "checkpoint.every=0", *DIS]), tmp_path / "one")
+    run(smoke_cfg(common), tmp_path / "a")
+    run(smoke_cfg(common), tmp_path / "b")
+    run(smoke_cfg(["train.steps=3", "checkpoint.every=0", *DIS]), tmp_path / "one")
     a, b, one = rows(tmp_path / "a"), rows(tmp_path / "b"), rows(tmp_path / "one")
     assert untimed(a) == untimed(b)
     # share 1 samples with its own seed (as torchrun's rank 1 does): the batches differ from one worker's
@@ -349,11 +349,11 @@ def _kill_worker_before(batch: int, monkeypatch, how=signal.SIGKILL, resume_afte
 @pytest.mark.parametrize("how", ["sigkill", "hang"])
 def test_a_worker_lost_mid_run_is_replaced_and_no_metric_changes(tmp_path, monkeypatch, how):
     common = ["train.steps=4", "checkpoint.every=0", *DIS, "train.async_rollout=true", "buffer.max_staleness=2"]
-    run(_cfg(common), tmp_path / "clean")
+    run(smoke_cfg(common), tmp_path / "clean")
     sig = signal.SIGKILL if how == "sigkill" else signal.SIGSTOP
     seen = _kill_worker_before(2, monkeypatch, sig)
     t0 = time.monotonic()
-    run(_cfg([*common, "placement.worker_timeout_s=3"]), tmp_path / "lost")
+    run(smoke_cfg([*common, "placement.worker_timeout_s=3"]), tmp_path / "lost")
     assert time.monotonic() - t0 < 120
     assert seen["killed"] and not alive(seen["killed"][0])
     a, b = rows(tmp_path / "clean"), rows(tmp_path / "lost")
@@ -367,7 +367,10 @@ def test_a_slow_worker_beats_and_is_not_replaced(tmp_path):
     # heartbeats keep it (without them every batch would time out and the run would stop after 3 restarts).
     timeout = 0.5
     big = ["train.prompts_per_step=96", "rollout.n=8", "eval.every=0"]
-    run(_cfg(["train.steps=2", "checkpoint.every=0", *big, *DIS, f"placement.worker_timeout_s={timeout}"]), tmp_path)
+    run(
+        smoke_cfg(["train.steps=2", "checkpoint.every=0", *big, *DIS, f"placement.worker_timeout_s={timeout}"]),
+        tmp_path,
+    )
     rs = rows(tmp_path)[1:]
     assert min(r["time/worker_batch_s"] for r in rs) > 2 * timeout  # the test means something on this machine
     assert [r["rollout/worker_restarts"] for r in rs] == [0.0, 0.0]
@@ -398,7 +401,7 @@ def test_a_worker_that_keeps_failing_stops_the_run_with_the_reason(tmp_path, mon
 
     monkeypatch.setattr(workers.WorkerPool, "_send", send)
     with pytest.raises(workers.WorkerError) as e:
-        run(_cfg(["train.steps=4", *DIS, *over]), tmp_path)
+        run(smoke_cfg(["train.steps=4", *DIS, *over]), tmp_path)
     assert str(e.value) == message
 
 
@@ -468,7 +471,7 @@ def test_weights_cross_the_gloo_group_bit_for_bit(tmp_path):
     # random weights pushed at version 7: the worker's engine holds exactly them (sums compared exactly)
     from omegaconf import OmegaConf
 
-    cfg = _cfg(DIS)
+    cfg = smoke_cfg(DIS)
     from bapo.build import model_files
 
     rc = build(cfg, tmp_path)
@@ -522,7 +525,7 @@ def test_torchrun_learner_ranks_with_workers_train_as_the_colocated_ranks_and_re
     # have. Training metrics equal the colocated 2-rank run's; evaluation is one generator (worker 0) here
     # where the colocated ranks are two, so its metrics are not compared.
 
-    from tests.test_loop_fsdp import torchrun
+    from tests.helpers.processes import torchrun
 
     dis = [*DIS, "rollout.workers=2", *mode]
     torchrun(tmp_path / "colocated", *mode)

@@ -21,7 +21,7 @@ import torch
 from bapo.infra import ckpt_folder
 from bapo.infra.ckpt_folder import CheckpointError
 from bapo.loop import run
-from tests.test_loop import _cfg
+from tests.helpers.config import smoke_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
@@ -75,7 +75,7 @@ def test_a_full_disk_while_the_loop_saves_the_learner_is_one_line_and_leaves_not
     """Before: the single-process learner.save was not wrapped, and the RuntimeError of its torch.save escaped."""
     full_disk_for(monkeypatch, "learner.pt")
     with pytest.raises(CheckpointError) as info:
-        run(_cfg(["train.steps=1", "eval.every=0"]), tmp_path)
+        run(smoke_cfg(["train.steps=1", "eval.every=0"]), tmp_path)
     folder = tmp_path / "checkpoints" / "step_000001"
     assert str(info.value) == f"no space left on device while writing {folder} (removed the partial write)"
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == []

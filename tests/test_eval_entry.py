@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.eval_dp_worker import PROMPTS, evaluate_all
+from tests.helpers.evaluation import PROMPTS, evaluate_all
 
 pytestmark = pytest.mark.slow  # real processes: interpreter, torch and Hydra start-up each time
 
@@ -120,10 +120,10 @@ def test_torchrun_eval_py_of_a_finished_run(tmp_path, shared_data):
     """The user's command, shrunk: torchrun on 2 ranks evaluating a run folder as it was trained; rank 0
     writes the reports, the over-long prompts are skipped and counted."""
     from bapo.modeling import load_model, load_tokenizer
-    from tests.test_evaluate import _run_folder
+    from tests.helpers.evaluation import run_folder
 
     tiny = str(ROOT / "assets" / "tiny-math")
-    run = _run_folder(tmp_path / "run", load_model(tiny), load_tokenizer(tiny), "model.max_new_tokens=40")
+    run = run_folder(tmp_path / "run", load_model(tiny), load_tokenizer(tiny), "model.max_new_tokens=40")
     args = [f"checkpoint={run}", "eval=[aime24,arith]", "eval.limit=6", "k=2", "reward.num_workers=1"]
     proc = _eval_py(tmp_path / "eval", *args, launcher=TORCHRUN)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -38,7 +38,7 @@ class EvilForCausalLM(LlamaForCausalLM):
 def hostile(folder: Path, marker: Path, *, run_folder: bool = False) -> Path:
     """The tiny model with an ``auto_map`` to its own code and a training config asking to trust it: an export
     (``bapo_config.yaml`` beside the weights) or, with ``run_folder``, a run folder (``config.yaml``, ``export/``)."""
-    from tests.conftest import compose as compose_train
+    from tests.helpers.config import compose as compose_train
 
     weights = folder / "export" if run_folder else folder
     shutil.copytree(TINY, weights)

@@ -30,6 +30,7 @@ from bapo.eval.evaluate import (
 from bapo.reward import MathVerifier
 from bapo.samples import Problem, Sample
 from eval import run as eval_run
+from tests.helpers.evaluation import run_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -304,22 +305,6 @@ RUN = [
 ]
 
 
-def _run_folder(path: Path, model, tok, *overrides: str, config_name: str = "config.yaml", export: bool = False):
-    """A finished training run as bapo/loop.py leaves it: ``config.yaml`` (the resolved config) and ``export/``;
-    ``export=True``: an export folder carrying the run's config as ``bapo_config.yaml`` instead."""
-    from omegaconf import OmegaConf
-
-    from tests.conftest import compose
-
-    weights = path if export else path / "export"
-    model.save_pretrained(weights)
-    tok.save_pretrained(weights)
-    (weights if export else path).joinpath(config_name).write_text(
-        OmegaConf.to_yaml(compose("debug=smoke", *overrides), resolve=True)
-    )
-    return path
-
-
 def _adopt(overrides: list[str]):
     cfg = _cfg(overrides)
     settings = adopt_run(cfg, overrides)
@@ -329,7 +314,7 @@ def _adopt(overrides: list[str]):
 @pytest.mark.parametrize("export", [False, True], ids=["run_folder", "export_with_bapo_config"])
 def test_a_run_is_evaluated_with_its_own_settings(tmp_path, tiny_model, tiny_tok, caplog, export):
     name = "bapo_config.yaml" if export else "config.yaml"
-    run = _run_folder(tmp_path / "run", tiny_model, tiny_tok, *RUN, config_name=name, export=export)
+    run = run_folder(tmp_path / "run", tiny_model, tiny_tok, *RUN, config_name=name, export=export)
     with caplog.at_level(logging.INFO, logger="bapo.eval.evaluate"):
         cfg, settings, job = _adopt(["eval=arith", f"checkpoint={run}"])
     weights = run if export else run / "export"
@@ -347,7 +332,7 @@ def test_a_run_is_evaluated_with_its_own_settings(tmp_path, tiny_model, tiny_tok
 
 
 def test_a_command_line_override_wins_over_the_run_and_is_logged(tmp_path, tiny_model, tiny_tok, caplog):
-    run = _run_folder(tmp_path / "run", tiny_model, tiny_tok, *RUN)
+    run = run_folder(tmp_path / "run", tiny_model, tiny_tok, *RUN)
     over = ["eval=arith", f"checkpoint={run}", "max_new_tokens=30", "model.dtype=float32", "instruction=Box it."]
     with caplog.at_level(logging.INFO, logger="bapo.eval.evaluate"):
         _, settings, job = _adopt(over)
@@ -376,7 +361,7 @@ VLLM_RUN = [
 
 
 def test_a_run_brings_its_engine_and_knobs(tmp_path, tiny_model, tiny_tok):
-    run = _run_folder(tmp_path / "run", tiny_model, tiny_tok, *VLLM_RUN)
+    run = run_folder(tmp_path / "run", tiny_model, tiny_tok, *VLLM_RUN)
     cfg, settings, job = _adopt(["eval=arith", f"checkpoint={run}", "k=3", "temperature=0.5"])
     r = cfg.rollout
     assert job.engine == "vllm" and (r.gpu_memory_utilization, r.tensor_parallel_size, r.enforce_eager) == (
@@ -398,7 +383,7 @@ def test_a_run_brings_its_engine_and_knobs(tmp_path, tiny_model, tiny_tok):
     cfg, _, job = _adopt(["eval=arith", f"checkpoint={run}", "placement=gpu_node"])
     assert job.engine == "vllm" and (cfg.rollout.gpu_memory_utilization, cfg.rollout.tensor_parallel_size) == (0.7, 1)
     # and a run on the HF engine switches eval.py's vLLM back to it
-    hf_run = _run_folder(tmp_path / "hf_run", tiny_model, tiny_tok, "rollout.batch_size=7")
+    hf_run = run_folder(tmp_path / "hf_run", tiny_model, tiny_tok, "rollout.batch_size=7")
     cfg, _, job = _adopt(["eval=arith", f"checkpoint={hf_run}", "model=qwen7b"])  # qwen7b picks rollout=vllm
     assert job.engine == "hf" and cfg.rollout.batch_size == 7
 
@@ -406,7 +391,7 @@ def test_a_run_brings_its_engine_and_knobs(tmp_path, tiny_model, tiny_tok):
 def test_a_server_runs_url_is_never_adopted(tmp_path, tiny_model, tiny_tok):
     """A rollout=vllm_server run's servers hold its newest weights (or by now another run's): evaluating its
     checkpoint there would evaluate them. eval.py starts its own server on the checkpoint instead."""
-    run = _run_folder(tmp_path / "run", tiny_model, tiny_tok, "rollout=vllm_server", "rollout.url='http://gen:8000'",
+    run = run_folder(tmp_path / "run", tiny_model, tiny_tok, "rollout=vllm_server", "rollout.url='http://gen:8000'",
                       "rollout.enforce_eager=true")  # fmt: skip
     cfg, settings, job = _adopt(["eval=arith", f"checkpoint={run}"])
     assert job.engine == "vllm_server" and cfg.rollout.url is None and cfg.rollout.enforce_eager is True
@@ -422,7 +407,7 @@ def test_the_checkpoint_weights_an_engine_is_given_are_the_exports(tmp_path, tin
 
     from bapo.eval.evaluate import checkpoint_weights
 
-    run = _run_folder(tmp_path / "run", tiny_model, tiny_tok)
+    run = run_folder(tmp_path / "run", tiny_model, tiny_tok)
     got = checkpoint_weights(run / "export")
     want = tiny_model.state_dict()
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
@@ -436,7 +421,7 @@ def test_a_run_is_evaluated_end_to_end_as_trained(tmp_path, tiny_model, tiny_tok
     built = {}
     real = bapo.engines.build_rollout
     monkeypatch.setattr(bapo.engines, "build_rollout", lambda *a, **kw: built.update(kw) or real(*a, **kw))
-    run = _run_folder(tmp_path / "run", tiny_model, tiny_tok, *RUN)
+    run = run_folder(tmp_path / "run", tiny_model, tiny_tok, *RUN)
     over = ["eval=arith", "eval.limit=3", "k=2", "reward.num_workers=0", f"checkpoint={run}"]
     eval_run(_cfg(over), tmp_path / "out", over)
     results = _check_run_folder(tmp_path / "out", {"arith": 3}, 2)
@@ -469,7 +454,7 @@ def test_checkpoint_errors_name_the_folder(tmp_path, tiny_model, tiny_tok):
     (tmp_path / "unfinished" / "config.yaml").write_text("seed: 1\n")
     with pytest.raises(ConfigError, match="^checkpoint: .*training run without an export"):
         find_checkpoint(str(tmp_path / "unfinished"))
-    run = _run_folder(tmp_path / "run", tiny_model, tiny_tok)
+    run = run_folder(tmp_path / "run", tiny_model, tiny_tok)
     (run / "config.yaml").write_text("model: [unclosed\n")
     with pytest.raises(ConfigError, match="^checkpoint: .*config.yaml is not a readable training config"):
         _adopt([f"checkpoint={run}"])
@@ -514,7 +499,7 @@ def test_over_long_prompts_are_skipped_and_counted_as_in_training(tmp_path, shar
 def test_training_skips_and_counts_over_long_eval_set_prompts(tmp_path, shared_data, tiny_tok):
     from bapo.data.loading import render_prompt
     from bapo.loop import run
-    from tests.conftest import compose
+    from tests.helpers.config import compose
 
     problems = load_evalset(build_job(_cfg(["eval=aime24"])).sets["aime24"], limit=8)
     too_long = sum(len(render_prompt(p, tiny_tok).ids) > 256 - 48 for p in problems)

@@ -64,9 +64,9 @@ def test_files_added_beside_an_export_and_folders_without_a_manifest_load(export
 @pytest.mark.slow
 def test_train_py_on_a_truncated_export_is_one_line_naming_the_file(tmp_path):
     from bapo.loop import run
-    from tests.test_loop import _cfg
+    from tests.helpers.config import smoke_cfg
 
-    run(_cfg(["train.steps=1", "eval.every=0"]), tmp_path / "first")
+    run(smoke_cfg(["train.steps=1", "eval.every=0"]), tmp_path / "first")
     export = tmp_path / "first" / "export"
     assert (export / MANIFEST).is_file()
     truncate(export / "model.safetensors")

@@ -4,7 +4,7 @@ import torch
 
 from bapo.rollout.groupfilter import REFILL_STRIDE, GroupFilter, groups_of
 from bapo.samples import Problem, Prompt, RolloutBatch, Sample
-from tests.conftest import CursorMaker
+from tests.helpers.fakes import CursorMaker
 
 
 class FakeMaker(CursorMaker):

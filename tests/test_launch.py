@@ -23,7 +23,8 @@ if __name__ == "__main__":  # --record, run as a script from the repository
 
 from bapo.entry import launch  # noqa: E402
 from bapo.infra.checks import ConfigError  # noqa: E402
-from tests.conftest import ROOT, compose  # noqa: E402
+from tests.helpers.config import compose  # noqa: E402
+from tests.helpers.paths import ROOT  # noqa: E402
 
 DOC = ROOT / "docs" / "gpu.md"
 ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled")
@@ -248,7 +249,7 @@ def rows(run_dir: Path) -> list[dict]:
 
 
 def untimed(rs: list[dict]) -> list[dict]:
-    from tests.test_loop_resume import untimed as drop_timings
+    from tests.helpers.metrics import untimed as drop_timings
 
     return drop_timings(rs)
 

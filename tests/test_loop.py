@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 from bapo.loop import run
+from tests.helpers.config import smoke_cfg
 
 pytestmark = pytest.mark.slow  # end to end: real runs of the loop (make test-fast skips them)
 
@@ -28,14 +28,9 @@ REQUIRED = [
 ]
 
 
-def _cfg(overrides):
-    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
-        return compose(config_name="config", overrides=["debug=smoke", *overrides])
-
-
 @pytest.mark.parametrize("algo", ["bapo", "grpo"])
 def test_smoke_run_trains_and_logs(tmp_path, algo):
-    final = run(_cfg([f"algo={algo}", "learner.lr=1e-2"]), tmp_path)
+    final = run(smoke_cfg([f"algo={algo}", "learner.lr=1e-2"]), tmp_path)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[2] and "eval/accuracy" in rows[3]
@@ -61,8 +56,8 @@ def test_overlong_penalty_shapes_reward_not_accuracy(tmp_path):
     # step 1 samples with the initial weights in both runs, so only the reward differs: with
     # rollout.max_new_tokens=48 and buffer 47, a response of L >= 1 tokens gets (48 - 47 - L) / 47
     over = ["train.steps=1", "eval.every=0", "eval.greedy=false", "data.heldout_size=4"]
-    base = run(_cfg(over), tmp_path / "base")
-    pen = run(_cfg([*over, "reward.overlong_buffer=47"]), tmp_path / "pen")
+    base = run(smoke_cfg(over), tmp_path / "base")
+    pen = run(smoke_cfg([*over, "reward.overlong_buffer=47"]), tmp_path / "pen")
     assert pen["reward/accuracy"] == base["reward/accuracy"]
     assert pen["rollout/response_len"] == base["rollout/response_len"]
     expected = base["reward/mean"] + (1 - base["rollout/response_len"]) / 47
@@ -71,7 +66,7 @@ def test_overlong_penalty_shapes_reward_not_accuracy(tmp_path):
 
 def test_training_eval_runs_eval_py_sets(tmp_path):
     over = ["train.steps=2", "eval.greedy=false", "data.heldout_size=4"]
-    run(_cfg([*over, "eval.sets=[arith]", "eval.sets_k=2", "eval.sets_limit=3"]), tmp_path)
+    run(smoke_cfg([*over, "eval.sets=[arith]", "eval.sets_k=2", "eval.sets_limit=3"]), tmp_path)
     rows = _rows(tmp_path)
     keys = {"eval/arith/avg@2", "eval/arith/pass@1", "eval/arith/pass@2", "eval/arith/maj@2"}
     for r in (rows[0], rows[2]):  # at the start and at the end (eval.every=2)
@@ -95,7 +90,7 @@ def _rows(path):
     ids=[*ALGOS, "bapo-ablations", "grpo-kl"],
 )
 def test_every_algo_runs_end_to_end(tmp_path, algo, extra):
-    run(_cfg([f"algo={algo}", *FAST, *extra]), tmp_path)
+    run(smoke_cfg([f"algo={algo}", *FAST, *extra]), tmp_path)
     rows = _rows(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2]
     required = [
@@ -133,7 +128,7 @@ def test_every_algo_runs_end_to_end(tmp_path, algo, extra):
 
 def test_eps_feedback_eps_evolves_by_its_rule(tmp_path):
     # One update per step, so each row's eps_feedback/eps and eps_feedback/g are that update's own.
-    run(_cfg(["algo=eps_feedback", "learner.mini_batches_per_rollout=1", *FAST, "train.steps=3"]), tmp_path)
+    run(smoke_cfg(["algo=eps_feedback", "learner.mini_batches_per_rollout=1", *FAST, "train.steps=3"]), tmp_path)
     rows = _rows(tmp_path)[1:]
     assert rows[0]["eps_feedback/eps"] == pytest.approx(0.2)
     for r in rows:
@@ -145,8 +140,8 @@ def test_eps_feedback_eps_evolves_by_its_rule(tmp_path):
 
 
 def test_same_seed_same_metrics(tmp_path):
-    a = run(_cfg(["train.steps=2"]), tmp_path / "a")
-    b = run(_cfg(["train.steps=2"]), tmp_path / "b")
+    a = run(smoke_cfg(["train.steps=2"]), tmp_path / "a")
+    b = run(smoke_cfg(["train.steps=2"]), tmp_path / "b")
     volatile = ("time/", "rollout/tokens_per_s", "reward/verify_s")
     assert {k: v for k, v in a.items() if not k.startswith(volatile)} == {
         k: v for k, v in b.items() if not k.startswith(volatile)
@@ -183,11 +178,11 @@ def test_each_bapo_ablation_reaches_the_search(tmp_path):
     first step samples with the initial weights), not only run without error."""
     base = ["algo=bapo", "train.steps=1", "eval.every=0", "eval.greedy=false", "data.heldout_size=4"]
     base += ["learner.micro_batch_size=3"]  # several micro-batches per update, so that the scope matters
-    run(_cfg(base), tmp_path / "paper")
+    run(smoke_cfg(base), tmp_path / "paper")
     ref = _rows(tmp_path / "paper")[1]
     for flag in ABLATION:
         name = flag.split(".")[-1].split("=")[0]
-        run(_cfg([*base, flag]), tmp_path / name)
+        run(smoke_cfg([*base, flag]), tmp_path / name)
         row = _rows(tmp_path / name)[1]
         assert row["rollout/response_len"] == ref["rollout/response_len"], flag  # the same samples
         assert row["bapo/rho_before"] != ref["bapo/rho_before"], flag  # measured another way

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from bapo.loop import run
-from tests.test_loop import _cfg
+from tests.helpers.config import smoke_cfg
 
 pytestmark = pytest.mark.slow  # end to end: real runs of the loop
 
@@ -28,7 +28,7 @@ def finite(r):
 def test_rollout_corrections_run_and_the_hf_engine_needs_none(tmp_path, corr):
     # The HF engine and the learner share fp32 weights and kernels: pi / mu is 1 up to float noise, so the
     # correction's weights are 1 within 1e-4, nothing is truncated and the ESS is 1.
-    run(_cfg(["algo=grpo", f"algo/correction={corr}", "learner.old_logp=recompute", *FAST]), tmp_path)
+    run(smoke_cfg(["algo=grpo", f"algo/correction={corr}", "learner.old_logp=recompute", *FAST]), tmp_path)
     for r in rows(tmp_path)[1:]:
         assert not finite(r), finite(r)
         assert abs(r["correction/weight_mean"] - 1) < 1e-4 and abs(r["correction/weight_max"] - 1) < 1e-4
@@ -38,7 +38,7 @@ def test_rollout_corrections_run_and_the_hf_engine_needs_none(tmp_path, corr):
 
 def test_a_correction_without_recompute_is_refused_naming_both_keys(tmp_path):
     with pytest.raises(Exception, match="algo.correction.*learner.old_logp=recompute"):
-        run(_cfg(["algo/correction=tis", "learner.old_logp=rollout", *FAST]), tmp_path)
+        run(smoke_cfg(["algo/correction=tis", "learner.old_logp=rollout", *FAST]), tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -53,7 +53,7 @@ def test_a_correction_without_recompute_is_refused_naming_both_keys(tmp_path):
     ids=["exact-sync", "exact-async", "loglinear-async", "exact-async-recompute", "exact-drop"],
 )
 def test_decoupled_ppo_runs_with_async_admission(tmp_path, extra):
-    run(_cfg(["algo=bapo", *FAST, "train.steps=3", *extra]), tmp_path)
+    run(smoke_cfg(["algo=bapo", *FAST, "train.steps=3", *extra]), tmp_path)
     rs = rows(tmp_path)[1:]
     for r in rs:
         assert not finite(r), finite(r)
@@ -68,7 +68,7 @@ def test_decoupled_ppo_runs_with_async_admission(tmp_path, extra):
 
 def test_overlong_filter_runs(tmp_path):
     # 3 new tokens at most: most responses are cut, and they carry no loss
-    run(_cfg(["algo=grpo", "algo.overlong_filter=true", "rollout.max_new_tokens=3", *FAST]), tmp_path)
+    run(smoke_cfg(["algo=grpo", "algo.overlong_filter=true", "rollout.max_new_tokens=3", *FAST]), tmp_path)
     for r in rows(tmp_path)[1:]:
         assert not finite(r) and r["rollout/truncated"] > 0
 
@@ -76,9 +76,9 @@ def test_overlong_filter_runs(tmp_path):
 @pytest.mark.parametrize("mode", [[], ASYNC], ids=["sync", "async"])
 def test_filter_groups_refills_and_resumes_exactly(tmp_path, mode):
     over = ["algo.filter_groups=true", "eval.every=1", "eval.greedy=false", "data.heldout_size=4", *mode]
-    run(_cfg([*over, "train.steps=3"]), tmp_path / "straight")
-    run(_cfg([*over, "train.steps=2"]), tmp_path / "resumed")
-    run(_cfg([*over, "train.steps=3", "resume=auto"]), tmp_path / "resumed")
+    run(smoke_cfg([*over, "train.steps=3"]), tmp_path / "straight")
+    run(smoke_cfg([*over, "train.steps=2"]), tmp_path / "resumed")
+    run(smoke_cfg([*over, "train.steps=3", "resume=auto"]), tmp_path / "resumed")
     a, b = rows(tmp_path / "straight"), rows(tmp_path / "resumed")
     untimed = [[{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rs] for rs in (a, b)]
     assert untimed[0] == untimed[1]

@@ -1,37 +1,20 @@
 """`torchrun --nproc_per_node=2 train.py learner=fsdp`: the whole loop on two gloo ranks, and an exact resume."""
 
 import json
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.metrics import rows, untimed
+from tests.helpers.processes import torchrun
 from tests.helpers.runs import killed_after_step_3
-from tests.test_loop_resume import rows, untimed
 
 pytestmark = pytest.mark.slow  # end to end: real runs of the loop (make test-fast skips them)
 
 ROOT = Path(__file__).resolve().parents[1]
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 ONE = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
-ARGS = ["train.py", "learner=fsdp", "debug=smoke", "learner.lr=1e-3", "train.steps=4", "checkpoint.every=2"]
-
-
-def torchrun(run_dir: Path, *extra: str, launcher=TORCHRUN) -> str:
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
-    p = subprocess.run(
-        [*launcher, *ARGS, *extra, f"hydra.run.dir={run_dir}"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return p.stdout + p.stderr
 
 
 MODES = {

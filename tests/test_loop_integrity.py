@@ -19,8 +19,8 @@ from bapo.checkpoint import CheckpointError
 from bapo.config import ConfigError
 from bapo.learner import TrainingDiverged
 from bapo.loop import run
-from tests.test_loop import _cfg
-from tests.test_loop_resume import TIMING, rows
+from tests.helpers.config import smoke_cfg
+from tests.helpers.metrics import TIMING, rows
 
 pytestmark = pytest.mark.slow  # end to end: real runs of the loop (make test-fast skips them)
 
@@ -45,8 +45,8 @@ def test_sync_every_2_is_not_changed_by_evaluation_or_resume(tmp_path):
     """Before: the snapshot of version v served a later batch while the learner kept updating the same
     tensors, so after an evaluation the next batch was on-policy (ratio exactly 1) but labelled stale 1,
     and a resumed run diverged from the uninterrupted one."""
-    run(_cfg([*SYNC2, "eval.every=0"]), tmp_path / "plain")
-    run(_cfg([*SYNC2, "eval.every=1"]), tmp_path / "eval")
+    run(smoke_cfg([*SYNC2, "eval.every=0"]), tmp_path / "plain")
+    run(smoke_cfg([*SYNC2, "eval.every=1"]), tmp_path / "eval")
     plain, evaluated = rows(tmp_path / "plain"), rows(tmp_path / "eval")
     assert [training(r) for r in plain[1:]] == [training(r) for r in evaluated[1:]]
     # batch 4 is generated at version 2 and trained at version 3: stale by one, so the ratio is not exactly 1
@@ -54,8 +54,8 @@ def test_sync_every_2_is_not_changed_by_evaluation_or_resume(tmp_path):
     assert plain[4]["learner/ratio_mean"] != 1.0
     # resume from step 3's checkpoint (as if killed after it): the same step 4
     cut = tmp_path / "resumed"
-    run(_cfg([*SYNC2, "eval.every=0", "train.steps=3"]), cut)
-    run(_cfg([*SYNC2, "eval.every=0", "resume=auto"]), cut)
+    run(smoke_cfg([*SYNC2, "eval.every=0", "train.steps=3"]), cut)
+    run(smoke_cfg([*SYNC2, "eval.every=0", "resume=auto"]), cut)
     assert [training(r) for r in rows(cut)[1:]] == [training(r) for r in plain[1:]]
 
 
@@ -64,7 +64,7 @@ def test_weights_that_overflow_stop_the_run_naming_the_checkpoint_folder(tmp_pat
     next rollout crashed in sampling with 'probability tensor contains inf/nan'. It diverges at the first
     update, so there is no checkpoint to name, and the message says so."""
     with pytest.raises(TrainingDiverged, match=r"not finite after update \d+.*learner\.lr=1e\+30.*no checkpoint was"):
-        run(_cfg(["learner.lr=1e30", "train.steps=2"]), tmp_path)
+        run(smoke_cfg(["learner.lr=1e30", "train.steps=2"]), tmp_path)
 
 
 # ----------------------------------------------------------------------------- hangs
@@ -89,12 +89,12 @@ def test_drop_mode_with_recompute_finishes(tmp_path):
 
 def test_a_fresh_run_refuses_a_used_folder_unless_told_to_overwrite(tmp_path):
     """Before: a fresh run B in run A's folder pruned its own checkpoint and later 'resumed' A."""
-    run(_cfg(["train.steps=2", "eval.every=0"]), tmp_path)
+    run(smoke_cfg(["train.steps=2", "eval.every=0"]), tmp_path)
     before = (tmp_path / "metrics.jsonl").read_text()
     with pytest.raises(ConfigError, match=r"resume=auto.*overwrite=true"):
-        run(_cfg(["train.steps=1", "eval.every=0"]), tmp_path)
+        run(smoke_cfg(["train.steps=1", "eval.every=0"]), tmp_path)
     assert (tmp_path / "metrics.jsonl").read_text() == before  # untouched
-    run(_cfg(["train.steps=1", "eval.every=0", "overwrite=true"]), tmp_path)
+    run(smoke_cfg(["train.steps=1", "eval.every=0", "overwrite=true"]), tmp_path)
     assert [r["step"] for r in rows(tmp_path)] == [0, 1]
     assert [s for s, _ in checkpoint.step_dirs(tmp_path / "checkpoints")] == [1]  # A's are gone
 
@@ -102,38 +102,40 @@ def test_a_fresh_run_refuses_a_used_folder_unless_told_to_overwrite(tmp_path):
 def test_an_incompatible_resume_fails_before_touching_the_folder(tmp_path):
     """Before: final_metrics.json was deleted and config.yaml overwritten before the checkpoint was read,
     and the mismatch surfaced as a size-mismatch dump or KeyError: 'critic'."""
-    run(_cfg(["train.steps=2", "eval.every=0"]), tmp_path)
+    run(smoke_cfg(["train.steps=2", "eval.every=0"]), tmp_path)
     snapshot = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file() and p.name != ".lock"}
     with pytest.raises(ConfigError, match=r"algo\.name: 'bapo' -> 'grpo'"):
-        run(_cfg(["train.steps=3", "eval.every=0", "algo=grpo", "resume=auto"]), tmp_path)
+        run(smoke_cfg(["train.steps=3", "eval.every=0", "algo=grpo", "resume=auto"]), tmp_path)
     with pytest.raises(ConfigError, match=r"algo\.critic"):
-        run(_cfg(["train.steps=3", "eval.every=0", "algo=ppo", "resume=auto"]), tmp_path)
+        run(smoke_cfg(["train.steps=3", "eval.every=0", "algo=ppo", "resume=auto"]), tmp_path)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file() and p.name != ".lock"} == snapshot
 
 
 def test_a_compatible_change_on_resume_is_recorded(tmp_path):
-    run(_cfg(["train.steps=1", "eval.every=0"]), tmp_path)
-    run(_cfg(["train.steps=2", "eval.every=0", "resume=auto", "checkpoint.keep=3"]), tmp_path)
+    run(smoke_cfg(["train.steps=1", "eval.every=0"]), tmp_path)
+    run(smoke_cfg(["train.steps=2", "eval.every=0", "resume=auto", "checkpoint.keep=3"]), tmp_path)
     history = [json.loads(x) for x in (tmp_path / "config_history.jsonl").read_text().splitlines()]
     changed = {c["key"] for h in history for c in h["changes"]}
     assert {"train.steps", "checkpoint.keep", "resume"} <= changed
 
 
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog):
-    run(_cfg(["train.steps=3", "eval.every=0", "checkpoint.every=1", "checkpoint.keep=3"]), tmp_path)
+    run(smoke_cfg(["train.steps=3", "eval.every=0", "checkpoint.every=1", "checkpoint.keep=3"]), tmp_path)
     newest = tmp_path / "checkpoints" / "step_000003" / "learner" / "learner.pt"
     data = bytearray(newest.read_bytes())
     data[len(data) // 2] ^= 0xFF
     newest.write_bytes(bytes(data))
     (tmp_path / "final_metrics.json").unlink()
     caplog.set_level("WARNING")
-    run(_cfg(["train.steps=3", "eval.every=0", "checkpoint.every=1", "checkpoint.keep=3", "resume=auto"]), tmp_path)
+    run(
+        smoke_cfg(["train.steps=3", "eval.every=0", "checkpoint.every=1", "checkpoint.keep=3", "resume=auto"]), tmp_path
+    )
     assert "step_000003" in caplog.text  # the skipped folder is named
     assert [r["step"] for r in rows(tmp_path)] == [0, 1, 2, 3]
 
 
 def test_a_checkpoint_with_non_finite_weights_is_refused(tmp_path):
-    run(_cfg(["train.steps=1", "eval.every=0"]), tmp_path)
+    run(smoke_cfg(["train.steps=1", "eval.every=0"]), tmp_path)
     ckpt = tmp_path / "checkpoints" / "step_000001"
     state = torch.load(ckpt / "learner" / "learner.pt", weights_only=True)
     name = next(iter(state["model"]))
@@ -141,7 +143,7 @@ def test_a_checkpoint_with_non_finite_weights_is_refused(tmp_path):
     torch.save(state, ckpt / "learner" / "learner.pt")
     checkpoint.write_manifest(ckpt)  # re-signed: the finiteness check, not the checksum, must catch it
     with pytest.raises(CheckpointError, match="not finite"):
-        run(_cfg(["train.steps=2", "eval.every=0", "resume=auto"]), tmp_path)
+        run(smoke_cfg(["train.steps=2", "eval.every=0", "resume=auto"]), tmp_path)
 
 
 @pytest.mark.slow
@@ -183,7 +185,7 @@ def test_a_config_error_leaves_no_run_folder(tmp_path):
 def test_the_export_is_readable_by_others(tmp_path):
     old = os.umask(0o022)
     try:
-        run(_cfg(["train.steps=1", "eval.every=0"]), tmp_path)
+        run(smoke_cfg(["train.steps=1", "eval.every=0"]), tmp_path)
     finally:
         os.umask(old)
     export = tmp_path / "export"
@@ -196,9 +198,9 @@ def test_a_finished_async_run_extends_with_the_snapshots_it_needs(tmp_path, hang
     admission with k = 3 makes batch 7 with version 3, which no batch up to 6 asks for."""
     over = ["train.async_rollout=true", "buffer.max_staleness=3", "learner.mini_batches_per_rollout=1"]
     over += ["eval.every=0", "checkpoint.every=0"]
-    run(_cfg([*over, "train.steps=6"]), tmp_path / "extended")
-    run(_cfg([*over, "train.steps=8", "resume=auto"]), tmp_path / "extended")
-    run(_cfg([*over, "train.steps=8"]), tmp_path / "straight")
+    run(smoke_cfg([*over, "train.steps=6"]), tmp_path / "extended")
+    run(smoke_cfg([*over, "train.steps=8", "resume=auto"]), tmp_path / "extended")
+    run(smoke_cfg([*over, "train.steps=8"]), tmp_path / "straight")
     a, b = rows(tmp_path / "extended"), rows(tmp_path / "straight")
     assert [r["rollout/version"] for r in a[1:]] == [0, 0, 0, 0, 1, 2, 3, 4]
     assert [training(r) for r in a[1:]] == [training(r) for r in b[1:]]

@@ -10,7 +10,7 @@ import pytest
 from bapo.learner import Learner
 from bapo.loop import run
 from bapo.rollout.producer import Producer
-from tests.test_loop import _cfg
+from tests.helpers.config import smoke_cfg
 
 pytestmark = pytest.mark.slow  # end to end: real runs of the loop
 
@@ -39,7 +39,7 @@ def counted_run(monkeypatch, path, overrides) -> list[int]:
 
     monkeypatch.setattr(Learner, "response_logp", counting)
     monkeypatch.setattr(Producer, "before_updates", freeing)
-    run(_cfg(overrides), path)
+    run(smoke_cfg(overrides), path)
     monkeypatch.undo()
     assert all(i > 0 and events[i - 1] == "free" for i, e in enumerate(events) if e == "score"), events
     return calls

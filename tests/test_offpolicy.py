@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from bapo.experience.buffer import ReplayBuffer
 from bapo.rollout.producer import Interrupted, Producer, batch_version, min_staleness, offer_weights
-from tests.conftest import CursorMaker
-from tests.test_buffer import make
+from tests.helpers.fakes import CursorMaker
+from tests.helpers.samples import scored_group
 
 
 class Maker(CursorMaker):
@@ -97,7 +97,7 @@ def simulate(mode, u, k, s, steps, rng, batch_size=2):
     def make_batch(t, version, weights):
         assert int(weights["v"]) == version  # the snapshot the schedule asked for
         time.sleep(delays[t % len(delays)])
-        return make(t, version, batch_size)
+        return scored_group(t, version, batch_size)
 
     producer = Producer(
         Maker(make_batch),
@@ -159,7 +159,12 @@ def test_admission_realises_k_and_drop_counts_what_it_throws_away():
     # drop: a fast producer gets ahead with old weights; the consumer is slow, so some batches go stale
     buf = ReplayBuffer(max_staleness=0, capacity=64)
     producer = Producer(
-        Maker(lambda t, v, w: make(t, v, 2)), mode="drop", updates_per_batch=1, max_staleness=0, sync_every=1, ahead=4
+        Maker(lambda t, v, w: scored_group(t, v, 2)),
+        mode="drop",
+        updates_per_batch=1,
+        max_staleness=0,
+        sync_every=1,
+        ahead=4,
     )
     producer.publish(0, {"v": torch.tensor(0)})
     producer.start()

@@ -13,9 +13,8 @@ from bapo.config import ConfigError
 from bapo.infra import dist
 from bapo.learner import Learner
 from bapo.loop import run
-from tests.conftest import compose, run_config
-from tests.test_loop import _cfg
-from tests.test_loop_resume import rows, untimed
+from tests.helpers.config import compose, run_config, smoke_cfg
+from tests.helpers.metrics import rows, untimed
 
 FSDP = ["learner=fsdp", "train.steps=2", "checkpoint.every=1"]
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -29,14 +28,14 @@ def _clean() -> None:
 
 def test_fsdp_without_torchrun_trains_on_one_rank_resumes_and_tears_down(tmp_path):
     assert "WORLD_SIZE" not in os.environ
-    run(_cfg(FSDP), tmp_path / "run")
+    run(smoke_cfg(FSDP), tmp_path / "run")
     _clean()
     full = rows(tmp_path / "run")
     assert [r["step"] for r in full] == [0, 1, 2] and full[-1]["policy/version"] == 4
     assert (tmp_path / "run" / "checkpoints" / "step_000002" / "learner").is_dir()  # DCP: the sharded learner
-    run(_cfg([*FSDP, "resume=auto"]), tmp_path / "run")  # already complete: returns at once, leaves nothing up
+    run(smoke_cfg([*FSDP, "resume=auto"]), tmp_path / "run")  # already complete: returns at once, leaves nothing up
     _clean()
-    run(_cfg([*FSDP, "train.steps=3", "resume=auto"]), tmp_path / "run")
+    run(smoke_cfg([*FSDP, "train.steps=3", "resume=auto"]), tmp_path / "run")
     _clean()
     assert [r["step"] for r in rows(tmp_path / "run")] == [0, 1, 2, 3]
 
@@ -50,7 +49,7 @@ def test_an_error_inside_a_step_still_tears_down_and_shuts_engines(tmp_path, mon
 
     monkeypatch.setattr(Learner, "learn", boom)
     with pytest.raises(RuntimeError, match="injected failure"):
-        run(_cfg(FSDP), tmp_path / "run")
+        run(smoke_cfg(FSDP), tmp_path / "run")
     _clean()
     assert closed == [True]
 
@@ -62,15 +61,15 @@ def test_a_failing_engine_shutdown_does_not_hide_the_runs_error(tmp_path, monkey
 
     monkeypatch.setattr(Learner, "learn", boom)
     with pytest.raises(RuntimeError, match="the real error"):
-        run(_cfg(FSDP), tmp_path / "run")
+        run(smoke_cfg(FSDP), tmp_path / "run")
     _clean()
 
 
 def test_one_rank_fsdp_matches_the_single_process_learner(tmp_path):
     """Sharding over one rank changes nothing: learner=fsdp on one rank is learner=single metric for metric."""
     same = ["train.steps=2", "learner.micro_batch_size=8", "learner.lr=3e-4"]  # the two groups' defaults differ
-    run(_cfg(same), tmp_path / "single")
-    run(_cfg([*same, "learner=fsdp"]), tmp_path / "fsdp")
+    run(smoke_cfg(same), tmp_path / "single")
+    run(smoke_cfg([*same, "learner=fsdp"]), tmp_path / "fsdp")
     drop = ("reward/verify_s",)  # a wall-clock time outside the time/ prefix
     a = [{k: v for k, v in r.items() if k not in drop} for r in untimed(rows(tmp_path / "single"))]
     b = [{k: v for k, v in r.items() if k not in drop} for r in untimed(rows(tmp_path / "fsdp"))]

@@ -6,8 +6,7 @@ import pytest
 
 from bapo.config import ConfigError, check_combinations
 from bapo.loop import run
-from tests.conftest import run_config
-from tests.test_loop import _cfg
+from tests.helpers.config import run_config, smoke_cfg
 
 SMOKE = ["debug=smoke", "train.steps=3", "eval.every=0", "checkpoint.every=0"]
 
@@ -34,8 +33,8 @@ def test_a_budget_of_max_new_tokens_or_more_interrupts_nothing(budget):
 @pytest.mark.slow
 def test_a_run_whose_budget_holds_every_response_equals_the_plain_run(tmp_path):
     plain, whole = tmp_path / "plain", tmp_path / "whole"
-    run(_cfg(SMOKE), plain)
-    run(_cfg([*SMOKE, "rollout.partial_budget=48"]), whole)
+    run(smoke_cfg(SMOKE), plain)
+    run(smoke_cfg([*SMOKE, "rollout.partial_budget=48"]), whole)
 
     def strip(rs):  # every metric but the timings (seconds, and rates per second)
         return [{k: v for k, v in r.items() if not k.endswith("_s")} for r in rs]
@@ -70,7 +69,7 @@ def test_combinations_partial_rollouts_cannot_serve_are_refused():
 @pytest.mark.parametrize("mode", [[], ["train.async_rollout=true", "reward.num_workers=1"]], ids=["sync", "async"])
 def test_a_run_with_a_budget_trains_on_whole_groups_within_the_token_bound(tmp_path, mode):
     k = 7
-    run(_cfg([*SMOKE, *mode, "rollout.partial_budget=12", f"buffer.max_staleness={k}"]), tmp_path)
+    run(smoke_cfg([*SMOKE, *mode, "rollout.partial_budget=12", f"buffer.max_staleness={k}"]), tmp_path)
     rs = rows(tmp_path)[1:]
     assert len(rs) == 3
     for r in rs:
@@ -89,7 +88,7 @@ def test_recompute_scores_every_token_with_the_weights_that_sampled_it(tmp_path,
     # lr 1e-2 moves the weights a lot between versions: the engine's log-probs match the learner's recompute
     # only if each token is scored with its own version's snapshot (a copy, never the live weights).
     over = [*SMOKE, *mode, "rollout.partial_budget=12", "buffer.max_staleness=7", "learner.old_logp=recompute"]
-    run(_cfg([*over, "learner.lr=1e-2", "algo/correction=tis"]), tmp_path)
+    run(smoke_cfg([*over, "learner.lr=1e-2", "algo/correction=tis"]), tmp_path)
     rs = rows(tmp_path)[1:]
     assert max(r["buffer/token_staleness_max"] for r in rs) >= 2  # tokens of several versions were trained on
     assert all(r["rollout/logp_mismatch_max"] < 1e-4 for r in rs)

@@ -18,7 +18,8 @@ if __name__ == "__main__":  # --record, run as a script from the repository
 
 from bapo import plan as P  # noqa: E402
 from bapo.learner.logprobs import peak_bytes  # noqa: E402
-from tests.conftest import ROOT, compose  # noqa: E402
+from tests.helpers.config import compose  # noqa: E402
+from tests.helpers.paths import ROOT  # noqa: E402
 
 GiB = 2**30
 MODELS = sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml") if "override /placement" in p.read_text())

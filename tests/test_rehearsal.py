@@ -33,8 +33,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from scripts.build.standin import write_standin
+from tests.helpers.metrics import rows, untimed
+from tests.helpers.processes import python_for
 from tests.helpers.runs import killed_after_step_3
-from tests.test_loop_resume import rows, untimed
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -225,26 +226,6 @@ def world(tmp_path_factory):
     # vLLM on CPU: the KV cache it may take, and its in-process engine core (as the existing vLLM tests)
     env |= {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     return {"base": base, "env": env}
-
-
-def vllm_python() -> str | None:
-    """The interpreter of the vLLM variants: this one if it has vLLM, else the repository's .venv-vllm."""
-    if importlib.util.find_spec("vllm") is not None:
-        return sys.executable
-    venv = ROOT / ".venv-vllm" / "bin" / "python"
-    return str(venv) if venv.exists() else None
-
-
-def python_for(engine: str) -> str:
-    if engine == "hf":
-        return sys.executable
-    py = vllm_python()
-    if py is None:
-        why = f"vLLM is not installed here nor in {ROOT / '.venv-vllm'} (make vllm-cpu)"
-        if os.environ.get("CI"):
-            pytest.fail(f"CI builds .venv-vllm, but {why}")
-        pytest.skip(why)
-    return py
 
 
 def launch(python: str, args: list[str], env: dict, *, torchrun: bool) -> str:

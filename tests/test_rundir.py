@@ -434,7 +434,7 @@ def test_resumable_keys_come_from_the_schema_marks():
     """Every listed key names keys of the composed configs (a typo or a removed field would list nothing), and the
     anchors fall on their side."""
     from bapo import rundir
-    from tests.conftest import compose
+    from tests.helpers.config import compose
 
     flat = set()
     for over in ([], ["rollout=vllm"], ["rollout=vllm_server"], ["learner=fsdp"], ["placement=disaggregated"]):

@@ -16,7 +16,7 @@ from bapo.config import ConfigError
 from bapo.data.loading import DataFileError
 from bapo.learner import TrainingDiverged
 from bapo.loop import run
-from tests.test_loop import _cfg
+from tests.helpers.config import smoke_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
@@ -51,7 +51,7 @@ def test_a_key_one_group_down_gets_a_hint_from_hydras_error(tmp_path):
 
 
 def test_an_appended_key_one_group_down_gets_the_hint_in_the_config_error(tmp_path):
-    from tests.conftest import run_config
+    from tests.helpers.config import run_config
 
     with pytest.raises(ConfigError, match=r"^algo\.contribution: .*did you mean algo\.bounds\.contribution\?$"):
         run_config("+algo.contribution=gradient")
@@ -163,7 +163,7 @@ def test_a_data_file_that_cannot_serve_is_a_data_file_error_naming_it(tmp_path, 
     f = tmp_path / "train.jsonl"
     make(f)
     with pytest.raises(DataFileError, match=f"^data.path: .*{f}.*{why}") as info:
-        run(_cfg(["data=jsonl", f"data.path={f}"]), tmp_path / "run")
+        run(smoke_cfg(["data=jsonl", f"data.path={f}"]), tmp_path / "run")
     assert "\n" not in str(info.value)
     if why == "no valid rows":
         assert f"{f}:1" in str(info.value)  # the first bad row, by file and line
@@ -240,7 +240,7 @@ def test_a_failing_wandb_init_leaves_no_metrics_file(tmp_path, monkeypatch):
 def test_divergence_before_the_first_checkpoint_says_there_is_none(tmp_path):
     """Before: 'the newest checkpoint is in <run>/checkpoints', a folder that did not exist."""
     with pytest.raises(TrainingDiverged) as info:
-        run(_cfg(["learner.lr=1e30", "train.steps=2", "checkpoint.every=5"]), tmp_path)
+        run(smoke_cfg(["learner.lr=1e30", "train.steps=2", "checkpoint.every=5"]), tmp_path)
     msg = str(info.value)
     assert not list((tmp_path / "checkpoints").glob("step_*"))
     assert "the newest checkpoint is in" not in msg
@@ -261,7 +261,7 @@ def test_divergence_after_a_checkpoint_names_the_newest_one(tmp_path, monkeypatc
 
     monkeypatch.setattr(Learner, "learn", learn)
     with pytest.raises(TrainingDiverged) as info:
-        run(_cfg(["train.steps=3", "checkpoint.every=1", "eval.every=0"]), tmp_path)
+        run(smoke_cfg(["train.steps=3", "checkpoint.every=1", "eval.every=0"]), tmp_path)
     assert str(info.value).endswith(f"the newest checkpoint is {tmp_path / 'checkpoints' / 'step_000002'}")
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from bapo.infra import tracking
 from bapo.infra.tracking import MetricsLogger, StepLog, step_summary
-from tests.conftest import ROOT
+from tests.helpers.paths import ROOT
 
 
 @pytest.fixture()

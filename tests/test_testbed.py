@@ -23,7 +23,9 @@ from transformers import AutoTokenizer
 
 from bapo.data.tasks import MixedSpec, is_heldout, mixed_lines, mixed_problem
 from scripts.build.common import encode_batch, token_balance
-from tests.conftest import ROOT, assert_measure_refuses_other_folders, run_config
+from tests.helpers.config import run_config
+from tests.helpers.paths import ROOT
+from tests.helpers.scripts import assert_measure_refuses_other_folders
 
 ASSET = ROOT / "assets" / "tiny-explore"
 LONGCOT = ROOT / "assets" / "tiny-longcot"

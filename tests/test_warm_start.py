@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, assert_measure_refuses_other_folders
+from tests.helpers.paths import ROOT
+from tests.helpers.scripts import assert_measure_refuses_other_folders
 
 SCRIPT = ROOT / "scripts" / "build" / "warm_start_smollm2.py"
 

@@ -12,23 +12,16 @@ from omegaconf import OmegaConf
 
 from bapo.algos import (
     AGG_MODES,
-    EpsFeedbackState,
     agg_normalisers,
     aggregate,
     eps_feedback_g,
     eps_feedback_loss,
     eps_feedback_sums,
 )
-from tests.algos.shared import assert_accumulation_matches, random_batch
+from tests.helpers.algos import RULE, assert_accumulation_matches, eps_state, random_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 F64 = torch.float64
-# The heuristic's starting eps and rule constants, as conf/algo/eps_feedback.yaml sets them.
-RULE = dict(eps=0.2, eps_min=0.1, eps_max=0.5, grow=1.1, shrink=0.9, g_high=1.0, g_low=0.5, widen=0.5)
-
-
-def eps_state(**over: float) -> EpsFeedbackState:
-    return EpsFeedbackState(**RULE | over)
 
 
 def test_the_rule_here_is_the_shipped_one():

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bapo.algos import AGG_MODES, agg_normalisers, aggregate, kl_estimate, policy_loss
-from tests.algos.shared import assert_accumulation_matches
+from tests.helpers.algos import assert_accumulation_matches
 
 F64 = torch.float64
 

@@ -16,7 +16,7 @@ from bapo.algos import (
     positive_contribution,
     surrogate_objective,
 )
-from tests.algos.test_eps_feedback import eps_state
+from tests.helpers.algos import eps_state
 
 F64 = torch.float64
 

@@ -21,7 +21,7 @@ from bapo.algos import OBJECTIVES, build_objective, register_objective
 from bapo.algos.config import algo_config
 from bapo.algos.surrogate import aggregate
 from bapo.infra.checks import ConfigError, to_plain
-from tests.conftest import compose
+from tests.helpers.config import compose
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = sorted(p.stem for p in (ROOT / "conf" / "algo").glob("*.yaml"))

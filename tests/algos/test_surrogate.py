@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bapo.algos import AGG_MODES, agg_normalisers, aggregate, entropy_from_logits, policy_loss, token_logp
-from tests.algos.shared import assert_accumulation_matches, random_batch
+from tests.helpers.algos import assert_accumulation_matches, random_batch
 
 F64 = torch.float64
 

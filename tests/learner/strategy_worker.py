@@ -241,7 +241,7 @@ def check_export_bf16(src: Path, device, out: Path) -> str:
 def _fsdp_learner(src: Path, **kw):
     from bapo.algos import build_objective
     from bapo.learner import Learner
-    from tests.conftest import run_config
+    from tests.helpers.config import run_config
 
     rc = run_config("learner=fsdp", "learner.micro_batch_size=2", "debug=smoke")
     model = load_model(str(src / "fp32"), device="meta")

@@ -9,7 +9,6 @@ micro-batches. float64, so that any difference beyond summation order is a bug.
 """
 
 import copy
-import importlib.util
 import os
 import subprocess
 import sys
@@ -20,14 +19,12 @@ import torch
 
 from bapo.learner import collate
 from bapo.learner import fsdp as fsdp_mod
+from tests.helpers import fsdp as W
 
 pytestmark = pytest.mark.slow  # end to end: real runs of the loop (make test-fast skips them)
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-spec = importlib.util.spec_from_file_location("fsdp_worker", HERE / "fsdp_worker.py")
-W = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(W)
 
 BUDGET = 70  # tokens: shard 0 packs into 3 micro-batches, shard 1 into 2 (so rank 1 runs an empty one)
 

@@ -13,44 +13,9 @@ from bapo.algos import (
     surrogate_objective,
     token_logp,
 )
-from bapo.learner import Learner, collate, split
-from bapo.samples import Problem, Prompt, Sample, ScoredSample
-from tests.algos.test_eps_feedback import eps_state
-from tests.conftest import learner_cfg
-
-
-def fake_batch(tok, model, n=8, seed=0):
-    """Real sequences with behaviour log-probs from a slightly perturbed policy (so ratios != 1)."""
-    g = torch.Generator().manual_seed(seed)
-    samples = []
-    for i in range(n):
-        prompt_ids = tuple(torch.randint(3, len(tok), (5 + i % 3,), generator=g).tolist())
-        resp = torch.randint(3, len(tok), (4 + (i * 5) % 9,), generator=g)
-        x = torch.tensor([prompt_ids + tuple(resp.tolist())])
-        with torch.no_grad():
-            lp = token_logp(model(input_ids=x).logits[:, :-1].float(), x[:, 1:])[0, len(prompt_ids) - 1 :]
-        lp = lp + 0.3 * torch.randn(lp.shape, generator=g)
-        prompt = Prompt(Problem(str(i), "p", "1"), "p", prompt_ids)
-        s = Sample(prompt, i // 4, resp, lp.float(), "t", 0, False)
-        samples.append(ScoredSample(s, 0.0, float(torch.randn(1, generator=g)), False))
-    return collate(samples, pad_id=tok.pad_token_id)
-
-
-LEARNER_KEYS = ("lr", "micro_batch_size", "max_tokens_per_micro_batch", "packing", "grad_clip", "warmup_steps")
-
-
-def make_learner(model, agg="token-mean", bounds="bapo", scope="mini_batch", **kw):
-    """A single-process learner; learner-config fields in ``kw`` (lr, micro_batch_size, ...) go to its config."""
-    fixed = {"ratio_low": 0.8, "ratio_high": 1.2} if bounds == "fixed" else {}
-    scoped = {"scope": scope} if bounds == "bapo" else {}
-    cfg = learner_cfg(**({"lr": 1e-3, "micro_batch_size": 3} | {k: kw.pop(k) for k in LEARNER_KEYS if k in kw}))
-    args = dict(objective=surrogate_objective(bounds, agg=agg, **fixed, **scoped), pad_id=0, agg=agg, device="cpu")
-    args.update(kw)
-    return Learner(model, cfg, **args)
-
-
-def grads(model):
-    return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+from bapo.learner import split
+from tests.helpers.algos import eps_state
+from tests.helpers.learner import fake_batch, grads, make_learner
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
@@ -289,7 +254,7 @@ def test_dropout_is_off_so_on_policy_ratios_are_exactly_one(tiny_tok):
     and recompute each saw other masks and an on-policy ratio was not 1."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from tests.conftest import TINY
+    from tests.helpers.paths import TINY
 
     config = AutoConfig.from_pretrained(TINY, attention_dropout=0.5)
     torch.manual_seed(0)

@@ -12,7 +12,7 @@ from bapo.algos.correction import correction_weights, loglinear_proximal
 from bapo.algos.objective import proximal_fn
 from bapo.learner import collate
 from bapo.samples import ScoredSample
-from tests.learner.test_learner import fake_batch, grads, make_learner
+from tests.helpers.learner import fake_batch, grads, make_learner
 
 
 def _with(batch, **extras):

@@ -13,7 +13,7 @@ from bapo.algos.correction import logp_mismatch
 from bapo.experience.scoring import check_logp, check_rows
 from bapo.learner import Learner
 from bapo.samples import Problem, Prompt, RolloutBatch, Sample
-from tests.conftest import learner_cfg
+from tests.helpers.config import learner_cfg
 
 KEYS = {f"rollout/logp_mismatch_{k}" for k in ("mean", "max", "frac", "tokens")}
 
@@ -132,7 +132,7 @@ def test_share_zero_runs_no_forward(tiny_model):
 @pytest.mark.parametrize("bad", ["-0.1", "1.5", "nan"])
 def test_a_share_outside_0_1_is_refused_naming_the_key(bad):
     from bapo.infra.checks import ConfigError
-    from tests.conftest import run_config
+    from tests.helpers.config import run_config
 
     with pytest.raises(ConfigError, match=r"^learner\.logp_check_share: must be"):
         run_config(f"learner.logp_check_share={bad}")

@@ -19,21 +19,9 @@ import pytest
 import torch
 
 from bapo.learner.logprobs import chunk_rows, logp_entropy, peak_bytes
+from tests.helpers.learner import reference
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def reference(logits, targets, temperature=1.0, entropy_grad=True):
-    """The unchunked chain under autograd."""
-    z = logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits
-    if temperature != 1.0:
-        z = z / temperature
-    logp_all = torch.log_softmax(z, dim=-1)  # [..., V]
-    logp = logp_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)  # [...]
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        probs = logp_all.exp()
-        ent = -torch.where(probs > 0, probs * logp_all, torch.zeros_like(probs)).sum(-1)
-    return logp, ent
 
 
 def _inputs(shape, vocab, dtype=torch.float32, scale=3.0, seed=0):
@@ -168,7 +156,7 @@ MEASURE = textwrap.dedent(
     import json, sys, torch
     sys.path.insert(0, sys.argv[1])
     from bapo.learner.logprobs import logp_entropy
-    from tests.learner.test_logprobs import reference
+    from tests.helpers.learner import reference
 
     def vm(key):
         for line in open("/proc/self/status"):

@@ -5,8 +5,6 @@ The mask of a paper_7b micro-batch is 2 x 8.3k x 8.3k: built on the host it cost
 per pass (``scripts/bench/bench_mask.py``)."""
 
 import copy
-import importlib.util
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -17,11 +15,7 @@ from bapo.algos import surrogate_objective
 from bapo.learner import Learner, batching, collate
 from bapo.learner.batching import pack_shared
 from bapo.samples import Problem, Prompt, Sample, ScoredSample
-
-HERE = Path(__file__).resolve().parent
-spec = importlib.util.spec_from_file_location("fsdp_worker", HERE / "fsdp_worker.py")
-W = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(W)
+from tests.helpers import fsdp as W
 
 
 def grouped_batch(seed: int, groups: int = 4, n: int = 3):

@@ -8,8 +8,6 @@ float64 (only summation order may differ) and in float32 (the production case).
 
 import copy
 import dataclasses
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,11 +16,7 @@ from bapo.algos import surrogate_objective
 from bapo.learner import Learner, collate
 from bapo.learner.batching import pack, pack_shared, shared_mask, split_by_tokens, unpack
 from bapo.samples import Problem, Prompt, Sample, ScoredSample
-
-HERE = Path(__file__).resolve().parent
-spec = importlib.util.spec_from_file_location("fsdp_worker", HERE / "fsdp_worker.py")
-W = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(W)
+from tests.helpers import fsdp as W
 
 LAYOUTS = {  # name: learner-config fields
     "padded/3 rows": dict(micro_batch_size=3),

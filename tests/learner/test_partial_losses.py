@@ -19,9 +19,10 @@ import torch
 from bapo.algos.correction import correction_weights, loglinear_proximal
 from bapo.learner import Learner, TokenVersionWeights, collate
 from bapo.samples import Problem, Prompt, Sample, ScoredSample
-from tests.conftest import learner_cfg, perturbed
-from tests.learner.test_learner import make_learner
-from tests.rollout.test_hf import learner_logp
+from tests.helpers.config import learner_cfg
+from tests.helpers.engines import learner_logp
+from tests.helpers.fakes import perturbed
+from tests.helpers.learner import make_learner
 
 
 def two_segment_sample(versions=(3, 3, 5, 5), logp=(-1.0, -1.0, -2.0, -2.0)):

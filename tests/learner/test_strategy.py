@@ -19,22 +19,11 @@ import torch
 
 from bapo.learner import fsdp
 from bapo.modeling import load_model
+from tests.helpers.engines import tied_copy
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 TINY = ROOT / "assets" / "tiny-math"
-
-
-def _tied_copy(dest: Path) -> None:
-    """assets/tiny-math with tied input and output embeddings (SmolLM2 and Qwen2.5-0.5B are tied)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.from_pretrained(TINY)
-    cfg.tie_word_embeddings = True
-    model = AutoModelForCausalLM.from_config(cfg)
-    src = load_model(str(TINY)).state_dict()
-    model.load_state_dict({k: v for k, v in src.items() if k != "lm_head.weight"}, strict=False)
-    model.save_pretrained(dest)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +31,7 @@ def results(tmp_path_factory):
     src = tmp_path_factory.mktemp("models")
     shutil.copytree(TINY, src / "fp32")
     load_model(str(TINY)).to(torch.bfloat16).save_pretrained(src / "bf16")
-    _tied_copy(src / "tied")
+    tied_copy(src / "tied")
     out = tmp_path_factory.mktemp("out")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]

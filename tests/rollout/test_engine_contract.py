@@ -31,7 +31,8 @@ from bapo.engines.registry import ENGINE_CONFIGS, EngineTraits
 from bapo.infra.checks import ConfigError
 from bapo.infra.paths import compose_option
 from bapo.learner import Learner
-from tests.conftest import learner_cfg, perturbed
+from tests.helpers.config import learner_cfg
+from tests.helpers.fakes import perturbed
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "assets" / "tiny-math"
@@ -168,7 +169,7 @@ def test_partial_rollouts_on_an_engine_that_cannot_continue_are_refused_in_one_l
     responses: one ConfigError naming the key at start-up, not a NotImplementedError at step 1."""
     from bapo.config import build
     from bapo.engines.hf import HFRollout
-    from tests.conftest import compose
+    from tests.helpers.config import compose
 
     monkeypatch.setattr(HFRollout, "traits", dataclasses.replace(HFRollout.traits, continues=False))
     with pytest.raises(ConfigError, match=r"^rollout\.partial_budget: rollout\.engine=hf cannot continue"):
@@ -182,7 +183,7 @@ def test_rollout_workers_take_an_engine_by_its_traits_not_its_name(monkeypatch):
     there is one ConfigError naming rollout.engine (vLLM's in-process engine; hf once its trait is switched off)."""
     from bapo.config import build
     from bapo.engines.hf import HFRollout
-    from tests.conftest import compose
+    from tests.helpers.config import compose
 
     with pytest.raises(ConfigError, match=r"^rollout\.engine: vllm cannot run in rollout worker processes"):
         build(compose("placement=disaggregated", "rollout=vllm"), "unused")
@@ -206,7 +207,7 @@ def test_an_engine_plugged_in_from_an_import_path_runs_the_contract(tmp_path, ti
     learner's log-probs, and train.py runs a step with it. Nothing of the repository is edited."""
     from bapo.config import build
     from bapo.modeling import load_model
-    from tests.conftest import compose
+    from tests.helpers.config import compose
 
     (tmp_path / "plug").mkdir()
     (tmp_path / "plug" / "my_engine.py").write_text(_engine_plugin_from_docs())

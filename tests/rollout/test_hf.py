@@ -12,41 +12,29 @@ import pytest
 import torch
 
 from bapo.config import ConfigError
-from bapo.data.loading import render_prompt
-from bapo.data.tasks import ArithSpec, arith_heldout
 from bapo.engines import HFRollout, RolloutEngine, build_rollout, make_sample, pad_id_of, stop_ids_of
 from bapo.engines.decode import _pick
 from bapo.modeling import load_model
-from tests.rollout.checks import SHAPED_DEFAULTS, assert_cut_at_first_stop, assert_tagged_and_shaped, rows, tiny_copy
+from tests.helpers.engines import (
+    SHAPED_DEFAULTS,
+    arith_prompts,
+    assert_cut_at_first_stop,
+    assert_tagged_and_shaped,
+    learner_logp,
+    rows,
+    tiny_copy,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "assets" / "tiny-math"
 PATHS = ["lean", "generate"]
 
 
-def _prompts(tok, n=6):
-    return [render_prompt(p, tok) for p in arith_heldout(n, seed=1234, heldout_frac=0.1, spec=ArithSpec())]
-
-
-def learner_logp(model, samples, temperature: float) -> list[torch.Tensor]:
-    """Each response's log-probs from one right-padded forward: log_softmax(logits / T) gathered."""
-    seqs = [torch.tensor(list(s.prompt.ids) + s.response_ids.tolist()) for s in samples]
-    L = max(len(x) for x in seqs)
-    ids = torch.zeros((len(seqs), L), dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    for i, x in enumerate(seqs):
-        ids[i, : len(x)], attn[i, : len(x)] = x, 1
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=attn).logits.float()  # [B, L, V]
-    logp = torch.log_softmax(logits[:, :-1] / temperature, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]  # [B, L-1]
-    return [logp[i, len(s.prompt.ids) - 1 : len(seqs[i]) - 1] for i, s in enumerate(samples)]
-
-
 @pytest.mark.parametrize("decode", PATHS)
 def test_samples_are_tagged_and_shaped(tiny_model, tiny_tok, decode):
     eng = HFRollout(tiny_model, tiny_tok, n=3, max_new_tokens=40, batch_size=8, decode=decode)
     eng.version = 7
-    prompts = _prompts(tiny_tok)
+    prompts = arith_prompts(tiny_tok)
     samples = eng.generate(prompts)
     assert len(samples) == 18
     # groups are contiguous and map back to their prompt, also across calls (8 // 3 = 2 prompts a call)
@@ -61,14 +49,14 @@ def test_behaviour_logp_matches_learner_forward(tiny_model, tiny_tok, decode):
     """Left-padded KV-cache sampling and the right-padded learner pass agree per token."""
     for temperature in (1.0, 0.7):
         eng = HFRollout(tiny_model, tiny_tok, n=4, temperature=temperature, max_new_tokens=48, decode=decode)
-        samples = eng.generate(_prompts(tiny_tok, 8), seed=1)
+        samples = eng.generate(arith_prompts(tiny_tok, 8), seed=1)
         want = learner_logp(tiny_model, samples, temperature)
         diff = max((w - s.logp).abs().max().item() for w, s in zip(want, samples, strict=True))
         assert diff < 1e-4, diff
 
 
 def test_both_paths_decode_greedily_alike(tiny_model, tiny_tok):
-    prompts = _prompts(tiny_tok, 8)
+    prompts = arith_prompts(tiny_tok, 8)
     lean, gen = (
         HFRollout(tiny_model, tiny_tok, n=1, max_new_tokens=40, batch_size=5, decode=d).generate(prompts, temperature=0)
         for d in PATHS
@@ -106,10 +94,10 @@ def test_lean_sampler_draws_from_the_tempered_softmax():
 @pytest.mark.parametrize("decode", PATHS)
 def test_same_seed_same_samples(tiny_model, tiny_tok, decode):
     eng = HFRollout(tiny_model, tiny_tok, n=2, max_new_tokens=24, decode=decode)
-    a = eng.generate(_prompts(tiny_tok, 3), temperature=1.0, seed=3)
+    a = eng.generate(arith_prompts(tiny_tok, 3), temperature=1.0, seed=3)
     torch.manual_seed(99)
-    b = eng.generate(_prompts(tiny_tok, 3), temperature=1.0, seed=3)
-    c = eng.generate(_prompts(tiny_tok, 3), temperature=1.0, seed=4)
+    b = eng.generate(arith_prompts(tiny_tok, 3), temperature=1.0, seed=3)
+    c = eng.generate(arith_prompts(tiny_tok, 3), temperature=1.0, seed=4)
     assert rows(a) == rows(b)
     assert [s.response_ids.tolist() for s in a] != [s.response_ids.tolist() for s in c]
 
@@ -117,9 +105,9 @@ def test_same_seed_same_samples(tiny_model, tiny_tok, decode):
 @pytest.mark.parametrize("decode", PATHS)
 def test_greedy_is_deterministic(tiny_model, tiny_tok, decode):
     eng = HFRollout(tiny_model, tiny_tok, n=1, max_new_tokens=40, decode=decode)
-    a = eng.generate(_prompts(tiny_tok), temperature=0.0)
+    a = eng.generate(arith_prompts(tiny_tok), temperature=0.0)
     torch.manual_seed(123)
-    b = eng.generate(_prompts(tiny_tok), temperature=0.0)
+    b = eng.generate(arith_prompts(tiny_tok), temperature=0.0)
     assert rows(a) == rows(b)
 
 
@@ -145,7 +133,7 @@ def test_checkpoint_generation_defaults_do_not_leak(tiny_tok, tmp_path, decode):
     )
     model = load_model(str(shaped))
     assert model.generation_config.repetition_penalty == 2.0  # the defaults did load
-    prompts = _prompts(tiny_tok, 8)
+    prompts = arith_prompts(tiny_tok, 8)
     kw = dict(n=4, temperature=1.0, max_new_tokens=40, decode=decode)
     plain = HFRollout(load_model(str(TINY)), tiny_tok, **kw).generate(prompts, seed=11)
     got = HFRollout(model, tiny_tok, **kw).generate(prompts, seed=11)
@@ -156,7 +144,7 @@ def test_checkpoint_generation_defaults_do_not_leak(tiny_tok, tmp_path, decode):
 @pytest.mark.parametrize("decode", PATHS)
 def test_responses_stop_at_any_eos_of_tokenizer_or_checkpoint(tiny_model, tiny_tok, tmp_path, decode):
     """generation_config.eos_token_id = [2, x]: each response is the plain one cut at its first 2 or x."""
-    prompts = _prompts(tiny_tok, 8)
+    prompts = arith_prompts(tiny_tok, 8)
     kw = dict(n=4, temperature=1.0, max_new_tokens=40, decode=decode)
     plain = HFRollout(tiny_model, tiny_tok, **kw).generate(prompts, seed=2)
     counts = torch.bincount(torch.cat([s.response_ids[:-1] for s in plain]))
@@ -177,7 +165,7 @@ def test_top_p_is_for_evaluation_only(tiny_model, tiny_tok):
         HFRollout(tiny_model, tiny_tok, n=2, top_p=0.9)
     with pytest.raises(ConfigError, match=r"^rollout\.top_p:"):
         HFRollout(tiny_model, tiny_tok, n=2, top_p=0.0, logprobs=False)
-    prompts = _prompts(tiny_tok, 4)
+    prompts = arith_prompts(tiny_tok, 4)
     greedy = HFRollout(tiny_model, tiny_tok, n=1, max_new_tokens=30).generate(prompts, temperature=0.0)
     for decode in PATHS:  # a nucleus of one token is greedy decoding; no training log-probs come out
         eng = HFRollout(tiny_model, tiny_tok, n=2, max_new_tokens=30, top_p=1e-6, logprobs=False, decode=decode)
@@ -193,7 +181,7 @@ def test_load_weights_changes_policy_and_version(tiny_model, tiny_tok):
     assert eng.version == 3
     got = eng.model.state_dict()
     assert all(torch.equal(got[k], new[k]) for k in new)
-    assert eng.generate(_prompts(tiny_tok, 1))[0].version == 3
+    assert eng.generate(arith_prompts(tiny_tok, 1))[0].version == 3
 
 
 def test_engine_meets_the_interface(tiny_model, tiny_tok):
@@ -211,7 +199,7 @@ def test_engine_meets_the_interface(tiny_model, tiny_tok):
 
 
 def test_make_sample_cuts_at_the_first_stop(tiny_tok):
-    prompt = _prompts(tiny_tok, 1)[0]
+    prompt = arith_prompts(tiny_tok, 1)[0]
     a, b = tiny_tok.convert_tokens_to_ids(["1", "2"])
     s = make_sample(prompt, 4, [a, b, 9, a, 2, b], [-0.1, -0.2, -0.3, -0.4, -0.5, -0.6], (2, 9), 3, tiny_tok)
     assert s.response_ids.tolist() == [a, b, 9] and s.logp.tolist() == pytest.approx([-0.1, -0.2, -0.3])

@@ -13,8 +13,8 @@ from bapo.data.tasks import ArithSpec, arith_heldout
 from bapo.engines import HFRollout
 from bapo.engines.decode import counter_uniform
 from bapo.samples import Partial
-from tests.conftest import perturbed
-from tests.rollout.test_hf import learner_logp
+from tests.helpers.engines import learner_logp
+from tests.helpers.fakes import perturbed
 
 L = 24
 

@@ -13,38 +13,23 @@ import torch
 
 from bapo.algos import token_logp
 from bapo.config import ConfigError
-from bapo.data.loading import render_prompt
-from bapo.data.tasks import ArithSpec, arith_heldout
+from bapo.data.tasks import ArithSpec
 from bapo.learner import collate
 from bapo.samples import ScoredSample
-from tests.conftest import perturbed
-from tests.rollout.checks import SHAPED_DEFAULTS, assert_cut_at_first_stop, assert_tagged_and_shaped, rows, tiny_copy
-
-TINY = Path(__file__).resolve().parents[2] / "assets" / "tiny-math"
-ENGINE_KW = dict(
-    max_new_tokens=40,
-    dtype="float32",
-    enforce_eager=True,  # no torch.compile: start-up in seconds
-    seed=0,
-    block_size=32,  # the CPU minimum, so that the ~55-token LONG prompts fill a block and hit the prefix cache
-    max_num_batched_tokens=256,  # small, so that prefills get chunked (which broke seeded sampling on CPU)
+from tests.helpers.engines import (
+    ENGINE_KW,
+    SHAPED_DEFAULTS,
+    arith_prompts,
+    assert_cut_at_first_stop,
+    assert_tagged_and_shaped,
+    learner_logp_diff,
+    rows,
+    tiny_copy,
 )
+from tests.helpers.fakes import perturbed
+from tests.helpers.paths import TINY
+
 LONG = ArithSpec(min_terms=7, max_terms=8, max_value=999)
-
-
-def _prompts(tok, n=6, spec=None):
-    spec = spec or ArithSpec()
-    return [render_prompt(p, tok) for p in arith_heldout(n, seed=1234, heldout_frac=0.1, spec=spec)]
-
-
-def _learner_logp_diff(model, samples, temperature, pad_id) -> float:
-    """Max |vLLM logp - learner logp| over response tokens (the learner's right-padded forward)."""
-    batch = collate([ScoredSample(s, 0.0, 0.0, False) for s in samples], pad_id=pad_id)
-    with torch.no_grad():
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    logp = token_logp(logits[:, :-1].float() / temperature, batch.input_ids[:, 1:])  # [B, L-1]
-    assert batch.mask.sum().item() == sum(len(s.response_ids) for s in samples)
-    return ((logp - batch.old_logp) * batch.mask).abs().max().item()
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +48,7 @@ def ref_model():
 
 
 def test_samples_are_tagged_and_shaped(engine, tiny_tok):
-    prompts = _prompts(tiny_tok)
+    prompts = arith_prompts(tiny_tok)
     samples = engine.generate(prompts)
     assert len(samples) == 18
     assert_tagged_and_shaped(samples, prompts, tiny_tok, n=3, max_new_tokens=40)
@@ -73,13 +58,13 @@ def test_samples_are_tagged_and_shaped(engine, tiny_tok):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_logp_matches_learner_forward(engine, ref_model, tiny_tok, temperature):
     """vLLM's processed log-probs are those of softmax(logits / T), as the learner computes them."""
-    samples = engine.generate(_prompts(tiny_tok, 8), n=4, temperature=temperature)
-    assert _learner_logp_diff(ref_model, samples, temperature, engine.pad_id) < 1e-5
+    samples = engine.generate(arith_prompts(tiny_tok, 8), n=4, temperature=temperature)
+    assert learner_logp_diff(ref_model, samples, temperature, engine.pad_id) < 1e-5
 
 
 def test_logp_after_weight_sync(engine, ref_model, tiny_tok):
     new = perturbed(ref_model)
-    prompts, long = _prompts(tiny_tok, 8), _prompts(tiny_tok, 4, LONG)
+    prompts, long = arith_prompts(tiny_tok, 8), arith_prompts(tiny_tok, 4, LONG)
     assert min(len(p.ids) for p in long) > 32
     engine.generate(long, n=1)  # fills the prefix cache with KV from the old weights
     try:
@@ -87,13 +72,13 @@ def test_logp_after_weight_sync(engine, ref_model, tiny_tok):
         assert seconds > 0 and engine.version == 5
         samples = engine.generate(prompts, n=4)
         assert {s.version for s in samples} == {5}
-        assert _learner_logp_diff(new, samples, 0.7, engine.pad_id) < 1e-5
-        assert _learner_logp_diff(ref_model, samples, 0.7, engine.pad_id) > 1e-2  # the sync did change the policy
+        assert learner_logp_diff(new, samples, 0.7, engine.pad_id) < 1e-5
+        assert learner_logp_diff(ref_model, samples, 0.7, engine.pad_id) > 1e-2  # the sync did change the policy
         # a stale prefix cache is off by ~15 nats here; long out-of-distribution rows drift to ~5e-5 in fp32
-        assert _learner_logp_diff(new, engine.generate(long, n=2), 0.7, engine.pad_id) < 2e-4
+        assert learner_logp_diff(new, engine.generate(long, n=2), 0.7, engine.pad_id) < 2e-4
     finally:
         engine.load_weights(ref_model.state_dict(), version=0)
-    assert _learner_logp_diff(ref_model, engine.generate(prompts, n=2), 0.7, engine.pad_id) < 1e-5
+    assert learner_logp_diff(ref_model, engine.generate(prompts, n=2), 0.7, engine.pad_id) < 1e-5
 
 
 def _zeros_of_the_checkpoint(folder: Path) -> dict[str, torch.Tensor]:
@@ -108,20 +93,20 @@ def test_a_weight_sync_refills_every_parameter(engine, ref_model, tiny_tok):
     """What ``rollout.sleep_level=2`` relies on: one load_weights of the learner's weights writes every parameter
     of the engine (level 2 discards them; vLLM's reload keeps the old value of a parameter it was not given, so
     after the engine is zeroed through the checkpoint's own list of tensors, anything the sync missed stays 0)."""
-    prompts = _prompts(tiny_tok, 6)
+    prompts = arith_prompts(tiny_tok, 6)
     try:
         zeros = iter(_zeros_of_the_checkpoint(TINY).items())  # straight to vLLM, not through the code under test
         engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": zeros, "is_checkpoint_format": True})
         zeroed = torch.cat([s.logp for s in engine.generate(prompts, n=2)])
         assert torch.allclose(zeroed, torch.full_like(zeroed, -math.log(len(tiny_tok))), atol=1e-4)  # uniform
         engine.load_weights(ref_model.state_dict(), version=2)  # what the learner hands over
-        assert _learner_logp_diff(ref_model, engine.generate(prompts, n=2), 0.7, engine.pad_id) < 1e-5
+        assert learner_logp_diff(ref_model, engine.generate(prompts, n=2), 0.7, engine.pad_id) < 1e-5
     finally:
         engine.load_weights(ref_model.state_dict(), version=0)
 
 
 def test_same_seed_same_samples(engine, tiny_tok):
-    prompts = _prompts(tiny_tok)
+    prompts = arith_prompts(tiny_tok)
     a = engine.generate(prompts, temperature=1.0, seed=7)
     b = engine.generate(prompts, temperature=1.0, seed=7)
     c = engine.generate(prompts, temperature=1.0, seed=8)
@@ -132,11 +117,11 @@ def test_same_seed_same_samples(engine, tiny_tok):
 def test_greedy_matches_hf(engine, ref_model, tiny_tok):
     from bapo.engines import HFRollout
 
-    prompts = _prompts(tiny_tok)
+    prompts = arith_prompts(tiny_tok)
     got = engine.generate(prompts, n=1, temperature=0.0)
     want = HFRollout(ref_model, tiny_tok, n=1, max_new_tokens=40).generate(prompts, temperature=0.0)
     assert [s.response_ids.tolist() for s in got] == [s.response_ids.tolist() for s in want]
-    assert _learner_logp_diff(ref_model, got, 1.0, engine.pad_id) < 1e-5
+    assert learner_logp_diff(ref_model, got, 1.0, engine.pad_id) < 1e-5
 
 
 def test_tied_embeddings_sync(tiny_tok, tmp_path):
@@ -157,8 +142,8 @@ def test_tied_embeddings_sync(tiny_tok, tmp_path):
     new = perturbed(model, scale=0.05)
     new.tie_weights()
     eng.load_weights(new.state_dict(), version=1)
-    samples = eng.generate(_prompts(tiny_tok, 4))
-    assert _learner_logp_diff(new, samples, 1.0, eng.pad_id) < 1e-5
+    samples = eng.generate(arith_prompts(tiny_tok, 4))
+    assert learner_logp_diff(new, samples, 1.0, eng.pad_id) < 1e-5
 
 
 def test_missing_vllm_is_a_config_error(tiny_tok, without_vllm):
@@ -185,7 +170,7 @@ def test_checkpoint_sampling_defaults_do_not_leak(tiny_tok, tmp_path):
     pytest.importorskip("vllm")
     from bapo.engines import VLLMRollout
 
-    prompts = _prompts(tiny_tok, 6)
+    prompts = arith_prompts(tiny_tok, 6)
     plain = VLLMRollout(str(TINY), tiny_tok, n=2, **ENGINE_KW).generate(prompts, temperature=1.0, seed=4)
     shaped = tiny_copy(tmp_path / "shaped", **SHAPED_DEFAULTS)
     got = VLLMRollout(str(shaped), tiny_tok, n=2, **ENGINE_KW).generate(prompts, temperature=1.0, seed=4)
@@ -201,7 +186,7 @@ def test_every_eos_of_tokenizer_and_checkpoint_stops(ref_model, tiny_tok, tmp_pa
     pytest.importorskip("vllm")
     from bapo.engines import HFRollout, VLLMRollout
 
-    prompts = _prompts(tiny_tok, 8)
+    prompts = arith_prompts(tiny_tok, 8)
     plain = HFRollout(ref_model, tiny_tok, n=1, max_new_tokens=40).generate(prompts, temperature=0.0)
     counts = torch.bincount(torch.cat([s.response_ids[:-1] for s in plain]))
     extra = int(counts.argmax())
@@ -222,7 +207,7 @@ def test_build_rollout_makes_a_vllm_engine_for_evaluation(tiny_tok):
     )  # fmt: skip
     eng = build_rollout(cfg, path=str(TINY), tokenizer=tiny_tok, seed=0, top_p=0.9, logprobs=False)
     assert isinstance(eng, VLLMRollout) and eng.top_p == 0.9
-    samples = eng.generate(_prompts(tiny_tok, 2))
+    samples = eng.generate(arith_prompts(tiny_tok, 2))
     assert len(samples) == 4 and all(torch.isnan(s.logp).all() for s in samples)
 
 
@@ -255,7 +240,7 @@ def test_sleep_level_2_leaves_no_version_until_the_next_sync(level):
 
 
 def test_sleep_level_is_checked_by_name():
-    from tests.conftest import run_config
+    from tests.helpers.config import run_config
 
     with pytest.raises(ConfigError, match=r"rollout.sleep_level: must be one of \[1, 2\], got 3"):
         run_config("rollout=vllm", "rollout.sleep_level=3")
@@ -279,7 +264,7 @@ def _fresh(prompts, n=2):
 
 def test_partial_greedy_segments_equal_the_greedy_response(engine, tiny_tok):
     # prompt + prefix as the request's prompt ids: the prefix is re-prefilled, not re-sampled
-    prompts = _prompts(tiny_tok, 4)
+    prompts = arith_prompts(tiny_tok, 4)
     saved = engine.temperature
     engine.temperature = 0.0
     try:
@@ -295,7 +280,7 @@ def test_partial_greedy_segments_equal_the_greedy_response(engine, tiny_tok):
 
 def test_partial_segments_across_a_weight_sync_carry_each_tokens_version_and_log_prob(engine, ref_model, tiny_tok):
     new = perturbed(ref_model, 0.05, seed=4)
-    partials = _fresh(_prompts(tiny_tok, 6))
+    partials = _fresh(arith_prompts(tiny_tok, 6))
     try:
         engine.load_weights(ref_model.state_dict(), version=1)
         partials = engine.extend(partials, budget=8)

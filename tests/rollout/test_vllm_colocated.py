@@ -15,13 +15,13 @@ pytest.importorskip("vllm")
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE.parent / "learner"))
-from test_strategy import _tied_copy  # noqa: E402
+from tests.helpers.engines import tied_copy  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
 def results(request, tmp_path_factory):
     model = tmp_path_factory.mktemp("tied") / "model"
-    _tied_copy(model)  # tied: the CPU build's lm_head repack after a streamed reload is exercised too
+    tied_copy(model)  # tied: the CPU build's lm_head repack after a streamed reload is exercised too
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
         if (ROOT / "assets" / "tiny-math" / f).exists():
             (model / f).write_bytes((ROOT / "assets" / "tiny-math" / f).read_bytes())

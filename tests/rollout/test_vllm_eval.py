@@ -21,11 +21,11 @@ TINY = ROOT / "assets" / "tiny-math"
 def test_eval_py_brings_back_a_vllm_runs_engine(tmp_path):
     pytest.importorskip("vllm")
     from bapo.modeling import load_model, load_tokenizer
-    from tests.test_evaluate import _run_folder
+    from tests.helpers.evaluation import run_folder
 
     knobs = ["rollout.enforce_eager=true", "rollout.gpu_memory_utilization=0.4", "rollout.enable_sleep_mode=false"]
     budget = ["data.max_prompt_tokens=100", "model.max_new_tokens=40"]
-    run = _run_folder(
+    run = run_folder(
         tmp_path / "run", load_model(str(TINY)), load_tokenizer(str(TINY)), "rollout=vllm", *knobs, *budget
     )
     env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="disabled", VLLM_CPU_KVCACHE_SPACE="1")

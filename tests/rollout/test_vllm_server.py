@@ -19,9 +19,9 @@ pytest.importorskip("vllm")
 from bapo.config import ConfigError  # noqa: E402
 from bapo.engines.staging import MANIFEST, WEIGHTS_FILE, digest, fingerprint, save_weights  # noqa: E402
 from bapo.engines.vllm_server import ServerError, VLLMServerRollout  # noqa: E402
-from tests.conftest import perturbed  # noqa: E402
-from tests.rollout.checks import assert_tagged_and_shaped, rows  # noqa: E402
-from tests.rollout.test_vllm import TINY, _learner_logp_diff, _prompts  # noqa: E402
+from tests.helpers.engines import arith_prompts, assert_tagged_and_shaped, learner_logp_diff, rows  # noqa: E402  # noqa: E402
+from tests.helpers.fakes import perturbed  # noqa: E402
+from tests.helpers.paths import TINY  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 KW = dict(n=3, temperature=0.7, max_new_tokens=40, enforce_eager=True, seed=0, max_model_len=256)
@@ -42,11 +42,11 @@ def ref_model():
 
 
 def test_generates_through_the_server_with_the_learners_logp(server, ref_model, tiny_tok):
-    prompts = _prompts(tiny_tok, 8)
+    prompts = arith_prompts(tiny_tok, 8)
     samples = server.generate(prompts)
     assert_tagged_and_shaped(samples, prompts, tiny_tok, n=3, max_new_tokens=40)
     assert {s.version for s in samples} == {0}
-    assert _learner_logp_diff(ref_model, samples, 0.7, server.pad_id) < 1e-4
+    assert learner_logp_diff(ref_model, samples, 0.7, server.pad_id) < 1e-4
     a, b = server.generate(prompts, seed=7, temperature=1.0), server.generate(prompts, seed=7, temperature=1.0)
     assert rows(a) == rows(b)  # seeded per prompt: reproducible
     assert rows(a) != rows(server.generate(prompts, seed=8, temperature=1.0))
@@ -56,14 +56,14 @@ def test_generates_through_the_server_with_the_learners_logp(server, ref_model, 
 
 def test_logp_equal_the_learners_after_a_weight_update(server, ref_model, tiny_tok):
     new = perturbed(ref_model)
-    prompts = _prompts(tiny_tok, 8)
+    prompts = arith_prompts(tiny_tok, 8)
     try:
         seconds = server.load_weights(new.state_dict(), version=3)
         assert seconds > 0 and server.version == 3
         samples = server.generate(prompts, n=4)
         assert {s.version for s in samples} == {3}
-        assert _learner_logp_diff(new, samples, 0.7, server.pad_id) < 1e-4
-        assert _learner_logp_diff(ref_model, samples, 0.7, server.pad_id) > 1e-2  # the update reached the server
+        assert learner_logp_diff(new, samples, 0.7, server.pad_id) < 1e-4
+        assert learner_logp_diff(ref_model, samples, 0.7, server.pad_id) > 1e-2  # the update reached the server
         assert list(server.dir.glob("v*")) == []  # the server holds them now: no staged copy stays
         assert set(server.sync_parts) == {"write", "reload", "reset", "wait"}
         # what the workers read is what the learner holds, fingerprinted here on its own
@@ -71,7 +71,7 @@ def test_logp_equal_the_learners_after_a_weight_update(server, ref_model, tiny_t
         assert server.fingerprint() == [{"tensors": len(want), "digest": digest(want)}]
     finally:
         server.load_weights(ref_model.state_dict(), version=0)
-    assert _learner_logp_diff(ref_model, server.generate(prompts, n=2), 0.7, server.pad_id) < 1e-4
+    assert learner_logp_diff(ref_model, server.generate(prompts, n=2), 0.7, server.pad_id) < 1e-4
 
 
 @pytest.mark.parametrize(
@@ -98,13 +98,13 @@ def test_a_sync_missing_a_tensor_is_refused_by_the_server(server, ref_model, tin
             server._rpc("bapo_reload", path=str(staged.folder))
     finally:
         server.load_weights(ref_model.state_dict(), version=0)
-    assert _learner_logp_diff(ref_model, server.generate(_prompts(tiny_tok, 4), n=2), 0.7, server.pad_id) < 1e-4
+    assert learner_logp_diff(ref_model, server.generate(arith_prompts(tiny_tok, 4), n=2), 0.7, server.pad_id) < 1e-4
 
 
 def test_partial_segments_continue_the_prefix(server, tiny_tok):
     from bapo.samples import Partial
 
-    prompts = _prompts(tiny_tok, 4)
+    prompts = arith_prompts(tiny_tok, 4)
     empty = [
         Partial(p, torch.zeros(0, dtype=torch.long), torch.zeros(0), torch.zeros(0, dtype=torch.long), 11 + i, 0, False)
         for i, p in enumerate(prompts)
@@ -182,8 +182,8 @@ def _alive(group: str) -> list[str]:
 @pytest.mark.slow
 def test_the_loop_trains_async_through_the_server_and_leaves_no_process(tmp_path):
     from bapo.loop import run
-    from tests.test_loop import _cfg
-    from tests.test_loop_resume import rows as metric_rows
+    from tests.helpers.config import smoke_cfg
+    from tests.helpers.metrics import rows as metric_rows
 
     over = [
         "rollout=vllm_server",
@@ -194,7 +194,7 @@ def test_the_loop_trains_async_through_the_server_and_leaves_no_process(tmp_path
         "reward.num_workers=1",
         "learner.old_logp=recompute",
     ]
-    run(_cfg(over), tmp_path / "run")
+    run(smoke_cfg(over), tmp_path / "run")
     got = metric_rows(tmp_path / "run")
     assert [r["step"] for r in got] == [0, 1, 2, 3]
     assert all(r["rollout/logp_mismatch_max"] < 1e-4 for r in got[1:])  # the server's weights are the version's

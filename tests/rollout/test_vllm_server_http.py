@@ -18,7 +18,7 @@ import pytest
 from bapo.engines.staging import Reader
 from bapo.engines.vllm_server import UNSYNCED, ServerError, VLLMServerRollout, server_devices
 from bapo.infra.checks import ConfigError
-from tests.conftest import TINY
+from tests.helpers.paths import TINY
 
 IDENTITY = json.loads((TINY / "config.json").read_text())
 
@@ -134,7 +134,7 @@ def _engine(url, tiny_tok, **kw):
 
 
 def _prompts(tiny_tok, k):
-    from tests.rollout.test_vllm import _prompts as make
+    from tests.helpers.engines import arith_prompts as make
 
     return make(tiny_tok, k)
 

@@ -24,7 +24,7 @@ from bapo.infra import dist
 from bapo.learner import fsdp
 from bapo.learner.weights import StreamedWeights
 from bapo.modeling import load_model, load_tokenizer
-from tests.rollout.test_vllm import ENGINE_KW, _learner_logp_diff, _prompts
+from tests.helpers.engines import ENGINE_KW, arith_prompts, learner_logp_diff
 
 
 def main(out: Path, model_dir: Path, tp: int) -> None:
@@ -34,7 +34,7 @@ def main(out: Path, model_dir: Path, tp: int) -> None:
     tok = load_tokenizer(str(model_dir))
     engine = VLLMRollout(str(model_dir), tok, n=2, temperature=0.7, tensor_parallel_size=tp, **ENGINE_KW)
     results: dict[str, list] = {}
-    prompts = _prompts(tok, 6)
+    prompts = arith_prompts(tok, 6)
 
     def check(name, fn):
         try:
@@ -65,8 +65,8 @@ def main(out: Path, model_dir: Path, tp: int) -> None:
         seconds = engine.load_weights(StreamedWeights(model, device), version=3)
         samples = engine.generate(prompts, n=2, seed=5)
         assert {s.version for s in samples} == {3}
-        d_new = _learner_logp_diff(new, samples, 0.7, engine.pad_id)
-        d_old = _learner_logp_diff(ref, samples, 0.7, engine.pad_id)
+        d_new = learner_logp_diff(new, samples, 0.7, engine.pad_id)
+        d_old = learner_logp_diff(ref, samples, 0.7, engine.pad_id)
         assert d_new < 1e-4 and d_old > 1e-2, (d_new, d_old)
         return f"|logp - new| {d_new:.1e}, |logp - old| {d_old:.1e}, sync {seconds:.3f} s"
 

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from scripts.study import study_stats as stats
-from tests.conftest import load_script
+from tests.helpers.scripts import load_script
 
 report = load_script("report")
 STEPS = 8  # eval at steps 0, 4 and 8

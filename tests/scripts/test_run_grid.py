@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, load_script
+from tests.helpers.paths import ROOT
+from tests.helpers.scripts import load_script
 
 run_grid = load_script("run_grid")
 report = load_script("report")

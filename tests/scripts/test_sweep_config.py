@@ -9,7 +9,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
 from bapo.config import build
-from tests.conftest import load_script
+from tests.helpers.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"

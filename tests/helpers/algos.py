@@ -1,7 +1,13 @@
-"""What the tests of bapo.algos' losses share: a random padded batch, and the gradient-accumulation check."""
+"""What the tests of bapo.algos' losses share: a random padded batch, the gradient-accumulation check, and the
+eps-feedback heuristic's state as the shipped config starts it."""
 
 import pytest
 import torch
+
+from bapo.algos import EpsFeedbackState
+
+# The heuristic's starting eps and rule constants, as conf/algo/eps_feedback.yaml sets them.
+RULE = dict(eps=0.2, eps_min=0.1, eps_max=0.5, grow=1.1, shrink=0.9, g_high=1.0, g_low=0.5, widen=0.5)
 
 
 def random_batch(seed, *, b, t, spread, dtype=torch.float64):
@@ -42,3 +48,7 @@ def assert_accumulation_matches(loss_fn, logp, old, adv, mask, parts, *, norms, 
     torch.testing.assert_close(micro_logp.grad, full_logp.grad)
     for name, grad in full_grads.items():
         torch.testing.assert_close(per_token[name].grad, grad)
+
+
+def eps_state(**over: float) -> EpsFeedbackState:
+    return EpsFeedbackState(**RULE | over)

@@ -1,0 +1,28 @@
+"""The repository's scripts/ as the tests load them."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.paths import ROOT
+
+
+def load_script(name: str):
+    """scripts/<name>.py as the module ``bapo_<name>``. scripts/ is not a package, so the file itself is loaded (a
+    tests/scripts package would shadow it); the module is registered in sys.modules, as dataclasses need."""
+    spec = importlib.util.spec_from_file_location(f"bapo_{name}", ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def assert_measure_refuses_other_folders(measure_built, empty: Path, other: Path, built_by: str):
+    """A model-building script's ``measure_built`` refuses a folder it did not write, naming why: ``empty`` has no
+    build_info.json, and ``other`` was built by the script ``built_by``."""
+    with pytest.raises(SystemExit, match="build_info.json not found"):
+        measure_built(empty)
+    with pytest.raises(SystemExit, match=built_by):
+        measure_built(other)
