@@ -3,7 +3,10 @@ every engine shares.
 
 - :class:`RolloutEngine` is the interface every engine subclasses: ``version``, ``pad_id``, ``generate``,
   ``load_weights``, ``sleep`` and ``wake``, with the sampling defaults engines hold and no-op ``sleep``/``wake``.
-- :class:`EngineContext` is what every engine's ``from_config(cfg, ctx)`` gets beside its typed config.
+- :class:`SamplingDefaults` are the keywords every engine's constructor takes (``n``, ``temperature``,
+  ``max_new_tokens``, ``top_p``, ``logprobs``): what it samples with where a call says nothing.
+- :class:`EngineContext` is what every engine's ``from_config(cfg, ctx)`` gets beside its typed config;
+  :func:`constructor_kwargs` reads an engine's keyword arguments from the two by name, once for every engine.
 - :func:`make_sample` is the one place a :class:`~bapo.samples.Sample` is built from an
   engine's raw output, so both engines cut responses, flag truncation and decode text alike.
 - :meth:`RolloutEngine.extend` and :meth:`RolloutEngine.complete` are partial rollouts' two verbs
@@ -21,10 +24,11 @@ Stopping on the tokenizer's alone lets a model run on past the end it was traine
 
 from __future__ import annotations
 
+import inspect
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -43,7 +47,8 @@ class RolloutEngine(ABC):
     ``tensor_parallel_size`` is the number of torchrun ranks one engine spans; those ranks must generate the
     same prompts with the same seed (``bapo.rollout.maker``, ``bapo.eval.evaluate``).
 
-    What it gives: the sampling defaults every engine holds (:meth:`_hold_sampling`), ``generate`` filling
+    What it gives: ``from_config`` (the constructor's keywords read from the typed config and the context), the
+    sampling defaults every engine holds (:meth:`_hold_sampling`), ``generate`` filling
     them in before the engine's own ``_generate``, no-op ``sleep``/``wake``, and :meth:`extend` (partial
     rollouts) for an engine that implements ``_segments``.
     """
@@ -52,6 +57,13 @@ class RolloutEngine(ABC):
     pad_id: int
     tensor_parallel_size: int = 1  # ranks per engine (vLLM under torchrun may span several)
     sync_parts: Mapping[str, float] = {}  # the last load_weights' seconds by part (write, reload, ...), if it splits
+
+    @classmethod
+    def from_config(cls, cfg, ctx: EngineContext) -> RolloutEngine:
+        """The engine of the typed rollout config ``cfg``, loading the checkpoint at ``ctx.path`` itself:
+        ``cls(ctx.path, ctx.tokenizer, **constructor_kwargs(cls, cfg, ctx))``. An engine that samples with a
+        model of this process (``ctx.model``) overrides it."""
+        return cls(ctx.path, ctx.tokenizer, **constructor_kwargs(cls, cfg, ctx))
 
     @classmethod
     def preflight(cls, cfg) -> None:
@@ -65,25 +77,15 @@ class RolloutEngine(ABC):
         once, in the engine's own order: under FSDP it is a streamed mapping whose reads are collectives, so
         every rank loads at the same time."""
 
-    def _hold_sampling(
-        self,
-        tokenizer,
-        generation_config,
-        *,
-        n: int,
-        temperature: float,
-        max_new_tokens: int,
-        top_p: float,
-        logprobs: bool,
-    ) -> None:
+    def _hold_sampling(self, tokenizer, generation_config, sampling: SamplingDefaults) -> None:
         """Keep the sampling defaults every engine has and derive its pad and stop ids (from ``tokenizer`` and
         the checkpoint's ``generation_config``, which may be None); the engine starts at version 0."""
         self.tokenizer = tokenizer
-        self.n = n
-        self.temperature = temperature
-        self.max_new_tokens = max_new_tokens
-        self.top_p = top_p
-        self.logprobs = logprobs
+        self.n = sampling.n
+        self.temperature = sampling.temperature
+        self.max_new_tokens = sampling.max_new_tokens
+        self.top_p = sampling.top_p
+        self.logprobs = sampling.logprobs
         self.version = 0
         self.pad_id = pad_id_of(tokenizer)
         self.stop_ids = stop_ids_of(tokenizer, generation_config)
@@ -165,6 +167,27 @@ class RolloutEngine(ABC):
 
 
 @dataclass(frozen=True)
+class SamplingDefaults:
+    """What an engine samples with where a ``generate`` call says nothing: the keywords every engine's constructor
+    takes beside its own. ``n`` responses per prompt at ``temperature``, at most ``max_new_tokens`` tokens each;
+    ``top_p < 1`` only with ``logprobs=False`` (evaluation: :func:`check_top_p`, checked here)."""
+
+    n: int
+    temperature: float = 1.0
+    max_new_tokens: int = 64
+    top_p: float = 1.0
+    logprobs: bool = True
+
+    def __post_init__(self) -> None:
+        check_top_p(self.top_p, self.logprobs)
+
+    @classmethod
+    def take(cls, kwargs: dict[str, Any]) -> SamplingDefaults:
+        """The defaults that ``kwargs`` names, taken out of it (what stays is for the engine's library)."""
+        return cls(**{f.name: kwargs.pop(f.name) for f in fields(cls) if f.name in kwargs})
+
+
+@dataclass(frozen=True)
 class EngineContext:
     """What an engine is built with beside its typed rollout config: the run's model and how it is used.
 
@@ -184,6 +207,23 @@ class EngineContext:
     max_model_len: int | None = None
     logprobs: bool = True
     top_p: float = 1.0
+
+
+def constructor_kwargs(cls: type, cfg, ctx: EngineContext) -> dict[str, Any]:
+    """The :class:`SamplingDefaults` and the keyword-only arguments of ``cls``'s constructor, each taken by its
+    name from the typed rollout config ``cfg`` (an engine's YAML keys are its constructor's arguments) or from
+    ``ctx`` (``dtype``, ``seed``, ``max_model_len``, ``top_p``, ``logprobs``): an engine takes the context its
+    constructor names. An argument that neither has, or that both have, is a TypeError naming it."""
+    params = inspect.signature(cls.__init__).parameters.values()
+    names = [f.name for f in fields(SamplingDefaults)] + [p.name for p in params if p.kind is p.KEYWORD_ONLY]
+    out: dict[str, Any] = {}
+    for name in dict.fromkeys(names):
+        sources = [s for s in (cfg, ctx) if hasattr(s, name)]
+        if len(sources) != 1:
+            where = "neither" if not sources else "both"
+            raise TypeError(f"{cls.__name__}({name}=...): {where} the rollout config and the EngineContext name it")
+        out[name] = getattr(sources[0], name)
+    return out
 
 
 def pad_id_of(tokenizer) -> int:

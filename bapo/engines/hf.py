@@ -29,11 +29,12 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from omegaconf import MISSING
 
-from bapo.engines.base import EngineContext, RolloutEngine, check_top_p, make_sample
+from bapo.engines.base import EngineContext, RolloutEngine, SamplingDefaults, constructor_kwargs, make_sample
 from bapo.engines.config import RolloutCommon
 from bapo.engines.decode import Sampling, Segments, generate_decode, lean_decode
 from bapo.engines.registry import EngineTraits
@@ -78,52 +79,30 @@ class HFRollout(RolloutEngine):
 
     @classmethod
     def from_config(cls, cfg: HFRolloutConfig, ctx: EngineContext) -> HFRollout:
-        """The engine of ``rollout=hf`` (``cfg``: n, temperature, max_new_tokens, batch_size, decode), sampling
-        with ``ctx.model`` (loaded from ``ctx.path`` in ``ctx.dtype`` when None). ``ctx.seed`` and
-        ``ctx.max_model_len`` are unused: each ``generate`` call is seeded, and the model's context bounds a
-        sequence."""
+        """The engine of ``rollout=hf``, sampling with ``ctx.model`` (loaded from ``ctx.path`` in ``ctx.dtype`` when
+        None). ``ctx.seed`` and ``ctx.max_model_len`` are unused: each ``generate`` call is seeded, and the model's
+        context bounds a sequence."""
         model = ctx.model
         if model is None:
             from bapo.modeling import load_model, pick_device
 
             model = load_model(ctx.path, dtype=ctx.dtype, device=pick_device("auto"))
-        return cls(
-            model,
-            ctx.tokenizer,
-            n=cfg.n,
-            temperature=cfg.temperature,
-            max_new_tokens=cfg.max_new_tokens,
-            batch_size=cfg.batch_size,
-            decode=cfg.decode,
-            top_p=ctx.top_p,
-            logprobs=ctx.logprobs,
-        )
+        return cls(model, ctx.tokenizer, **constructor_kwargs(cls, cfg, ctx))
 
     def __init__(
         self,
         model: torch.nn.Module,
         tokenizer,
         *,
-        n: int,
-        temperature: float = 1.0,
-        max_new_tokens: int = 64,
         batch_size: int = 128,
         decode: str = "lean",
-        top_p: float = 1.0,
-        logprobs: bool = True,
+        **sampling: Any,
     ):
-        check_top_p(top_p, logprobs)
+        """``sampling``: the :class:`~bapo.engines.base.SamplingDefaults` (``n``, ``temperature``, ...)."""
+        defaults = SamplingDefaults(**sampling)
         choice(decode, "rollout.decode", tuple(DECODERS))
         self.model = model.eval()
-        self._hold_sampling(
-            tokenizer,
-            getattr(model, "generation_config", None),
-            n=n,
-            temperature=temperature,
-            max_new_tokens=max_new_tokens,
-            top_p=top_p,
-            logprobs=logprobs,
-        )
+        self._hold_sampling(tokenizer, getattr(model, "generation_config", None), defaults)
         self.batch_size = batch_size
         self.decode = decode
         self.device = next(model.parameters()).device

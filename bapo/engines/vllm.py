@@ -62,10 +62,11 @@ import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from bapo.engines.base import EngineContext, RolloutEngine, check_top_p, make_sample
+from bapo.engines.base import RolloutEngine, SamplingDefaults, make_sample
 from bapo.engines.config import RolloutCommon
 from bapo.engines.registry import EngineTraits
 from bapo.engines.staging import check_reply, save_weights
@@ -193,38 +194,11 @@ class VLLMRollout(RolloutEngine):
     def preflight(cls, cfg: VLLMRolloutConfig) -> None:
         vllm_installed("vllm")
 
-    @classmethod
-    def from_config(cls, cfg: VLLMRolloutConfig, ctx: EngineContext) -> VLLMRollout:
-        """The engine of ``rollout=vllm`` (``cfg``: n, temperature, max_new_tokens, gpu_memory_utilization,
-        tensor_parallel_size, enable_sleep_mode, sleep_level, enforce_eager). It loads ``ctx.path`` itself
-        (``ctx.model`` is unused), seeds its engine with ``ctx.seed`` and sizes its KV cache for
-        ``ctx.max_model_len`` tokens (None: the model's whole context)."""
-        return cls(
-            ctx.path,
-            ctx.tokenizer,
-            n=cfg.n,
-            temperature=cfg.temperature,
-            max_new_tokens=cfg.max_new_tokens,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            tensor_parallel_size=cfg.tensor_parallel_size,
-            enable_sleep_mode=cfg.enable_sleep_mode,
-            enforce_eager=cfg.enforce_eager,
-            sleep_level=cfg.sleep_level,
-            dtype=ctx.dtype,
-            seed=ctx.seed,
-            top_p=ctx.top_p,
-            logprobs=ctx.logprobs,
-            max_model_len=ctx.max_model_len,
-        )
-
     def __init__(
         self,
         model_path_or_dir: str,
         tokenizer,
         *,
-        n: int,
-        temperature: float = 1.0,
-        max_new_tokens: int = 64,
         gpu_memory_utilization: float = 0.5,
         tensor_parallel_size: int = 1,
         dtype: str = "float32",
@@ -233,11 +207,12 @@ class VLLMRollout(RolloutEngine):
         seed: int = 0,
         max_model_len: int | None = None,
         enforce_eager: bool = False,
-        top_p: float = 1.0,
-        logprobs: bool = True,
-        **llm_kwargs,
+        **llm_kwargs: Any,
     ):
-        check_top_p(top_p, logprobs)
+        """It loads ``model_path_or_dir`` itself, seeds its engine with ``seed`` and sizes its KV cache for
+        ``max_model_len`` tokens (None: the model's whole context). ``llm_kwargs``: the
+        :class:`~bapo.engines.base.SamplingDefaults` (``n``, ``temperature``, ...); the rest goes to ``vllm.LLM``."""
+        defaults = SamplingDefaults.take(llm_kwargs)
         choice(sleep_level, "rollout.sleep_level", SLEEP_LEVELS)
         world = dist.world_size() if dist.active() else 1
         check_tensor_parallel(tensor_parallel_size, world)
@@ -245,15 +220,7 @@ class VLLMRollout(RolloutEngine):
         from vllm.platforms import current_platform
 
         self.on_cpu = current_platform.is_cpu()
-        self._hold_sampling(
-            tokenizer,
-            checkpoint_generation_config(str(model_path_or_dir)),
-            n=n,
-            temperature=temperature,
-            max_new_tokens=max_new_tokens,
-            top_p=top_p,
-            logprobs=logprobs,
-        )
+        self._hold_sampling(tokenizer, checkpoint_generation_config(str(model_path_or_dir)), defaults)
         self.tensor_parallel_size = tensor_parallel_size
         self.colocated = world > 1  # one engine per torchrun rank, in its process group
         # the workers run in this process (their model is reachable): one engine per rank, or one worker

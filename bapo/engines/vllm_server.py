@@ -63,10 +63,11 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from bapo.engines.base import EngineContext, RolloutEngine, check_top_p, make_sample
+from bapo.engines.base import RolloutEngine, SamplingDefaults, make_sample
 from bapo.engines.config import RolloutCommon
 from bapo.engines.registry import EngineTraits
 from bapo.engines.staging import (
@@ -299,42 +300,11 @@ class VLLMServerRollout(RolloutEngine):
         if cfg.url is None:  # a server to start here; one given by URL runs wherever it runs
             vllm_installed("vllm_server")
 
-    @classmethod
-    def from_config(cls, cfg: VLLMServerConfig, ctx: EngineContext) -> VLLMServerRollout:
-        """The engine of ``rollout=vllm_server``: it starts a server on ``ctx.path`` (or connects to
-        ``cfg.url``), seeded with ``ctx.seed``, holding ``ctx.max_model_len`` tokens."""
-        return cls(
-            ctx.path,
-            ctx.tokenizer,
-            n=cfg.n,
-            temperature=cfg.temperature,
-            max_new_tokens=cfg.max_new_tokens,
-            url=cfg.url,
-            host=cfg.host,
-            port=cfg.port,
-            gpus=cfg.gpus,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            tensor_parallel_size=cfg.tensor_parallel_size,
-            enforce_eager=cfg.enforce_eager,
-            server_args=list(cfg.server_args),
-            start_timeout_s=cfg.start_timeout_s,
-            request_timeout_s=cfg.request_timeout_s,
-            weights_dir=cfg.weights_dir,
-            dtype=ctx.dtype,
-            seed=ctx.seed,
-            top_p=ctx.top_p,
-            logprobs=ctx.logprobs,
-            max_model_len=ctx.max_model_len,
-        )
-
     def __init__(
         self,
         model_path: str,
         tokenizer,
         *,
-        n: int,
-        temperature: float = 1.0,
-        max_new_tokens: int = 64,
         url: str | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
@@ -348,20 +318,13 @@ class VLLMServerRollout(RolloutEngine):
         weights_dir: str | None = None,
         dtype: str = "float32",
         seed: int = 0,
-        top_p: float = 1.0,
-        logprobs: bool = True,
         max_model_len: int | None = None,
+        **sampling: Any,
     ):
-        check_top_p(top_p, logprobs)
-        self._hold_sampling(
-            tokenizer,
-            checkpoint_generation_config(str(model_path)),
-            n=n,
-            temperature=temperature,
-            max_new_tokens=max_new_tokens,
-            top_p=top_p,
-            logprobs=logprobs,
-        )
+        """It starts a server on ``model_path`` (or connects to ``url``), seeded with ``seed``, holding
+        ``max_model_len`` tokens. ``sampling``: the :class:`~bapo.engines.base.SamplingDefaults` (``n``, ...)."""
+        defaults = SamplingDefaults(**sampling)
+        self._hold_sampling(tokenizer, checkpoint_generation_config(str(model_path)), defaults)
         self.model_path = str(model_path)
         self.timeout = request_timeout_s
         self.dtype = getattr(torch, dtype)
@@ -392,20 +355,15 @@ class VLLMServerRollout(RolloutEngine):
             self.version = UNSYNCED  # a server we did not start may hold any weights: sync before the first batch
         else:
             vllm_installed("vllm_server")
-            self.url = self._start(
-                host=host,
-                port=port + local if port else _free_port(host),
-                gpus=gpus,
-                local=local,
-                dtype=dtype,
-                seed=seed,
-                max_model_len=max_model_len,
-                gpu_memory_utilization=gpu_memory_utilization,
-                tensor_parallel_size=tensor_parallel_size,
-                enforce_eager=enforce_eager,
-                server_args=server_args,
-                start_timeout_s=start_timeout_s,
-            )
+            flags = [
+                "--dtype", dtype, "--seed", str(seed), "--gpu-memory-utilization", str(gpu_memory_utilization),
+                "--tensor-parallel-size", str(tensor_parallel_size),
+                *(["--max-model-len", str(max_model_len)] if max_model_len else []),
+                *(["--enforce-eager"] if enforce_eager else []),
+                *server_args,
+            ]  # fmt: skip
+            port = port + local if port else _free_port(host)
+            self.url = self._start(host, port, gpus, tensor_parallel_size, flags, start_timeout_s)
         described = self._check_model(max_model_len)
         self.admission = _Admission(described.get("kv_tokens"), int(described.get("max_num_seqs") or 256))
         self.positional = bool(described.get("positional_draws"))  # seeds of a response's segments: vllm.py's docstring
@@ -414,26 +372,21 @@ class VLLMServerRollout(RolloutEngine):
 
     # ------------------------------------------------------------------ the server process
 
-    def _start(self, *, host, port, gpus, local, dtype, seed, max_model_len, gpu_memory_utilization,
-               tensor_parallel_size, enforce_eager, server_args, start_timeout_s) -> str:  # fmt: skip
+    def _start(self, host: str, port: int, gpus: str | None, tp: int, flags: list[str], timeout_s: float) -> str:
+        """Start this rank's server on ``host:port`` (its devices: its share of ``gpus``, ``tp`` each) with the
+        engine's ``vllm serve`` ``flags`` (last, so that ``rollout.server_args`` may override), and wait for it."""
         why = _bind_error(host, port)
         if why is not None:
             raise ConfigError(why)
+        local = self.local
         staging = [str(self.dir)] + ([str(self.node_dir)] if self.node_dir is not None and local == 0 else [])
         args = [
             sys.executable, "-m", "bapo.engines.vllm_server", "--parent", str(os.getpid()),
             *(a for d in staging for a in ("--staging", d)), "--",
             "--model", self.model_path, "--served-model-name", SERVED_NAME, "--host", host, "--port", str(port),
-            "--dtype", dtype, "--seed", str(seed), "--logprobs-mode", "processed_logprobs",
-            "--generation-config", "vllm", "--worker-extension-cls", f"{__name__}.WeightLoader",
-            "--gpu-memory-utilization", str(gpu_memory_utilization),
-            "--tensor-parallel-size", str(tensor_parallel_size), "--disable-log-stats",
+            "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
+            "--worker-extension-cls", f"{__name__}.WeightLoader", "--disable-log-stats", *flags,
         ]  # fmt: skip
-        if max_model_len:
-            args += ["--max-model-len", str(max_model_len)]
-        if enforce_eager:
-            args.append("--enforce-eager")
-        args += list(server_args)
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")  # /collective_rpc and /reset_prefix_cache
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
@@ -441,7 +394,7 @@ class VLLMServerRollout(RolloutEngine):
             env.pop(k, None)  # the server is not a torchrun rank
         if gpus:
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-            env["CUDA_VISIBLE_DEVICES"] = server_devices(gpus, visible, self.node_ranks, local, tensor_parallel_size)
+            env["CUDA_VISIBLE_DEVICES"] = server_devices(gpus, visible, self.node_ranks, local, tp)
         elif self.node_ranks > 1 and torch.cuda.is_available():
             raise ConfigError(
                 f"rollout.gpus: {self.node_ranks} learner ranks on this node would each start a server on GPU 0, "
@@ -455,7 +408,7 @@ class VLLMServerRollout(RolloutEngine):
             )
         self._stopper = weakref.finalize(self, _stop_group, self.proc)
         url = f"http://{host}:{port}"
-        deadline = time.monotonic() + start_timeout_s
+        deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 keep = Path(tempfile.gettempdir()) / f"bapo-vllm-server-{os.getpid()}.log"
@@ -471,7 +424,7 @@ class VLLMServerRollout(RolloutEngine):
                 time.sleep(0.5)
         _stop_group(self.proc)
         raise ConfigError(
-            f"rollout.start_timeout_s: the server on {url} was not ready within {start_timeout_s:g} s "
+            f"rollout.start_timeout_s: the server on {url} was not ready within {timeout_s:g} s "
             f"({_last_line(self.log)})"
         )
 
