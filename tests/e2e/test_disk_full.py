@@ -1,0 +1,111 @@
+"""A full disk while a checkpoint is written: one line, "no space left on device while writing <folder>
+(removed the partial write)", and nothing left behind on the full disk.
+
+``torch.save``'s zip writer turns the ENOSPC of a write into ``RuntimeError: [enforce fail at
+inline_container.cc...] unexpected pos`` (the OSError is only its ``__context__``): the injected failure here
+is an ENOSPC from the file's ``write``, which torch wraps exactly so, and a real small tmpfs where the
+machine allows mounting one."""
+
+import errno
+import io
+import os
+import re
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from bapo.infra import ckpt_folder
+from bapo.infra.ckpt_folder import CheckpointError
+from bapo.loop import run
+from tests.helpers.config import smoke_cfg
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
+
+
+class FullFile(io.FileIO):
+    """A file on a disk with ``room`` bytes left: the write that would pass it fails with ENOSPC."""
+
+    room = 512
+
+    def write(self, b) -> int:
+        if self.tell() + len(memoryview(b)) > self.room:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return super().write(b)
+
+
+def full_disk_for(monkeypatch, name: str) -> None:
+    """Files called ``name`` that bapo.infra.ckpt_folder opens for writing land on a full disk."""
+    real = open
+
+    def fake_open(path, mode="r", *args, **kw):
+        if Path(path).name == name and "w" in mode:
+            return FullFile(path, "wb")
+        return real(path, mode, *args, **kw)
+
+    monkeypatch.setattr(ckpt_folder, "open", fake_open, raising=False)
+
+
+def test_torch_saves_full_disk_error_is_recognised_as_one():
+    """The premise: what torch.save raises on a full disk is a RuntimeError, not an OSError."""
+    path = Path(f"/tmp/bapo-full-{uuid.uuid4().hex}.pt")
+    try:
+        with pytest.raises(RuntimeError, match="inline_container") as info, FullFile(path, "wb") as f:
+            torch.save({"w": torch.zeros(1000)}, f)
+        assert not isinstance(info.value, OSError) and ckpt_folder.is_enospc(info.value)
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def test_a_full_disk_inside_torch_save_removes_the_partial_checkpoint_and_says_so(tmp_path, monkeypatch):
+    """Before: the checkpoint's write caught OSError only, so the RuntimeError escaped and .tmp-step_* stayed."""
+    full_disk_for(monkeypatch, "state.pt")
+    ckpt_dir = tmp_path / "checkpoints"
+    with pytest.raises(CheckpointError, match=r"^no space left on device while writing .*\.tmp-step_000003"):
+        ckpt_folder.save(ckpt_dir, 3, {"w": torch.zeros(1000)}, keep=2)
+    assert list(ckpt_dir.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_full_disk_while_the_loop_saves_the_learner_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    """Before: the single-process learner.save was not wrapped, and the RuntimeError of its torch.save escaped."""
+    full_disk_for(monkeypatch, "learner.pt")
+    with pytest.raises(CheckpointError) as info:
+        run(smoke_cfg(["train.steps=1", "eval.every=0"]), tmp_path)
+    folder = tmp_path / "checkpoints" / "step_000001"
+    assert str(info.value) == f"no space left on device while writing {folder} (removed the partial write)"
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == []
+
+
+@pytest.fixture()
+def small_tmpfs(tmp_path):
+    """A 2 MiB tmpfs (root only): room for a run folder's small files, not for a checkpoint of the tiny model."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {proc.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.slow
+def test_train_py_on_a_full_tmpfs_prints_one_line_and_leaves_no_partial_checkpoint(small_tmpfs):
+    run_dir = small_tmpfs / "run"
+    cmd = [sys.executable, "train.py", "debug=smoke", "train.steps=1", "eval.every=0", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    folder = re.escape(str(run_dir / "checkpoints" / "step_000001"))
+    assert re.fullmatch(
+        f"error: CheckpointError: no space left on device while writing {folder} " + r"\(removed the partial write\)",
+        last,
+    ), last
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == []
