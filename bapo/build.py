@@ -3,9 +3,10 @@
 runs the steps over what this builds; a worker process (``python -m bapo.entry.worker``) builds its side here too,
 never from the loop.
 
-Where rollout runs is ``placement.mode``: in this process (the producer of :mod:`bapo.rollout.producer` runs the
-batch maker inline or on its thread), or in rollout worker processes (:mod:`bapo.rollout.workers`, whose remote
-maker the same producer drives).
+Where rollout runs is the placement's (``placement.mode``, :mod:`bapo.rollout.placement`): in this process (the
+producer of :mod:`bapo.rollout.producer` runs the batch maker inline or on its thread), or in rollout worker
+processes (:mod:`bapo.rollout.workers`, whose remote maker the same producer drives). This module builds the parts
+and lends them to the placement; it never reads the mode's name.
 """
 
 from __future__ import annotations
@@ -30,10 +31,9 @@ from bapo.learner import Learner, frozen_dtype, master_dtype
 from bapo.modeling import attention_kernel, load_model, load_tokenizer, model_path
 from bapo.monitor import Monitor
 from bapo.reward import MathVerifier
-from bapo.rollout import producer, workers
 from bapo.rollout.groupfilter import GroupFilter
 from bapo.rollout.maker import RolloutMaker
-from bapo.rollout.schedule import partial_lag
+from bapo.rollout.placement import RolloutParts, placement_class
 from bapo.rollout.source import RolloutSource
 
 
@@ -116,13 +116,13 @@ def build_stages(rc: RunConfig, cfg: DictConfig | None = None) -> Stages:
     which rollout workers are started with under ``placement.mode=disaggregated``)."""
     m = rc.model
     path, tok, load = model_files(rc)
-    remote = rc.placement.mode == "disaggregated"
+    where = placement_class(rc.placement.mode)
     if rc.placement.learner_threads:
         torch.set_num_threads(rc.placement.learner_threads)
     # The learner's master weights; an engine that samples with a model of this process gets its own copy in
     # model.dtype. A sharded learner with nothing to copy them into starts from the meta device and reads each
     # rank's shard of the checkpoint, and so does a KL reference (sharded too, in the dtype the policy computes in).
-    needs_copy = engine_traits(rc.rollout.engine).needs_model_copy and not remote
+    needs_copy = engine_traits(rc.rollout.engine).needs_model_copy and not where.traits.in_workers
     lazy = rc.learner.kind != "single" and not needs_copy and m.init != "random"
     device = "meta" if lazy else "cpu"
     policy = load_model(path, dtype=master_dtype(rc.learner, m.dtype), **load, device=device)
@@ -140,9 +140,7 @@ def build_stages(rc: RunConfig, cfg: DictConfig | None = None) -> Stages:
     d, context = rc.data, getattr(policy.config, "max_position_embeddings", None)
     limit = prompt_limit(d.max_prompt_tokens, rc.rollout.max_new_tokens, context, model_dir=path)
     interrupt = threading.Event()
-    pool = None
-    if remote and dist.is_main():  # rank 0's workers load their models while the ranks build the learner
-        pool = workers.start_pool(rc, cfg, path=path, limit=limit, interrupt=interrupt)
+    placement = where(rc, cfg, path=path, limit=limit, interrupt=interrupt)  # workers load while the learner does
     try:
         learner = Learner(
             policy,
@@ -159,8 +157,15 @@ def build_stages(rc: RunConfig, cfg: DictConfig | None = None) -> Stages:
         )
         if engine_model is not None:
             engine_model.to(learner.device)
-        if not remote:
-            maker, engine, verifier, report, heldout = build_maker(
+
+        def heldout_prompts() -> tuple:
+            _, heldout, report = problem_sources(d)
+            return render_prompts(
+                heldout, tok, instruction=d.instruction, max_prompt_tokens=limit, report=report
+            ), report
+
+        parts = RolloutParts(
+            local=lambda: build_maker(
                 rc,
                 path=path,
                 tokenizer=tok,
@@ -168,23 +173,20 @@ def build_stages(rc: RunConfig, cfg: DictConfig | None = None) -> Stages:
                 limit=limit,
                 rank=dist.rank(),
                 world=dist.world_size(),
-            )
-        else:  # the held-out set is this process's; the training stream is the workers'
-            if pool is not None:
-                pool.wait()
-            maker, engine = workers.remote_maker(rc, pool, tok)
-            verifier = build_verifier(rc)
-            _, heldout, report = problem_sources(rc.data)
-            heldout = render_prompts(heldout, tok, instruction=d.instruction, max_prompt_tokens=limit, report=report)
-        source = make_source(rc, maker, engine, interrupt)
+            ),
+            verifier=lambda: build_verifier(rc),
+            heldout=heldout_prompts,
+            tokenizer=tok,
+        )
+        maker, engine, verifier, report, heldout = placement.rollout(parts)
+        source = placement.source(maker, engine, interrupt)
         e, sets = rc.eval, {}
         why = "data.max_prompt_tokens, and the model's context - rollout.max_new_tokens"
         for n in e.sets:  # over-long prompts skipped and counted as in the held-out set (eval/<set>/skipped)
             problems = load_evalset(named_set(n, data_dir=rc.data_dir), limit=e.sets_limit)
             sets[n] = prepare_set(n, problems, tok, instruction=d.instruction, max_prompt_tokens=limit, limit_keys=why)
     except BaseException:
-        if pool is not None:
-            pool.stop()
+        placement.stop()
         raise
     buffer = ReplayBuffer(
         max_staleness=rc.buffer.max_staleness, capacity=rc.buffer.capacity, sampling=rc.buffer.sampling, seed=rc.seed
@@ -194,24 +196,6 @@ def build_stages(rc: RunConfig, cfg: DictConfig | None = None) -> Stages:
         logging.getLogger("bapo").setLevel(logging.WARNING)
     rng = random.Random(rc.seed)
     return Stages(tok, verifier, heldout, sets, buffer, learner, source, monitor, rng, interrupt, report)
-
-
-def make_source(rc: RunConfig, maker, engine, interrupt: threading.Event) -> RolloutSource:
-    """The rollout source: this process's producer, which runs ``maker`` with ``engine`` inline (sync) or on
-    its thread (async). A source placed elsewhere (rollout workers in other processes) is chosen here."""
-    return producer.Producer(
-        maker,
-        mode=rc.mode,
-        updates_per_batch=rc.sizes.updates_per_step,
-        max_staleness=rc.buffer.max_staleness,
-        sync_every=rc.train.sync_every,
-        ahead=max(1, rc.buffer.capacity // rc.sizes.samples_per_step),
-        last_batch=None if rc.mode == "drop" else rc.train.steps,  # drop: replacements for dropped batches
-        interrupt=interrupt,
-        engine=engine,
-        lag=partial_lag(rc.rollout.max_new_tokens, rc.rollout.segment_budget),
-        copies=rc.rollout.segment_budget is not None and rc.learner.old_logp == "recompute",
-    )
 
 
 DTYPE_OF = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -30,7 +30,6 @@ from bapo.experience.buffer import BufferConfig
 from bapo.infra.checks import (
     ConfigError,
     check_finite,
-    choice,
     did_you_mean,
     require,
     resumable,
@@ -46,6 +45,7 @@ from bapo.learner.config import LEARNER, FSDPLearnerConfig, LearnerCommon, Singl
 from bapo.modeling import ModelConfig
 from bapo.monitor import MonitorConfig
 from bapo.reward.config import RewardConfig
+from bapo.rollout.placement import PLACEMENT_CONFIGS, PlacementConfig, placement_class
 from bapo.rollout.schedule import partial_lag
 
 # Re-exported: the names the stages, scripts and tests import from this module.
@@ -94,55 +94,6 @@ class TrainConfig:
         require(self.steps >= 0, "train.steps", "must be >= 0")
         require(self.prompts_per_step >= 1, "train.prompts_per_step", "must be >= 1")
         require(self.sync_every >= 1, "train.sync_every", "must be >= 1")
-
-
-PLACEMENT_MODES = ("colocated", "disaggregated")
-
-
-@dataclass
-class PlacementConfig:
-    """``placement``: the hardware a run is written for, and the memory knobs the stages read from it
-    (conf/rollout/vllm.yaml and conf/learner/fsdp.yaml interpolate them; the stages check them again)."""
-
-    name: str = resumable()
-    gpus: int = resumable()  # ranks the memory plan assumes without --nproc or $WORLD_SIZE
-    gpu_memory_gib: float = resumable()  # memory of one GPU, for the memory plan
-    # The knobs a GPU placement sets for the stages; absent (None) where the stage keeps its own default.
-    gpu_memory_utilization: float | None = resumable(None)
-    tensor_parallel_size: int | None = resumable(None)
-    max_tokens_per_micro_batch: int | None = resumable(None)
-    activation_checkpointing: bool | None = resumable(None)
-    cpu_offload: bool | None = resumable(None)
-    # Where rollout runs (bapo.rollout.workers): in the learner's process, or in rollout.workers processes of its own.
-    mode: str = resumable("colocated")  # colocated | disaggregated
-    host: str = resumable("127.0.0.1")  # where the learner listens for its workers
-    port: int = resumable(0)  # 0: any free port
-    worker_threads: int = resumable(1)  # torch threads of each worker
-    learner_threads: int | None = resumable(None)  # torch threads of the learner's process (None: torch's default)
-    worker_timeout_s: float = resumable(900.0)  # a worker silent this long (no reply, no heartbeat) is replaced
-    worker_start_timeout_s: float = resumable(300.0)  # to connect and load its model
-    worker_restarts: int = resumable(3)  # failures in a row on one request before the run stops
-
-    def __post_init__(self) -> None:
-        choice(self.mode, "placement.mode", PLACEMENT_MODES)
-        require(
-            0 <= self.port <= 65535, "placement.port", f"must be 0 (any free port) or a port number, got {self.port}"
-        )
-        require(self.worker_threads >= 1, "placement.worker_threads", f"must be >= 1, got {self.worker_threads}")
-        require(
-            self.learner_threads is None or self.learner_threads >= 1,
-            "placement.learner_threads",
-            f"must be null (torch's default) or >= 1, got {self.learner_threads}",
-        )
-        require(self.worker_timeout_s > 0, "placement.worker_timeout_s", f"must be > 0, got {self.worker_timeout_s}")
-        require(
-            self.worker_start_timeout_s > 0,
-            "placement.worker_start_timeout_s",
-            f"must be > 0, got {self.worker_start_timeout_s}",
-        )
-        require(self.worker_restarts >= 0, "placement.worker_restarts", f"must be >= 0, got {self.worker_restarts}")
-        require(self.gpus >= 1, "placement.gpus", f"must be >= 1, got {self.gpus}")
-        require(0 < self.gpu_memory_gib < 1e6, "placement.gpu_memory_gib", f"must be > 0, got {self.gpu_memory_gib}")
 
 
 # ----------------------------------------------------------------------------- the run
@@ -194,14 +145,17 @@ PLAIN: dict[str, type] = {
     "train": TrainConfig,
     "monitor": MonitorConfig,
     "checkpoint": CheckpointConfig,
-    "placement": PlacementConfig,
     "launcher": LauncherConfig,  # how a plain `python train.py` starts its ranks (bapo/entry/launch.py)
 }
 VARIANTS: dict[str, tuple[str, Mapping[str, type]]] = {
     "data": ("kind", DATA),
     "rollout": ("engine", ENGINE_CONFIGS),
     "learner": ("kind", LEARNER),
+    "placement": ("mode", PLACEMENT_CONFIGS),  # where rollout runs (bapo.rollout.placement)
 }
+UNSET_SELECTOR = {
+    "placement": "colocated"
+}  # a placement YAML that names no mode keeps rollout in the learner's process
 TOP_LEVEL = set(PLAIN) | set(VARIANTS) | {"algo", "seed", "paths", "resume", "overwrite"}
 
 
@@ -309,23 +263,7 @@ def check_combinations(rc: RunConfig, world: int | None = None) -> None:
         f"{corr} weighs the engine's log-probs against the learner's at the generating version: it needs "
         f"learner.old_logp=recompute (got {rc.learner.old_logp})",
     )
-    if rc.placement.mode == "disaggregated":
-        require(
-            engine_traits(rc.rollout.engine).runs_in_workers,
-            "rollout.engine",
-            f"{rc.rollout.engine} cannot run in rollout worker processes (placement.mode=disaggregated; its traits "
-            "say runs_in_workers=False, hf's do); for vLLM in processes of its own use rollout=vllm_server",
-        )
-        require(
-            rc.rollout.segment_budget is None or rc.rollout.workers == 1,
-            "rollout.workers",
-            f"rollout.partial_budget keeps its pool of unfinished responses in one worker; got {rc.rollout.workers}",
-        )
-        require(
-            rc.train.prompts_per_step >= rc.rollout.workers,
-            "rollout.workers",
-            f"{rc.rollout.workers} workers for {rc.train.prompts_per_step} prompts a step: each needs at least one",
-        )
+    placement_class(rc.placement.mode).check(rc, world)
     partial = rc.rollout.segment_budget is not None  # its pool of unfinished responses lives in one process
     require(not partial or world == 1, "rollout.partial_budget", f"one process only; torchrun started {world} ranks")
     require(
@@ -385,7 +323,10 @@ def build(cfg: DictConfig, run_dir: str | Path) -> RunConfig:
     )
     groups = {g: typed(g, plain.get(g), s) for g, s in PLAIN.items()}
     groups["algo"] = algo_config(plain.get("algo"))
-    groups |= {g: variant(g, plain.get(g), selector, schemas) for g, (selector, schemas) in VARIANTS.items()}
+    groups |= {
+        g: variant(g, plain.get(g), selector, schemas, default=UNSET_SELECTOR.get(g))
+        for g, (selector, schemas) in VARIANTS.items()
+    }
     sizes = derive_sizes(groups["train"], groups["rollout"], groups["learner"], groups["buffer"])
     data_dir = str((plain.get("paths") or {}).get("data_dir", ""))
     rc = RunConfig(

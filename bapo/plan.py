@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from bapo.infra.checks import ConfigError, require
+from bapo.rollout.placement import placement_class
 
 GiB = 2**30
 USABLE = 0.95  # of the device's memory: the rest is left to fragmentation
@@ -236,8 +237,8 @@ class Setup:
 
     @property
     def workers(self) -> bool:
-        """Rollout in worker processes of its own, on the host (``placement.mode=disaggregated``)."""
-        return getattr(self.rc.placement, "mode", "colocated") == "disaggregated"
+        """Rollout in worker processes of its own, on the host (a placement whose traits say ``in_workers``)."""
+        return placement_class(getattr(self.rc.placement, "mode", "colocated")).traits.in_workers
 
     @property
     def server(self) -> bool:

@@ -14,10 +14,10 @@ of the chosen engine to read its schema.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from bapo.infra.checks import imported, require
+from bapo.infra.checks import Schemas, registered, require
 
 ENGINES: dict[str, str] = {
     "hf": "bapo.engines.hf:HFRollout",
@@ -65,12 +65,7 @@ class EngineTraits:
 def engine_class(name: str) -> type:
     """The class registered as ``name``, or that the import path ``package.module:Class`` names (an engine
     outside this repository), imported now; a ConfigError names the choices or what the class lacks."""
-    require(
-        name in ENGINES or ":" in name,
-        "rollout.engine",
-        f"must be one of {sorted(ENGINES)} or an import path package.module:Class, got {name!r}",
-    )
-    cls = imported(ENGINES.get(name, name), "rollout.engine")
+    cls = registered(name, ENGINES, "rollout.engine")
     lacks = [a for a in ("traits", "config", "from_config") if not hasattr(cls, a)]
     require(
         not lacks and isinstance(cls.traits, EngineTraits),
@@ -86,23 +81,4 @@ def engine_traits(name: str) -> EngineTraits:
     return engine_class(name).traits
 
 
-class _EngineConfigs(Mapping):
-    """``rollout.engine`` names to their schemas, read from the engine classes when looked up (so a config
-    check imports only the chosen engine's module)."""
-
-    def __getitem__(self, name: str) -> type:
-        if name not in self:
-            raise KeyError(name)
-        return engine_class(name).config
-
-    def __contains__(self, name: object) -> bool:
-        return name in ENGINES or (isinstance(name, str) and ":" in name)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(ENGINES)
-
-    def __len__(self) -> int:
-        return len(ENGINES)
-
-
-ENGINE_CONFIGS: Mapping[str, type] = _EngineConfigs()
+ENGINE_CONFIGS: Mapping[str, type] = Schemas(ENGINES, engine_class)  # rollout.engine's schemas

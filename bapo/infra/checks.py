@@ -31,7 +31,7 @@ import re
 import sys
 import types
 import typing
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +84,41 @@ def imported(path: str, key: str) -> Any:
         return getattr(importlib.import_module(module), attr)
     except Exception as e:  # not importable, no such attribute, or the module failed while importing
         raise ConfigError(f"{key}: cannot import {path!r} ({type(e).__name__}: {e})") from None
+
+
+def registered(name: str, registry: Mapping[str, str], key: str) -> Any:
+    """The object ``registry`` names ``name`` by a dotted path, or that the import path ``package.module:Class``
+    ``name`` is (a user's own, outside this repository), imported now; a ConfigError under ``key`` names the
+    choices."""
+    require(
+        name in registry or ":" in name,
+        key,
+        f"must be one of {sorted(registry)} or an import path package.module:Class, got {name!r}",
+    )
+    return imported(registry.get(name, name), key)
+
+
+class Schemas(Mapping):
+    """A registry's names to their schemas, read from the registered classes (``cls_of``) when looked up, so a
+    config check imports only the chosen class's module (the selector of a group with variants: :func:`variant`).
+    An import path ``package.module:Class`` is a member too."""
+
+    def __init__(self, registry: Mapping[str, str], cls_of: Callable[[str], type]) -> None:
+        self.registry, self.cls_of = registry, cls_of
+
+    def __getitem__(self, name: str) -> type:
+        if name not in self:
+            raise KeyError(name)
+        return self.cls_of(name).config
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.registry or (isinstance(name, str) and ":" in name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.registry)
+
+    def __len__(self) -> int:
+        return len(self.registry)
 
 
 def delegated(key: str, check: Callable, *args: Any, **kwargs: Any) -> None:
@@ -169,9 +204,9 @@ def check_bools(key: str, node: dict, schema: type) -> None:
                 check_bools(full, value, m)
 
 
-def variant(key: str, node: Any, selector: str, schemas: dict[str, type]) -> Any:
-    """The schema of a group with variants, picked by ``node[selector]``."""
-    kind = node.get(selector) if isinstance(node, dict) else None
+def variant(key: str, node: Any, selector: str, schemas: Mapping[str, type], default: str | None = None) -> Any:
+    """The schema of a group with variants, picked by ``node[selector]`` (``default`` where the group has none)."""
+    kind = node.get(selector, default) if isinstance(node, dict) else None
     require(kind in schemas, f"{key}.{selector}", f"must be one of {sorted(schemas)}, got {kind!r}")
     return typed(key, node, schemas[kind])
 

@@ -6,7 +6,7 @@ runs backwards), tell it ``before_updates`` (an engine on this device may free i
 weight snapshots no batch will use, ``borrow`` its engine for an evaluation, pause it for a checkpoint and
 carry its state in one, ``stop`` it. It never sees where batches are made: inline, on a thread
 (:class:`bapo.rollout.producer.Producer`), or in other processes. A new placement is a new class with these
-methods, chosen in ``bapo.build.make_source``; ``run`` does not change.
+methods, returned by its placement's ``source`` (``bapo.rollout.placement``); ``run`` does not change.
 
 Which weights each batch is made with is the staleness schedule (:mod:`bapo.rollout.schedule`), which every
 source follows, so that the bound ``buffer.max_staleness`` holds whatever the placement.
