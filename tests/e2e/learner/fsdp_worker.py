@@ -1,4 +1,4 @@
-"""Run under torchrun by tests/e2e/learner/test_fsdp.py (and importable for its single-process reference).
+"""Run under torchrun by tests/e2e/learner/test_fsdp.py (its single-process reference shares tests/helpers/fsdp.py).
 
 Each rank takes its shard of one global mini-batch, runs one FSDP2 update with the real
 BAPO objective and writes what the test compares to ``$OUT/rank{r}.pt``: the full
