@@ -4,7 +4,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -12,25 +11,10 @@ from bapo.eval.evaluate import (
     build_job,
     load_evalset,
 )
-from tests.helpers.evaluation_runs import SAMPLE_FIELDS, TINY_RUN, _cfg, _check_run_folder
-
-ROOT = Path(__file__).resolve().parents[3]
-SAMPLE_FIELDS |= {"share", "seed", "request"}  # where each sample's randomness came from (data-parallel eval)
-
-
-# ----------------------------------------------------------------------------- config
-
-
-# ----------------------------------------------------------------------------- loading
-
+from tests.helpers.evaluation_runs import TINY_RUN, _cfg, _check_run_folder
+from tests.helpers.paths import ROOT
 
 # ----------------------------------------------------------------------------- end to end
-
-
-# ----------------------------------------------------------------------------- a training run's settings
-
-
-# ----------------------------------------------------------------------------- prompt length
 
 
 @pytest.mark.slow
@@ -42,6 +26,9 @@ def test_eval_py_subprocess(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = _check_run_folder(out, {"arith": 3}, 2)
     assert results["sets"]["arith"]["metrics"]["avg@2"] > 0  # the tiny model does arithmetic
+
+
+# ----------------------------------------------------------------------------- prompt length
 
 
 @pytest.mark.slow

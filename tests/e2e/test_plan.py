@@ -25,12 +25,6 @@ def tiny_arch(layers: int, vocab: int = 2048) -> dict:
 TOKENS = 4096  # [tokens, hidden] fp32 is 4 MB: every activation is a mapping of its own
 
 
-# ----------------------------------------------------------------------------- the command line
-
-
-# ----------------------------------------------------------------------------- the split: servers on GPUs of their own
-
-
 # ----------------------------------------------------------------------------- docs/gpu.md, generated here
 
 

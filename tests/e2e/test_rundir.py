@@ -67,9 +67,6 @@ def launch(script: str, *args: str) -> subprocess.Popen:
     )
 
 
-# --------------------------------------------------------------------------------------------- the lock
-
-
 # ------------------------------------------------------------------------------------- plan_start
 
 
@@ -79,9 +76,6 @@ def plan(caplog, run: Path, **kw) -> tuple:
     with caplog.at_level(logging.INFO, logger="bapo.rundir"):
         p = plan_start(run, **{"resume": None, "overwrite": False, "steps": 4} | kw)
     return p, [r.getMessage() for r in caplog.records if r.name == "bapo.rundir"]
-
-
-# -------------------------------------------------------------------------------- config changes
 
 
 # ------------------------------------------------------------------------------- train.py on a held folder

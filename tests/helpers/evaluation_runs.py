@@ -13,6 +13,7 @@ CONF = ROOT / "conf"
 
 
 SAMPLE_FIELDS = {"id", "sample", "prompt", "response", "extracted", "gold", "correct", "length", "truncated"}
+SAMPLE_FIELDS |= {"share", "seed", "request"}  # where each sample's randomness came from (data-parallel eval)
 
 
 TINY_RUN = ["eval.limit=3", "k=2", "max_new_tokens=48"]

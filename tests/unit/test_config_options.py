@@ -154,6 +154,3 @@ def test_a_seed_numpy_cannot_take_is_refused(seed):
 
 def test_the_seeds_at_the_ends_of_the_range_are_taken():
     assert run_config("seed=0").seed == 0 and run_config(f"seed={2**32 - 1}").seed == 2**32 - 1
-
-
-# ----------------------------------------------------------------------------- the users' commands

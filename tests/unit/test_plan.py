@@ -155,9 +155,6 @@ def test_vllm_start_up_check_is_planned():
     assert "REFUSED" in p.render()
 
 
-# ----------------------------------------------------------------------------- per-token figures, measured
-
-
 # ----------------------------------------------------------------------------- the command line
 
 

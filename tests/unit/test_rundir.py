@@ -370,6 +370,3 @@ def test_an_unmarked_field_is_not_resumable(monkeypatch):
     monkeypatch.setattr(config, "resumable_fields", marked)
     keys = config.resumable_keys()
     assert "checkpoint.every" in keys and "checkpoint.*" not in keys and "checkpoint.keep" not in keys
-
-
-# ------------------------------------------------------------------------------- train.py on a held folder

@@ -32,7 +32,6 @@ from tests.helpers.evaluation_runs import CONF, SAMPLE_FIELDS, TINY_RUN, _cfg, _
 
 ROOT = Path(__file__).resolve().parents[3]
 SETS = sorted(p.stem for p in (CONF / "eval").glob("*.yaml") if p.stem != "heldout")
-SAMPLE_FIELDS |= {"share", "seed", "request"}  # where each sample's randomness came from (data-parallel eval)
 
 
 class CannedRollout:

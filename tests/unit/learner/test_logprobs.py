@@ -139,6 +139,3 @@ def test_chunk_rows_follow_the_byte_budget():
     # the peak: two copies of [K, V] in the logits' dtype and 64 rows of workspace
     assert peak_bytes(512, 152064, torch.float32) == 2 * 512 * 152064 * 4 + 64 * 152064 * 9
     assert peak_bytes(512, 152064, torch.bfloat16, backward=False) == 512 * 152064 * 2 + 64 * 152064 * 9
-
-
-# ----------------------------------------------------------------------------- peak memory
