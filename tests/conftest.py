@@ -19,11 +19,7 @@ from hypothesis import settings  # noqa: E402
 
 from tests.helpers.guards import alarm_guard  # noqa: E402
 from tests.helpers.modeling import QWEN, R1  # noqa: E402
-from tests.helpers.paths import (  # noqa: E402
-    ROOT,  # noqa: E402
-    SHARED_DATA,
-    TINY,
-)
+from tests.helpers.paths import ROOT, SHARED_DATA, TINY  # noqa: E402
 
 # CI explores the same examples every run (a red CI then always reproduces); locally
 # hypothesis keeps searching fresh ones.
@@ -92,10 +88,10 @@ def without_vllm(monkeypatch):
 @pytest.fixture()
 def export(tmp_path, tiny_tok) -> Path:
     """The tiny model exported as a run exports it (safetensors, tokenizer, manifest)."""
-    out = tmp_path / "export"
     from bapo.learner import fsdp
     from bapo.modeling import load_model
 
+    out = tmp_path / "export"
     fsdp.save_hf(load_model(str(TINY)), out, tokenizer=tiny_tok)
     return out
 
@@ -124,6 +120,7 @@ def standins(tmp_path_factory):
 # The tier of each folder under tests/, as a marker: `pytest -m unit` is `make test-quick`.
 TIERS = {"unit": "unit", "contracts": "contract", "e2e": "e2e", "golden": "golden"}
 # A unit test is quick, with no process, socket or torchrun of its own: one that runs longer has grown into e2e.
+# The few unit tests marked slow (long tables, a GGUF conversion) are long by design and `make test-quick` skips them.
 UNIT_TIMEOUT_S = 60
 # The e2e modules that start many processes at once (torchrun ranks, worker pools, vLLM servers, rehearsals): one
 # xdist group, so that under `make test`'s `--dist loadgroup` they run one after another on one worker instead of
@@ -151,7 +148,12 @@ def pytest_collection_modifyitems(config, items):
         if tier is None:
             raise pytest.UsageError(f"tests/{rel}: a test module lives in tests/{{{','.join(TIERS)}}}/")
         item.add_marker(getattr(pytest.mark, tier))
-        if tier == "unit" and timeout and item.get_closest_marker("timeout") is None:
+        if (
+            tier == "unit"
+            and timeout
+            and not item.get_closest_marker("slow")
+            and not item.get_closest_marker("timeout")
+        ):
             item.add_marker(pytest.mark.timeout(UNIT_TIMEOUT_S))
         if xdist:
             item.add_marker(pytest.mark.xdist_group("heavy" if rel.as_posix() in HEAVY else rel.as_posix()))
