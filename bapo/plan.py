@@ -42,7 +42,7 @@ fp32, ``q``/``kv`` the query and key-value widths):
     one layer's backward temporaries:  2bI + 4H
     the head (final norm, LM head input):  (4H + 4 + bH) + bH
 
-``tests/test_plan.py`` checks them against peaks measured on CPU (a tiny Qwen2 in fp32). vLLM's own
+``tests/e2e/test_plan.py`` checks them against peaks measured on CPU (a tiny Qwen2 in fp32). vLLM's own
 activations are estimated from its profiling run (``max_num_batched_tokens`` 16384, ``max_num_seqs`` 1024:
 vLLM 0.32's offline defaults on 70 GB+ GPUs); its CUDA graphs, the CUDA context and NCCL are the constants
 below. A plan fits when its peak is at most :data:`USABLE` of the device's memory (the allocators' fragmentation

@@ -7,7 +7,7 @@ subclasses :class:`bapo.engines.config.RolloutCommon`, defined in the engine's m
 from that typed config (``from_config``). The loop and ``eval.py`` read traits, never engine names.
 
 A new engine is one module with its class and its schema, one YAML in ``conf/rollout/``, one line in
-:data:`ENGINES` and a case in ``tests/rollout/test_engine_contract.py``. An engine module imports its
+:data:`ENGINES` and a case in ``tests/contracts/test_engine_contract.py``. An engine module imports its
 library (vLLM, an HTTP client) inside its methods, not at the top: the config check imports the module
 of the chosen engine to read its schema.
 """

@@ -7,7 +7,7 @@ For logits ``z`` [..., V] and a temperature ``T``, with ``p = softmax(z / T)``:
 
 Written as one expression (``log_softmax``, ``gather``, ``exp``, a product, a mask and a sum), autograd
 keeps about six [tokens x V] fp32 tensors alive at once: 6.25x the logits' fp32 size, measured on CPU
-(``tests/learner/test_logprobs.py``), i.e. 3.6 MB a token at Qwen's 152,064-token vocabulary.
+(``tests/e2e/learner/test_logprobs.py``), i.e. 3.6 MB a token at Qwen's 152,064-token vocabulary.
 :func:`logp_entropy` computes the same numbers over chunks of tokens and saves only the logits for the
 backward pass, which recomputes each chunk's softmax and writes the gradient into one [tokens x V] tensor:
 

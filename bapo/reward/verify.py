@@ -25,7 +25,7 @@ Where this departs from plain math-verify:
   (digits, zeros, spaces, backslashes, braces, ``\\frac{``, ``\\text{``, ...) at n
   and 4n characters. Two backtracked quadratically (leading zeros, and the
   degree sign after a run of spaces: 73 s and 20 s at 100k characters) and are
-  rewritten; ``tests/reward`` guards them. The pool still sends long strings to
+  rewritten; ``tests/unit/reward`` and ``tests/e2e/reward`` guard them. The pool still sends long strings to
   a worker rather than normalising them in the trainer.
 """
 
