@@ -61,6 +61,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bapo.engines.registry import engine_traits
 from bapo.infra.checks import ConfigError, require
 from bapo.rollout.placement import placement_class
 
@@ -233,7 +234,7 @@ class Setup:
     @property
     def vllm(self) -> bool:
         """vLLM beside the learner on its GPUs (it sleeps during updates)."""
-        return self.rc.rollout.engine == "vllm"
+        return engine_traits(self.rc.rollout.engine).gpu_memory == "vllm_beside"
 
     @property
     def workers(self) -> bool:
@@ -243,7 +244,7 @@ class Setup:
     @property
     def server(self) -> bool:
         """vLLM servers on GPUs of their own (none of the learner's)."""
-        return self.rc.rollout.engine == "vllm_server"
+        return engine_traits(self.rc.rollout.engine).gpu_memory == "vllm_own_gpus"
 
     @property
     def server_gpus(self) -> int:
@@ -713,7 +714,8 @@ def learner_ranks(cfg) -> int:
     launched vLLM servers take (``rollout.gpus``)."""
     r = cfg.rollout
     server_gpus = len([g for g in str(r.get("gpus") or "").split(",") if g.strip()]) if r.get("url") is None else 0
-    return max(1, int(cfg.placement.gpus) - (server_gpus if r.engine == "vllm_server" else 0))
+    own = engine_traits(r.engine).gpu_memory == "vllm_own_gpus"
+    return max(1, int(cfg.placement.gpus) - (server_gpus if own else 0))
 
 
 def plan_for(overrides: list[str], *, nproc=None, gpu_memory=None, host_memory=None) -> Plan:
@@ -725,7 +727,7 @@ def plan_for(overrides: list[str], *, nproc=None, gpu_memory=None, host_memory=N
     world = nproc or int(os.environ.get("WORLD_SIZE") or learner_ranks(cfg))
     with _world_size(world):
         rc = build(cfg, "plan")  # nothing is written: the run folder is only a name here
-    if rc.rollout.engine == "vllm":  # the launch's own rule (a tensor-parallel engine spans whole groups of ranks)
+    if engine_traits(rc.rollout.engine).spans_ranks:  # the launch's rule: a tensor-parallel engine spans whole groups
         from bapo.engines.vllm import check_tensor_parallel
 
         check_tensor_parallel(rc.rollout.tensor_parallel_size, world)

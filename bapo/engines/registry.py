@@ -26,6 +26,7 @@ ENGINES: dict[str, str] = {
 }
 
 WEIGHT_PATHS = ("in_process", "transport")
+GPU_MEMORY = ("model_copy", "vllm_beside", "vllm_own_gpus")  # the memory plan's model of an engine (bapo.plan)
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,10 @@ class EngineTraits:
       (``rollout.partial_budget``) need; a budget that would interrupt responses is refused at start-up otherwise.
     - ``runs_in_workers``: it can run in rollout worker processes (``placement.mode=disaggregated``: built there
       from the run's config, on the host, its weights sent over gloo); refused at start-up otherwise.
+    - ``gpu_memory``: what the memory plan (``python train.py ... --plan``, :mod:`bapo.plan`) counts for it:
+      ``"model_copy"``, a copy of the model and its KV cache on the learner's device; ``"vllm_beside"``, vLLM's
+      share of the learner's GPUs (weights, activations, CUDA graphs, KV cache; asleep during updates);
+      ``"vllm_own_gpus"``, vLLM on GPUs of its own (``rollout.gpus``), none of the learner's.
     """
 
     needs_model_copy: bool
@@ -56,10 +61,13 @@ class EngineTraits:
     spans_ranks: bool
     continues: bool = False
     runs_in_workers: bool = False
+    gpu_memory: str = "model_copy"
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHT_PATHS:
             raise ValueError(f"EngineTraits.weights: must be one of {list(WEIGHT_PATHS)}, got {self.weights!r}")
+        if self.gpu_memory not in GPU_MEMORY:
+            raise ValueError(f"EngineTraits.gpu_memory: must be one of {list(GPU_MEMORY)}, got {self.gpu_memory!r}")
 
 
 def engine_class(name: str) -> type:

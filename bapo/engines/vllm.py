@@ -187,6 +187,7 @@ class VLLMRollout(RolloutEngine):
         weights="in_process",
         spans_ranks=True,
         continues=True,
+        gpu_memory="vllm_beside",
     )
     config = VLLMRolloutConfig
 

@@ -292,6 +292,7 @@ class VLLMServerRollout(RolloutEngine):
         weights="transport",
         spans_ranks=False,
         continues=True,
+        gpu_memory="vllm_own_gpus",
     )
     config = VLLMServerConfig
 

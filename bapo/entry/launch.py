@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bapo.engines.registry import engine_traits
 from bapo.infra.checks import ConfigError, require
 from bapo.infra.dist import LauncherConfig
 
@@ -154,7 +155,7 @@ def decide(cfg, overrides: Sequence[str], entry: str = "train", run_dir: str | P
                     f"{n} ranks, but learner={cfg.learner.kind} trains in one process: use learner=fsdp")  # fmt: skip
             if how.spawns:
                 rc = _validated(cfg, n * nnodes, run_dir)  # a bad config is refused once, here, not by every rank
-                if rc.rollout.engine == "vllm":
+                if engine_traits(rc.rollout.engine).spans_ranks:  # tensor parallel over whole groups of ranks
                     from bapo.engines.vllm import check_tensor_parallel
 
                     check_tensor_parallel(rc.rollout.tensor_parallel_size, n * nnodes)
@@ -262,8 +263,9 @@ def _fits(p) -> bool:
 
 
 def _engine_ranks(rc) -> int:
-    """The ranks one colocated vLLM engine spans (its tensor parallelism); 1 for any other engine."""
-    return int(rc.rollout.tensor_parallel_size) if rc.rollout.engine == "vllm" else 1
+    """The ranks one engine spans (its tensor parallelism, where its traits say it spans ranks); 1 otherwise."""
+    spans = engine_traits(rc.rollout.engine).spans_ranks
+    return int(getattr(rc.rollout, "tensor_parallel_size", 1)) if spans else 1
 
 
 def host_memory() -> float | None:

@@ -193,6 +193,28 @@ def test_rollout_workers_take_an_engine_by_its_traits_not_its_name(monkeypatch):
         build(compose("placement=disaggregated"), "unused")
 
 
+def test_the_memory_plan_and_the_launch_read_an_engines_traits_not_its_name(monkeypatch):
+    """What the plan counts for an engine is its ``gpu_memory`` trait, and the ranks one engine spans its
+    ``spans_ranks``: the hf engine given vLLM's traits is planned and launched as vLLM is."""
+    from bapo.engines.hf import HFRollout
+    from bapo.entry.launch import _engine_ranks
+    from bapo.plan import learner_ranks, setup
+    from tests.helpers.config import compose, run_config
+
+    rc = run_config("placement=gpu_node", "rollout=hf", "rollout.batch_size=8", "logger=none")
+    u = setup(rc, world=8, gpu_memory_gib=80)
+    assert (u.vllm, u.server, _engine_ranks(rc)) == (False, False, 1)
+    vllm_like = dataclasses.replace(HFRollout.traits, gpu_memory="vllm_beside", spans_ranks=True)
+    monkeypatch.setattr(HFRollout, "traits", vllm_like)
+    assert setup(rc, world=8, gpu_memory_gib=80).vllm and _engine_ranks(rc) == 1  # tensor_parallel_size: none set
+    monkeypatch.setattr(HFRollout, "traits", dataclasses.replace(vllm_like, gpu_memory="vllm_own_gpus"))
+    assert setup(rc, world=8, gpu_memory_gib=80).server
+    cfg = compose("placement=gpu_node", "rollout=hf", "+rollout.gpus='4,5,6,7'", "+rollout.url=null")
+    assert learner_ranks(cfg) == 4  # the placement's 8 GPUs less the servers' 4
+    with pytest.raises(ValueError, match=r"EngineTraits\.gpu_memory: must be one of"):
+        dataclasses.replace(vllm_like, gpu_memory="a_lot")
+
+
 def _engine_plugin_from_docs() -> str:
     """The engine plugin of docs/extending.md, as a reader copies it: the python block after its marker."""
     text = (ROOT / "docs" / "extending.md").read_text()
