@@ -40,7 +40,7 @@ demo: install ## run the default job: BAPO on the tiny model (about 5 minutes on
 VLLM_TESTS := tests/contracts/test_engine_contract.py tests/unit/engines tests/e2e/engines
 
 test: install ## the whole suite, as CI runs it, on 2 xdist workers (serially it took 32 minutes on an idle 2-core CI machine); then the vLLM tests in .venv-vllm
-	$(PY) -m pytest -n 2 --dist loadgroup
+	$(PY) -m pytest -n 2 --dist loadfile
 	@if [ -x $(VLLM_VENV)/bin/python ]; then \
 		echo "== vLLM engine and loop (transformers $$($(VLLM_VENV)/bin/python -c 'import transformers as t; print(t.__version__)'), $(VLLM_VENV))"; \
 		$(VLLM_VENV)/bin/python -m pytest $(VLLM_TESTS) -k vllm; \

@@ -122,26 +122,10 @@ TIERS = {"unit": "unit", "contracts": "contract", "e2e": "e2e", "golden": "golde
 # A unit test is quick, with no process, socket or torchrun of its own: one that runs longer has grown into e2e.
 # The few unit tests marked slow (long tables, a GGUF conversion) are long by design and `make test-quick` skips them.
 UNIT_TIMEOUT_S = 60
-# The e2e modules that start many processes at once (torchrun ranks, worker pools, vLLM servers, rehearsals): one
-# xdist group, so that under `make test`'s `--dist loadgroup` they run one after another on one worker instead of
-# two at a time on 2 cores; every other module is a group of its own, so it is distributed as `--dist loadfile` would
-# (its module-scoped fixtures built once).
-HEAVY = {
-    "e2e/learner/test_fsdp.py",
-    "e2e/learner/test_strategy.py",
-    "e2e/engines/test_vllm_colocated.py",
-    "e2e/engines/test_vllm_server.py",
-    "e2e/test_disaggregated.py",
-    "e2e/test_eval_entry.py",
-    "e2e/test_launch.py",
-    "e2e/test_loop_fsdp.py",
-    "e2e/test_rehearsal.py",
-}
 
 
 def pytest_collection_modifyitems(config, items):
     timeout = config.pluginmanager.hasplugin("timeout")  # pytest-timeout (the dev extra); absent in .venv-vllm
-    xdist = config.pluginmanager.hasplugin("xdist")
     for item in items:
         rel = item.path.relative_to(ROOT / "tests")
         tier = TIERS.get(rel.parts[0])
@@ -155,5 +139,3 @@ def pytest_collection_modifyitems(config, items):
             and not item.get_closest_marker("timeout")
         ):
             item.add_marker(pytest.mark.timeout(UNIT_TIMEOUT_S))
-        if xdist:
-            item.add_marker(pytest.mark.xdist_group("heavy" if rel.as_posix() in HEAVY else rel.as_posix()))
