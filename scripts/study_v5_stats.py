@@ -8,7 +8,7 @@
 - :func:`verdict`: a level's verdict word from its two contrasts, as the plan defines it.
 
 Student-t intervals and Holm's correction are ``scripts/study_stats.py``'s (``t_interval``, ``paired_t``,
-``holm``). ``tests/scripts/test_study_v5.py`` checks each function against hand-computed values and an independent
+``holm``). ``tests/unit/scripts/test_study_v5.py`` checks each function against hand-computed values and an independent
 reference (a plain loop over sign vectors, the exact distribution by convolution, Fisher by enumeration of tables).
 """
 
