@@ -75,7 +75,7 @@ sweep: install ## a small grid with Hydra's basic launcher
 
 SWEEP ?= multirun/ablation_staleness
 report: install ## table and plots of a sweep: make report SWEEP=multirun/ablation_staleness
-	$(PY) scripts/report.py $(SWEEP)
+	$(PY) scripts/study/report.py $(SWEEP)
 
 wheelhouse: ## wheels of the project's pure-Python dependencies for scripts/gpu_check.sh --mode torch on a GPU machine without network
 	bash scripts/build/build_wheelhouse.sh

@@ -1,9 +1,9 @@
 """Pack a study's raw data into one compressed file that a report can be regenerated from.
 
     python scripts/study/pack_study.py multirun/study_v4 --out docs/study/v4/runs.jsonl.gz
-    python scripts/report.py docs/study/v4/runs.jsonl.gz --out docs/study/v4
+    python scripts/study/report.py docs/study/v4/runs.jsonl.gz --out docs/study/v4
 
-A study is a Hydra multirun folder (``scripts/run_grid.py``, or ``train.py -m``): every folder under it that holds
+A study is a Hydra multirun folder (``scripts/study/run_grid.py``, or ``train.py -m``): every folder under it that holds
 ``config.yaml``, ``.hydra/config.yaml`` or ``metrics.jsonl`` is a run (eval.py's folders excepted). The pack is
 gzip'd JSON lines: a header, then one line per run, in folder order:
 
@@ -28,10 +28,10 @@ What a run's line keeps, and why:
   exception: ``exception`` holds its last line) or ``incomplete`` (interrupted, or still running);
   ``checkpoint`` says whether it can resume.
 - ``wall_s``: the run's own time, the sum of ``time/step_s`` plus step 0's ``time/eval_s`` (what the report's
-  wall-time column sums); ``process_s``: the seconds ``scripts/run_grid.py`` measured for the whole process,
+  wall-time column sums); ``process_s``: the seconds ``scripts/study/run_grid.py`` measured for the whole process,
   start-up and export included, summed over its attempts (null when the run did not come from run_grid).
 - ``problems``: every line or file that could not be read, as ``<run>/<file>[:<line>]: <problem>``.
-- ``folder`` (only when false): a run that ``scripts/run_grid.py`` queued or started (``logs/grid.jsonl``), or a
+- ``folder`` (only when false): a run that ``scripts/study/run_grid.py`` queued or started (``logs/grid.jsonl``), or a
   cell of ``python train.py -m`` that failed (``sweep_summary.jsonl``), and that left no run folder: a start-up
   error may remove the folder it made (``bapo/entry/cli.py``), and an interrupted grid never starts the rest. Its
   ``overrides`` are the ones its launcher gave it, its ``exception`` the ``error:`` line of run_grid's log of it or
@@ -56,7 +56,7 @@ from omegaconf import OmegaConf
 
 FORMAT, VERSION = "bapo-study", 1
 SKIP_DIRS = {".hydra", ".submitit", "checkpoints", "export", "wandb"}
-GRID_LOG = "grid.jsonl"  # scripts/run_grid.py: one line per run queued and per attempt, in <sweep dir>/logs/
+GRID_LOG = "grid.jsonl"  # scripts/study/run_grid.py: one line per run queued and per attempt, in <sweep dir>/logs/
 SWEEP_SUMMARY = (
     "sweep_summary.jsonl"  # python train.py -m: a row per cell run, in the sweep folder (bapo/entry/sweep.py)
 )
@@ -275,7 +275,7 @@ def read_folder(sweep: Path) -> list[dict]:
 
 def launched_runs(sweep: Path) -> dict[str, dict]:
     """The runs the launchers of this sweep queued or started, name -> ``overrides``, ``started`` and ``error`` (the
-    error line of its last failure, after where it was read): scripts/run_grid.py's ``logs/grid.jsonl`` (a line
+    error line of its last failure, after where it was read): scripts/study/run_grid.py's ``logs/grid.jsonl`` (a line
     per run queued, a line per attempt) and ``python train.py -m``'s ``sweep_summary.jsonl`` (a row per cell run:
     ``bapo/entry/sweep.py``), the later line winning. A cell whose last row says complete is left out. Unreadable lines
     are skipped."""

@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-from scripts.report import _show, group_runs, load_runs  # noqa: E402
+from scripts.study.report import _show, group_runs, load_runs  # noqa: E402
 
 COLUMNS = {
     "rho before": "bapo/rho_before",

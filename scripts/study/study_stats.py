@@ -1,4 +1,4 @@
-"""The statistics of a study report (``scripts/report.py``): Student-t intervals over seeds, the paired t of an
+"""The statistics of a study report (``scripts/study/report.py``): Student-t intervals over seeds, the paired t of an
 arm against its reference over shared seeds, and Holm-Bonferroni over a table's comparisons.
 
 Pure functions of numbers, with no plotting or file reading, so ``tests/unit/scripts/test_report_stats.py`` checks

@@ -1,7 +1,7 @@
-"""One property across the entry points (``train.py``, ``eval.py``, ``train.py ... --plan``, ``scripts/report.py``,
-``scripts/run_grid.py``) and every class of bad input issue 37 found: stderr is one line starting ``error: ``, the
-exit status is 2, and the file system is as it was (the working folder's tree, file by file, and the repository's
-top level), so that a mistyped command costs nothing but the line that says what to fix.
+"""One property across the entry points (``train.py``, ``eval.py``, ``train.py ... --plan``,
+``scripts/study/report.py``, ``scripts/study/run_grid.py``) and every class of bad input issue 37 found: stderr is one
+line starting ``error: ``, the exit status is 2, and the file system is as it was (the working folder's tree, file by
+file, and the repository's top level), so that a mistyped command costs nothing but the line that says what to fix.
 
 Each case runs the entry point's own ``__main__`` in this process (``runpy``, ``sys.argv`` as typed, a fresh
 working folder, stderr captured at the file descriptor): a process per case would spend most of its time importing
@@ -61,15 +61,15 @@ CASES: dict[str, tuple[str, list[str], str | None]] = {
     "plan/gpu_memory_0": ("train.py", ["--plan", "--gpu-memory", "0"], None),
     "plan/hidden_size_0": ("train.py", ["model=qwen2.5_0.5b", "model.arch.hidden_size=0", "--plan"], None),
     "plan/layers_negative": ("train.py", ["model=qwen2.5_0.5b", "model.arch.num_hidden_layers=-4", "--plan"], None),
-    # ---- scripts/report.py (items 4-6: its owner's; these are the inputs it refuses)
-    "report/no_folder": ("scripts/report.py", ["/nonexistent/sweep"], None),
-    "report/smooth_0": ("scripts/report.py", ["{empty}", "--smooth", "0"], None),
-    # ---- scripts/run_grid.py
-    "grid/unknown_experiment": ("scripts/run_grid.py", ["nosuch_experiment", "algo=grpo", *GRID], None),
-    "grid/cell_not_overrides": ("scripts/run_grid.py", ["study_demo", "algo", *GRID], None),
+    # ---- scripts/study/report.py (items 4-6: its owner's; these are the inputs it refuses)
+    "report/no_folder": ("scripts/study/report.py", ["/nonexistent/sweep"], None),
+    "report/smooth_0": ("scripts/study/report.py", ["{empty}", "--smooth", "0"], None),
+    # ---- scripts/study/run_grid.py
+    "grid/unknown_experiment": ("scripts/study/run_grid.py", ["nosuch_experiment", "algo=grpo", *GRID], None),
+    "grid/cell_not_overrides": ("scripts/study/run_grid.py", ["study_demo", "algo", *GRID], None),
     # a cell that does not compose is bad input known before any run (train.py -m refuses such a grid whole);
     # run_grid runs it and lists it failed, exit 1 (item 5's owner decides)
-    "grid/unknown_option": ("scripts/run_grid.py", ["study_demo", "algo=nosuch", *GRID], None),
+    "grid/unknown_option": ("scripts/study/run_grid.py", ["study_demo", "algo=nosuch", *GRID], None),
 }
 
 # what each bad input class's line must name (the key, the file, the option), beyond "error: "
@@ -204,6 +204,6 @@ def test_the_property_holds_in_real_processes(tmp_path):
         lines = p.stderr.strip().splitlines()
         assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (name, p.stderr[-3000:])
         assert tree(tmp_path) == before, name
-    grid = ["scripts/run_grid.py", "nosuch_experiment", "algo=grpo", "--sweep-dir", str(tmp_path / "sweep")]
+    grid = ["scripts/study/run_grid.py", "nosuch_experiment", "algo=grpo", "--sweep-dir", str(tmp_path / "sweep")]
     p = subprocess.run([sys.executable, *grid], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 2 and p.stderr.startswith("error: ") and len(p.stderr.strip().splitlines()) == 1

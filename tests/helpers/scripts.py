@@ -10,9 +10,10 @@ from tests.helpers.paths import ROOT
 
 
 def load_script(name: str):
-    """scripts/<name>.py as the module ``bapo_<name>``. scripts/ is not a package, so the file itself is loaded (a
-    tests/unit/scripts package would shadow it); the module is registered in sys.modules, as dataclasses need."""
-    spec = importlib.util.spec_from_file_location(f"bapo_{name}", ROOT / "scripts" / f"{name}.py")
+    """scripts/<name>.py (``study/report``: scripts/study/report.py) as the module ``bapo_<last part>``. scripts/ is not
+    a package, so the file itself is loaded (a tests/unit/scripts package would shadow it); the module is registered
+    in sys.modules, as dataclasses need."""
+    spec = importlib.util.spec_from_file_location(f"bapo_{name.rsplit('/', 1)[-1]}", ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)

@@ -1,4 +1,4 @@
-"""scripts/run_grid.py: a failed cell is listed by name with its error line and makes the exit status 1, while the
+"""scripts/study/run_grid.py: a failed cell is listed by name with its error line and makes the exit status 1, while the
 other cells still run; bad input is one ``error:`` line, exit status 2, and nothing written."""
 
 import gzip
@@ -11,8 +11,8 @@ import pytest
 from tests.helpers.paths import ROOT
 from tests.helpers.scripts import load_script
 
-run_grid = load_script("run_grid")
-report = load_script("report")
+run_grid = load_script("study/run_grid")
+report = load_script("study/report")
 
 
 def tree(root) -> dict:
@@ -101,7 +101,7 @@ def test_a_failed_cell_is_named_with_its_error_and_the_grid_exits_1(tmp_path, ca
 def test_a_real_grid_with_a_bad_cell_runs_the_rest_and_says_so(tmp_path):
     """Through the real entry points: two smoke runs and a bad learning rate between them (about 50 s)."""
     sweep = tmp_path / "sweep"
-    cmd = [sys.executable, "scripts/run_grid.py", "study_demo", "algo=grpo debug=smoke",
+    cmd = [sys.executable, "scripts/study/run_grid.py", "study_demo", "algo=grpo debug=smoke",
            "algo=grpo debug=smoke learner.lr=-1", "algo=bapo debug=smoke", "--seeds", "1", "--jobs", "1",
            "--sweep-dir", str(sweep)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -113,7 +113,8 @@ def test_a_real_grid_with_a_bad_cell_runs_the_rest_and_says_so(tmp_path):
     assert "error: ConfigError: learner.lr: must be > 0" in line, line
     for good in ("algo=grpo,debug=smoke,seed=1", "algo=bapo,debug=smoke,seed=1"):
         assert (sweep / good / "final_metrics.json").is_file(), good
-    proc = subprocess.run([sys.executable, "scripts/report.py", str(sweep)], cwd=ROOT, capture_output=True, text=True)
+    report_py = "scripts/study/report.py"
+    proc = subprocess.run([sys.executable, report_py, str(sweep)], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     md = (sweep / "report" / "report.md").read_text()
     row = next(x for x in md.splitlines() if x.startswith(f"| `{bad}` | grpo"))

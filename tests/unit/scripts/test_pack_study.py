@@ -13,7 +13,7 @@ import pytest
 from scripts.study import pack_study
 
 ROOT = Path(__file__).resolve().parents[3]
-spec = importlib.util.spec_from_file_location("bapo_report_pack", ROOT / "scripts" / "report.py")
+spec = importlib.util.spec_from_file_location("bapo_report_pack", ROOT / "scripts" / "study" / "report.py")
 report = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = report
 spec.loader.exec_module(report)
@@ -244,7 +244,7 @@ def test_a_committed_study_has_raw_data():
 
 @pytest.mark.parametrize("study", STUDIES, ids=[s.relative_to(ROOT / "docs" / "study").as_posix() for s in STUDIES])
 def test_committed_report_regenerates_from_committed_data(study, tmp_path):
-    """``scripts/report.py <pack>`` with the options the report names gives the committed report.md, byte for
+    """``scripts/study/report.py <pack>`` with the options the report names gives the committed report.md, byte for
     byte, and every plot it links."""
     committed = (study / "report.md").read_text()
     options = re.search(r"^Options: `([^`]*)`", committed, re.M)

@@ -1,4 +1,4 @@
-"""scripts/report.py on a hand-written sweep folder: the table's numbers, the plots, the crashed runs."""
+"""scripts/study/report.py on a hand-written sweep folder: the table's numbers, the plots, the crashed runs."""
 
 import json
 import math
@@ -8,7 +8,7 @@ import pytest
 from scripts.study import study_stats as stats
 from tests.helpers.scripts import load_script
 
-report = load_script("report")
+report = load_script("study/report")
 STEPS = 8  # eval at steps 0, 4 and 8
 
 

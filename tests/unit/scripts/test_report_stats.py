@@ -14,7 +14,7 @@ import pytest
 from scripts.study import study_stats as stats
 
 ROOT = Path(__file__).resolve().parents[3]
-spec = importlib.util.spec_from_file_location("bapo_report_stats", ROOT / "scripts" / "report.py")
+spec = importlib.util.spec_from_file_location("bapo_report_stats", ROOT / "scripts" / "study" / "report.py")
 report = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = report
 spec.loader.exec_module(report)

@@ -1,4 +1,5 @@
-"""Study v5's analysis (scripts/study_v5_stats.py, scripts/study_v5.py) and its grid driver (scripts/study_v5_grid.py).
+"""Study v5's analysis (scripts/study/study_v5_stats.py, scripts/study/study_v5.py) and its grid driver
+(scripts/study/study_v5_grid.py).
 
 The statistics are checked against hand-computed values (the arithmetic in comments) and against independent
 references written here: a plain loop over sign vectors, the exact null distribution by convolution of integer
@@ -13,10 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from scripts import study_v5, study_v5_grid
-from scripts.study import pack_study
+from scripts.study import pack_study, study_v5, study_v5_grid
 from scripts.study.study_stats import Interval
-from scripts.study_v5_stats import (
+from scripts.study.study_v5_stats import (
     HELPS,
     HURTS,
     INCONCLUSIVE,
@@ -319,7 +319,7 @@ def test_a_pack_keeps_finished_runs_and_never_trades_complete_for_failed():
 def test_the_driver_names_runs_as_run_grid_does(tmp_path):
     import unittest.mock as mock
 
-    from scripts import run_grid
+    from scripts.study import run_grid
 
     seen = []
 
@@ -345,7 +345,7 @@ GENERATED = [p for p in (V5 / "pilot" / "pilot.md", V5 / "analysis.md") if p.is_
 
 @pytest.mark.parametrize("path", GENERATED, ids=[p.relative_to(V5).as_posix() for p in GENERATED])
 def test_committed_study_v5_tables_regenerate_from_the_committed_packs(path):
-    """pilot.md's generated block and analysis.md are what scripts/study_v5.py makes of the committed packs."""
+    """pilot.md's generated block and analysis.md are what scripts/study/study_v5.py makes of the committed packs."""
     committed = path.read_text()
     if path.name == "pilot.md":
         block = committed[committed.index(study_v5.BEGIN) : committed.index(study_v5.END) + len(study_v5.END)]

@@ -46,7 +46,8 @@ def test_every_grid_point_validates(algo, mini_batches, tmp_path):
     rc = build(cfg, tmp_path)
     assert rc.sizes.max_reuse_staleness == mini_batches - 1
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    assert load_script("report").staleness_of(resolved) == mini_batches - 1  # the report groups by the same number
+    report = load_script("study/report")
+    assert report.staleness_of(resolved) == mini_batches - 1  # the report groups by the same number
     tags = [f"algo={algo}", "seed=2", f"mini_batches={mini_batches}", "ppo_epochs=1", "max_staleness=4"]
     assert resolved["logger"]["tags"] == tags  # wandb filters a sweep's runs by these
 

@@ -6,13 +6,13 @@ stopped study useful. Each run goes to ``<sweep dir>/<override_dirname>``, the f
 uses, so ``python train.py -m experiment=<name>`` and this script share finished runs both ways
 (``resume: auto`` in the study configs). A run whose ``final_metrics.json`` exists is skipped.
 
-    python scripts/run_grid.py study_v3 "algo=grpo learner.mini_batches_per_rollout=5" --seeds 1 2 3 4 5 --jobs 2
+    python scripts/study/run_grid.py study_v3 "algo=grpo learner.mini_batches_per_rollout=5" --seeds 1 2 3 4 5 --jobs 2
 
 Each cell is a space-separated list of overrides; every cell runs once per seed. Each run's output goes to
 ``<sweep dir>/logs/<run>.log``. ``<sweep dir>/logs/grid.jsonl`` gets a line per run queued (run, overrides) and
 a line per attempt (run, exit status, seconds, the ``error:`` line of a failed one). At the end the whole sweep
 folder, this grid's runs and any others in it, is packed into ``<sweep dir>/runs.jsonl.gz`` (``--pack``
-elsewhere; ``scripts/study/pack_study.py``), the raw data a study commits and ``scripts/report.py`` reads.
+elsewhere; ``scripts/study/pack_study.py``), the raw data a study commits and ``scripts/study/report.py`` reads.
 
 A bad cell does not stop the grid: every other run still runs. At the end each run of this grid without
 ``final_metrics.json`` is listed by name with its error line, and the exit status is 1. Bad input (an unknown
@@ -33,7 +33,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # scripts/ is read as a namespace package, as gpu_check.py does
 from scripts.study import pack_study  # noqa: E402

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # scripts/ is read as a namespace package, as report.py does
 from scripts.study.study_stats import Interval, t_quantile  # noqa: E402

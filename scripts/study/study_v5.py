@@ -1,7 +1,7 @@
 """Study v5, the clip-intensity ladder: the pilot's table and the pre-registered analysis, from the packs alone.
 
-    python scripts/study_v5.py pilot docs/study/v5/pilot/runs.jsonl.gz --out docs/study/v5/pilot/pilot.md
-    python scripts/study_v5.py analyse docs/study/v5 --out docs/study/v5/analysis.md
+    python scripts/study/study_v5.py pilot docs/study/v5/pilot/runs.jsonl.gz --out docs/study/v5/pilot/pilot.md
+    python scripts/study/study_v5.py analyse docs/study/v5 --out docs/study/v5/analysis.md
 
 ``pilot`` writes the calibration table (clip intensity c(lr) of GRPO at 5 updates per batch, the health checks)
 and the lrs it picks, between the markers of pilot.md (the prose around them is the author's). ``analyse``
@@ -29,12 +29,12 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # scripts/ is read as a namespace package, as report.py does
 from scripts.study.pack_study import PackError, read_pack, record_steps  # noqa: E402
 from scripts.study.study_stats import FLOOR_SHARE, holm, paired_t, t_interval  # noqa: E402
-from scripts.study_v5_stats import (  # noqa: E402
+from scripts.study.study_v5_stats import (  # noqa: E402
     ALPHA,
     EQUIVALENCE,
     EQUIVALENCE_LEVEL,
@@ -59,7 +59,7 @@ ENGAGED_MIN, C_HIGH_MIN = 0.25, 1.5  # BAPO's manipulation check, over steps 1-5
 HEALTH_DROP = 0.02  # pilot: the on-policy run may not fall more than this below its step 0
 # level -> why the plan does not run it (PLAN.md); a level without a pack and not listed here is still to come
 NOT_RUN = {"L3": "not run: the pilot's highest healthy lr is L2's (6e-4), so L3 would repeat L2 run for run"}
-BEGIN, END = "<!-- begin: scripts/study_v5.py pilot -->", "<!-- end: scripts/study_v5.py pilot -->"
+BEGIN, END = "<!-- begin: scripts/study/study_v5.py pilot -->", "<!-- end: scripts/study/study_v5.py pilot -->"
 DASH = "—"
 
 
@@ -537,7 +537,7 @@ def analysis(folder: Path) -> str:
     lines = [
         "# Study v5: the pre-registered analysis",
         "",
-        "Made from the packs alone by `python scripts/study_v5.py analyse docs/study/v5 --out "
+        "Made from the packs alone by `python scripts/study/study_v5.py analyse docs/study/v5 --out "
         "docs/study/v5/analysis.md`, in the order the plan ([PLAN.md](PLAN.md), committed before the grid's "
         "first run) fixes. Accuracy is held-out `eval/accuracy` (500 problems x 4 samples at T = 1); "
         "differences are bapo minus the other arm, paired by seed.",

@@ -1,12 +1,12 @@
 """Run study v5's grid level by level; a relaunch, in this session or a later one, reruns nothing that finished.
 
-    python scripts/study_v5_grid.py --packs /work/main/docs/study/v5 --commit
+    python scripts/study/study_v5_grid.py --packs /work/main/docs/study/v5 --commit
 
 Run it from a git worktree at the commit that holds the plan (docs/study/v5/README.md has the whole relaunch
 command: the worktree, nice, nohup). For each level in the plan's order (L2, then L1) it takes the runs the plan
 asks for (bapo, clip_higher, grpo and GRPO with the fixed window [0.69, 2.05] on seeds 1-20, on-policy GRPO on
 seeds 1-10: 90 a level), drops those complete in the level's pack (``<packs>/<level>/runs.jsonl.gz``, the
-committed one: the only record that outlives a session), and runs the rest through ``scripts/run_grid.py``
+committed one: the only record that outlives a session), and runs the rest through ``scripts/study/run_grid.py``
 (seed-major, so a stopped level holds whole seeds) into the level's sweep folder (``conf/experiment/study_v5*.yaml``;
 run_grid itself skips a run whose folder finished). Every ``--every`` finished runs, and at each level's end, the
 finished runs of the folder (complete or failed) are merged into the pack, and with ``--commit`` the pack alone is
@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # scripts/ is read as a namespace package, as report.py does
 from scripts.study.pack_study import read_folder, read_pack, write_pack  # noqa: E402
@@ -51,7 +51,7 @@ FINISHED = ("complete", "failed")  # what a pack keeps; an incomplete run (in fl
 
 
 def run_name(cell: str, seed: int) -> str:
-    """The run's folder under the sweep, as scripts/run_grid.py names it (Hydra's override_dirname)."""
+    """The run's folder under the sweep, as scripts/study/run_grid.py names it (Hydra's override_dirname)."""
     return ",".join(sorted([*cell.split(), f"seed={seed}"])).replace("/", ".")
 
 
@@ -158,7 +158,7 @@ def run_level(level: str, args, env: dict, head: str) -> None:
 
     done = save("before the level starts")
     for cells, seeds in batches(done):
-        cmd = [sys.executable, str(ROOT / "scripts" / "run_grid.py"), EXPERIMENT[level], *cells, "--seeds",
+        cmd = [sys.executable, str(ROOT / "scripts" / "study" / "run_grid.py"), EXPERIMENT[level], *cells, "--seeds",
                *map(str, seeds), "--jobs", str(args.jobs)]  # fmt: skip
         print(f"{level}: {len(cells)} cells x seeds {seeds[0]}-{seeds[-1]}", flush=True)
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env)

@@ -1,11 +1,11 @@
 """Turn a sweep folder, or a study's packed raw data, into a Markdown table and PNG plots.
 
-    python scripts/report.py multirun/ablation_staleness [--out DIR] [--smooth K]
-    python scripts/report.py docs/study/v4/runs.jsonl.gz --out docs/study/v4
+    python scripts/study/report.py multirun/ablation_staleness [--out DIR] [--smooth K]
+    python scripts/study/report.py docs/study/v4/runs.jsonl.gz --out docs/study/v4
 
 Every folder under the sweep that holds `config.yaml`, `.hydra/config.yaml` or `metrics.jsonl` is a
-run; a pack (`scripts/study/pack_study.py`, written at the end of `scripts/run_grid.py`) holds the same runs, and the
-report made from it is the report made from the folder, byte for byte. Runs are pooled into cells (`group_runs`:
+run; a pack (`scripts/study/pack_study.py`, written at the end of `scripts/study/run_grid.py`) holds the same runs,
+and the report made from it is the report made from the folder, byte for byte. Runs are pooled into cells (`group_runs`:
 runs that differ in nothing but the seed), shown by algo x staleness, and written to DIR (default `<sweep>/report`,
 or the pack's folder):
 
@@ -47,7 +47,7 @@ Definitions (repeated in report.md):
   `bapo (learner.lr=0.001)`, and a paired comparison is made only between cells that agree on those keys.
 - a run is complete when `final_metrics.json` exists. Incomplete runs (crashed, interrupted or still
   running) are left out of the statistics, counted in the `incomplete` column and listed by name, with the last
-  `error:` line or exception of their logs; so are the runs `scripts/run_grid.py` queued or started that left
+  `error:` line or exception of their logs; so are the runs `scripts/study/run_grid.py` queued or started that left
   no run folder (a start-up error removes the folder it made).
 - grad-norm spike: a step whose `learner/grad_norm` exceeds 3x the median of all earlier steps'
   grad norms; steps with fewer than 5 earlier values are never counted.
@@ -72,7 +72,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # scripts/ is read as a namespace package, as gpu_check.py does
 from scripts.study.pack_study import (  # noqa: E402
@@ -808,7 +808,7 @@ def render(
             "",
         ]
     lines += [
-        f"Options: `{options}` (`scripts/report.py <sweep or pack> {options}` makes this report again).",
+        f"Options: `{options}` (`scripts/study/report.py <sweep or pack> {options}` makes this report again).",
         "",
         "## Results",
         "",
