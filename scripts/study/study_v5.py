@@ -8,7 +8,7 @@ and the lrs it picks, between the markers of pilot.md (the prose around them is 
 reads ``<folder>/L1``, ``L2`` and ``L3``'s ``runs.jsonl.gz`` (a level not yet packed is reported as not run) and
 writes the whole analysis file in the plan's order (docs/study/v5/PLAN.md): manipulation checks, the six
 primary tests with Holm, the verdicts, the mechanism, the secondaries. Both regenerate byte for byte from the
-packs (tests/unit/scripts/test_study_v5.py).
+packs (tests/golden/test_committed_studies.py).
 
 Clip intensity c of a run: over steps 1-10, clipped advantage-carrying tokens over advantage-carrying tokens,
 

@@ -4,7 +4,6 @@ is the report made from the folder, and that every committed study report regene
 import gzip
 import importlib.util
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -229,29 +228,3 @@ def test_last_exception_reads_tracebacks_and_one_line_errors(tmp_path):
     assert pack_study.last_exception(log) == "ValueError: c"
     log.write_text("step 3 ok\n")
     assert pack_study.last_exception(log) is None
-
-
-# ------------------------------------------------------------------- the committed studies regenerate
-
-STUDIES = sorted(
-    p.parent for p in (ROOT / "docs" / "study").rglob("runs.jsonl.gz") if (p.parent / "report.md").is_file()
-)
-
-
-def test_a_committed_study_has_raw_data():
-    assert STUDIES, "no docs/study/<name>/ holds both runs.jsonl.gz and report.md"
-
-
-@pytest.mark.parametrize("study", STUDIES, ids=[s.relative_to(ROOT / "docs" / "study").as_posix() for s in STUDIES])
-def test_committed_report_regenerates_from_committed_data(study, tmp_path):
-    """``scripts/study/report.py <pack>`` with the options the report names gives the committed report.md, byte for
-    byte, and every plot it links."""
-    committed = (study / "report.md").read_text()
-    options = re.search(r"^Options: `([^`]*)`", committed, re.M)
-    assert options, f"{study / 'report.md'} does not name the options it was made with"
-    out = tmp_path / study.name
-    assert report.main([str(study / "runs.jsonl.gz"), "--out", str(out), *options.group(1).split()]) == 0
-    assert (out / "report.md").read_text() == committed
-    for png in re.findall(r"\]\(([^)]+\.png)\)", committed):
-        assert (out / png).is_file(), png
-        assert (study / png).is_file(), f"{study.name}/report.md links {png}, which is not committed"

@@ -335,20 +335,3 @@ def test_the_driver_names_runs_as_run_grid_does(tmp_path):
         run_grid.run_one("study_v5", [*cell.split(), "seed=7"], Path("/nonexistent/sweep"), tmp_path)
     run_dir = next(a for a in seen[0] if a.startswith("hydra.run.dir="))
     assert run_dir == f"hydra.run.dir='/nonexistent/sweep/{study_v5_grid.run_name(cell, 7)}'"
-
-
-# ------------------------------------------------------------------------------------------- the committed files
-
-
-GENERATED = [p for p in (V5 / "pilot" / "pilot.md", V5 / "analysis.md") if p.is_file()]
-
-
-@pytest.mark.parametrize("path", GENERATED, ids=[p.relative_to(V5).as_posix() for p in GENERATED])
-def test_committed_study_v5_tables_regenerate_from_the_committed_packs(path):
-    """pilot.md's generated block and analysis.md are what scripts/study/study_v5.py makes of the committed packs."""
-    committed = path.read_text()
-    if path.name == "pilot.md":
-        block = committed[committed.index(study_v5.BEGIN) : committed.index(study_v5.END) + len(study_v5.END)]
-        assert study_v5.pilot_block(path.parent / "runs.jsonl.gz") == block
-    else:
-        assert study_v5.analysis(path.parent) == committed
