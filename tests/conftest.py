@@ -17,6 +17,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
+from tests.helpers.config import memoise_compositions  # noqa: E402
 from tests.helpers.guards import alarm_guard  # noqa: E402
 from tests.helpers.modeling import QWEN, R1  # noqa: E402
 from tests.helpers.paths import ROOT, SHARED_DATA, TINY  # noqa: E402
@@ -30,6 +31,9 @@ if os.environ.get("CI"):
 # `make test-fast` runs two pytest-xdist workers on 2 cores: one intra-op thread each, so they do not fight
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
+
+# a configuration composed twice in this process is composed once (tests/helpers/config.py says how it is keyed)
+memoise_compositions()
 
 
 @pytest.fixture(autouse=True)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import functools
 import importlib
 import math
 import re
@@ -166,7 +167,7 @@ def typed(key: str, node: Any, schema: type, tree: Any = None) -> Any:
         raise ConfigError(f"{key}: expected a group of keys, got {node!r}")
     check_bools(key, node, schema)
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(schema), node)
+        merged = OmegaConf.merge(_template(schema), node)  # merge copies the template: it stays as built
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         sub = getattr(e, "full_key", None)
@@ -176,6 +177,21 @@ def typed(key: str, node: Any, schema: type, tree: Any = None) -> Any:
         hits = did_you_mean(key, unknown, node if tree is None else tree) if isinstance(unknown, str) else []
         hint = f"; did you mean {' or '.join(hits)}?" if hits else ""
         raise ConfigError(f"{full}: {msg}{hint}") from None
+
+
+@functools.cache
+def _template(schema: type) -> DictConfig:
+    """``OmegaConf.structured(schema)``, built once per schema (a run checks each group once; the tests, thousands of
+    times)."""
+    return OmegaConf.structured(schema)
+
+
+@functools.cache
+def _hints(schema: type) -> dict:
+    try:
+        return typing.get_type_hints(schema)
+    except Exception:  # noqa: BLE001 (a name only its module's type checker sees: fall back to the annotation text)
+        return {}
 
 
 def _members(tp: Any) -> set:
@@ -189,10 +205,7 @@ def _members(tp: Any) -> set:
 def check_bools(key: str, node: dict, schema: type) -> None:
     """Refuse anything but true or false (or null, where the field allows it) for every ``bool`` field of ``schema``
     and of the schemas nested in it, naming the key: OmegaConf would read ``2``, ``"yes"`` or ``"0"`` as a boolean."""
-    try:
-        hints = typing.get_type_hints(schema)
-    except Exception:  # noqa: BLE001 (a name only its module's type checker sees: fall back to the annotation text)
-        hints = {}
+    hints = _hints(schema)
     for f in dataclasses.fields(schema):
         if f.name not in node:
             continue

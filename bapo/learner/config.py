@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from omegaconf import MISSING
 
 from bapo.infra.checks import ConfigError, choice, require, resumable
-from bapo.learner.fsdp import MIXED_PRECISION
+
+# learner.mixed_precision: FSDP2's compute dtype (bapo.learner.fsdp.wrap); here so that a config check needs no torch
+MIXED_PRECISION = ("auto", "bf16", "fp32")
 
 OLD_LOGP = ("rollout", "recompute")  # the engine's recorded log-probs | the learner's at the same version
 

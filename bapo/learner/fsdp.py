@@ -59,9 +59,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from bapo.infra import ckpt_folder
 from bapo.infra.ckpt_folder import CheckpointError
+from bapo.learner.config import MIXED_PRECISION
 from bapo.learner.weights import StreamedWeights, write_dtype, write_extra
-
-MIXED_PRECISION = ("auto", "bf16", "fp32")
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

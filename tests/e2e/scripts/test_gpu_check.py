@@ -74,6 +74,8 @@ def test_a_section_that_dies_or_hangs_is_a_fail_line_and_the_next_one_runs(tmp_p
     hung = gpu_check.run_section("host", sys.executable, args, tmp_path, left=60)
     assert time.perf_counter() - t0 < 20 and hung["verdict"] == "fail"
     assert hung["reason"] == "killed at its timeout of 1 s" and hung["section"] == "host"
+    # a worker that dies at once: its timeout is far above an interpreter's start on a busy machine (1 s was not)
+    monkeypatch.setitem(gpu_check.SECTIONS, "host", (60, 60, False))
     monkeypatch.setattr(gpu_check, "WORKER", fake_worker(tmp_path, "print('CUDA error: out of memory'); sys.exit(3)"))
     died = gpu_check.run_section("host", sys.executable, args, tmp_path, left=60)
     assert died["reason"] == "exit 3: CUDA error: out of memory" and "out of memory" in died["log_tail"]
