@@ -519,16 +519,18 @@ def test_a_busy_worker_exits_by_itself_once_its_learner_is_gone(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", [[], ["train.async_rollout=true", "buffer.max_staleness=3"]], ids=["sync", "async"])
-def test_torchrun_learner_ranks_with_workers_train_as_the_colocated_ranks_and_resume_exactly(tmp_path, mode):
+def test_torchrun_learner_ranks_with_workers_train_as_the_colocated_ranks_and_resume_exactly(
+    tmp_path, tmp_path_factory, mode
+):
     # `torchrun --nproc_per_node=2 train.py learner=fsdp placement=disaggregated rollout.workers=2`: rank 0 holds
     # the workers, every rank reads the FSDP weights together, and each worker makes the share its rank would
     # have. Training metrics equal the colocated 2-rank run's; evaluation is one generator (worker 0) here
     # where the colocated ranks are two, so its metrics are not compared.
 
-    from tests.helpers.processes import torchrun
+    from tests.helpers.processes import shared_torchrun, torchrun
 
     dis = [*DIS, "rollout.workers=2", *mode]
-    torchrun(tmp_path / "colocated", *mode)
+    colocated, _ = shared_torchrun(tmp_path_factory, *mode)  # test_loop_fsdp's run of the mode
     out = torchrun(tmp_path / "full", *dis)
     assert "2 rollout worker(s) ready" in out and out.count("2 rollout worker(s) ready") == 1  # rank 0's only
 
@@ -537,7 +539,7 @@ def test_torchrun_learner_ranks_with_workers_train_as_the_colocated_ranks_and_re
 
     full = rows(tmp_path / "full")
     assert [r["step"] for r in full] == [0, 1, 2, 3, 4]
-    assert training(rows(tmp_path / "colocated")) == training(full)
+    assert training(rows(colocated)) == training(full)
     killed_after_step_3(tmp_path / "full", tmp_path / "resumed")
     out = torchrun(tmp_path / "resumed", *dis, "resume=auto")
     assert "resumed from" in out and "step_000002" in out

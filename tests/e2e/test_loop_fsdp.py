@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.metrics import rows, untimed
-from tests.helpers.processes import torchrun
+from tests.helpers.processes import shared_torchrun, torchrun
 from tests.helpers.runs import killed_after_step_3
 
 pytestmark = pytest.mark.slow  # end to end: real runs of the loop (make test-fast skips them)
@@ -26,12 +26,12 @@ MODES = {
 
 
 @pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
-def test_two_rank_fsdp_run_trains_checkpoints_and_resumes_exactly(tmp_path, mode):
-    out = torchrun(tmp_path / "full", *mode)
-    full = rows(tmp_path / "full")
+def test_two_rank_fsdp_run_trains_checkpoints_and_resumes_exactly(tmp_path, tmp_path_factory, mode):
+    run, out = shared_torchrun(tmp_path_factory, *mode)  # the disaggregated tests compare against the same run
+    full = rows(run)
     assert [r["step"] for r in full] == [0, 1, 2, 3, 4]
     assert out.count("step    3 |") == 1  # only rank 0 reports
-    ckpt = tmp_path / "full" / "checkpoints" / "step_000002"
+    ckpt = run / "checkpoints" / "step_000002"
     assert {p.name for p in ckpt.iterdir()} >= {
         "state.pt",
         "meta.json",
@@ -50,8 +50,8 @@ def test_two_rank_fsdp_run_trains_checkpoints_and_resumes_exactly(tmp_path, mode
         assert states[0]["snapshot_versions"], states[0]["snapshot_versions"]
     from transformers import AutoModelForCausalLM
 
-    AutoModelForCausalLM.from_pretrained(tmp_path / "full" / "export")  # the gathered HF export loads
-    killed_after_step_3(tmp_path / "full", tmp_path / "resumed")
+    AutoModelForCausalLM.from_pretrained(run / "export")  # the gathered HF export loads
+    killed_after_step_3(run, tmp_path / "resumed")
     out = torchrun(tmp_path / "resumed", *mode, "resume=auto")
     assert "resumed from" in out and "step_000002" in out
     assert untimed(rows(tmp_path / "resumed")) == untimed(full)

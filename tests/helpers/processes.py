@@ -1,7 +1,11 @@
 """Processes the end-to-end tests start: the FSDP loop under torchrun, and the interpreter of an engine."""
 
+import fcntl
+import hashlib
 import importlib.util
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +31,26 @@ def torchrun(run_dir: Path, *extra: str, launcher=TORCHRUN) -> str:
     )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p.stdout + p.stderr
+
+
+def shared_torchrun(tmp_path_factory, *extra: str) -> tuple[Path, str]:
+    """``torchrun(run_dir, *extra)`` run once per pytest session, for the tests that only read it: its folder and
+    its output. The xdist workers of one session share it (a folder under the session's base temp, taken under a
+    file lock), so the 2-rank run two test modules both need starts two processes, not four. A reader copies the
+    folder to change it (``killed_after_step_3``); a failed run is not kept, and the next reader runs it again."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared-runs"
+    root.mkdir(exist_ok=True)
+    key = hashlib.sha256(json.dumps([*FSDP_LOOP, *extra]).encode()).hexdigest()[:16]
+    run_dir, done = root / key, root / f"{key}.out"
+    with open(root / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when the run fails
+        if not done.exists():
+            shutil.rmtree(run_dir, ignore_errors=True)  # a failed attempt's leftovers
+            out = torchrun(run_dir, *extra)
+            done.with_suffix(".tmp").write_text(out)
+            done.with_suffix(".tmp").rename(done)  # the mark of a finished run, written last
+    return run_dir, done.read_text()
 
 
 def vllm_python() -> str | None:
