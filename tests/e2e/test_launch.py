@@ -25,13 +25,14 @@ from bapo.entry import launch  # noqa: E402
 from bapo.infra.checks import ConfigError  # noqa: E402
 from tests.helpers.config import compose  # noqa: E402
 from tests.helpers.paths import ROOT  # noqa: E402
+from tests.helpers.processes import FSDP_LOOP, shared_torchrun  # noqa: E402
 
 DOC = ROOT / "docs" / "gpu.md"
 ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled")
 for _k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", launch.FAKE_DEVICES):
     ENV.pop(_k, None)
 # The loop of tests/e2e/test_loop_fsdp.py; logp_check_share stays at its default (one row: 2 ranks need 2)
-ARGS = ["learner=fsdp", "debug=smoke", "learner.lr=1e-3", "train.steps=4", "checkpoint.every=2"]
+ARGS = FSDP_LOOP[1:]
 TWO = ["launcher.nproc_per_node=2"]
 
 
@@ -323,11 +324,10 @@ def launched(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-def test_two_launched_ranks_equal_torchrun_metric_for_metric(launched, tmp_path):
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    p = train(*ARGS, f"hydra.run.dir={tmp_path / 'torchrun'}", launcher=torchrun)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert untimed(rows(launched)) == untimed(rows(tmp_path / "torchrun"))
+def test_two_launched_ranks_equal_torchrun_metric_for_metric(launched, tmp_path_factory):
+    # `torchrun --standalone --nproc_per_node=2 train.py <ARGS>`: test_loop_fsdp's run, made once per session
+    torchrun, _ = shared_torchrun(tmp_path_factory)
+    assert untimed(rows(launched)) == untimed(rows(torchrun))
     assert [r["step"] for r in rows(launched)] == [0, 1, 2, 3, 4]
     meta = json.loads((launched / "checkpoints" / "step_000004" / "meta.json").read_text())
     assert meta["world_size"] == 2  # two ranks, one folder (the parent pinned it): theirs and torchrun's alike
