@@ -39,7 +39,7 @@ demo: install ## run the default job: BAPO on the tiny model (about 5 minutes on
 # The vLLM tests (-k vllm) live in the engine contract, the in-process engine's unit tests and the e2e engine tests
 VLLM_TESTS := tests/contracts/test_engine_contract.py tests/unit/engines tests/e2e/engines
 
-test: install ## the whole suite, as CI runs it, on 2 xdist workers, then the vLLM tests in .venv-vllm, also on 2 (about 39 minutes in all on 2 idle cores from a fresh clone, 2026-12-05)
+test: install ## the whole suite, as CI runs it, on 2 xdist workers, then the vLLM tests in .venv-vllm, also on 2 (about 36 minutes in all on 2 idle cores from a fresh clone, 2026-12-05)
 	$(PY) -m pytest -n 2 --dist loadfile
 	@if [ -x $(VLLM_VENV)/bin/python ]; then \
 		echo "== vLLM engine and loop (transformers $$($(VLLM_VENV)/bin/python -c 'import transformers as t; print(t.__version__)'), $(VLLM_VENV))"; \
