@@ -78,7 +78,7 @@ from bapo.engines.staging import (
     model_bytes,
     save_weights,
 )
-from bapo.engines.vllm import checkpoint_generation_config, request_seed, vllm_installed
+from bapo.engines.vllm import checkpoint_generation_config, cpu_compile_cache, request_seed, vllm_installed
 from bapo.infra import dist
 from bapo.infra.checks import ConfigError, require, resumable
 from bapo.samples import Prompt, Sample
@@ -390,6 +390,7 @@ class VLLMServerRollout(RolloutEngine):
         ]  # fmt: skip
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")  # /collective_rpc and /reset_prefix_cache
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        cpu_compile_cache(env)
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(k, None)  # the server is not a torchrun rank

