@@ -26,6 +26,7 @@ within about a second when the learner's process is gone.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import logging
 import os
@@ -44,12 +45,17 @@ from bapo.rollout.workers import AUTHKEY_ENV, recv, send
 log = logging.getLogger("bapo.rollout.worker")
 
 
-def watch_parent(parent: int, period_s: float = 0.5) -> None:
-    """Exit this process once ``parent`` is no longer its parent (the learner died, even by SIGKILL)."""
+def watch_parent(parent: int, period_s: float = 0.5, own_log: str | None = None) -> None:
+    """Exit this process once ``parent`` is no longer its parent (the learner died, even by SIGKILL). ``own_log``:
+    this process's log file, removed first: the pool that would have removed it (or kept it, naming it in an
+    error) died with the learner, and a learner killed by SIGKILL left one file per worker in /tmp."""
 
     def loop() -> None:
         while True:
             if os.getppid() != parent:
+                if own_log is not None:
+                    with contextlib.suppress(OSError):
+                        os.unlink(own_log)
                 os._exit(3)
             time.sleep(period_s)
 
@@ -188,9 +194,10 @@ def main(argv: list[str] | None, build: Callable[[dict], tuple]) -> int:
     parser.add_argument("--connect", required=True, metavar="HOST:PORT")
     parser.add_argument("--index", type=int, required=True)
     parser.add_argument("--parent", type=int, default=None, help="the learner's pid (default: this process's parent)")
+    parser.add_argument("--log", default=None, help="this process's log file, removed if the learner dies")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's: it stops us after its checkpoint
-    watch_parent(args.parent or os.getppid())  # a learner gone before this line is noticed too
+    watch_parent(args.parent or os.getppid(), own_log=args.log)  # a learner gone before this line is noticed too
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker{args.index} %(levelname)s %(message)s")
     host, port = args.connect.rsplit(":", 1)
     key = os.environ.pop(AUTHKEY_ENV, "")

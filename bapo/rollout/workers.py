@@ -31,8 +31,8 @@ reason (a :class:`WorkerError`: one line, exit status 1). A worker's log (a temp
 error or a restart warning only when it holds something to read (the traceback of a worker that failed), and
 is then kept; the others are removed with the pool. A worker that reports an error of its own (a bad request,
 a model that does not match the learner's) is not restarted: that error is the run's. Workers watch their
-parent: if the learner dies, they exit within about a second. They ignore SIGINT, so Ctrl-C in a terminal
-reaches the learner, which stops them after its checkpoint.
+parent: if the learner dies, they remove their own logs and exit within about a second. They ignore SIGINT, so
+Ctrl-C in a terminal reaches the learner, which stops them after its checkpoint.
 """
 
 from __future__ import annotations
@@ -253,6 +253,8 @@ class WorkerPool:
             str(index),
             "--parent",
             str(os.getpid()),
+            "--log",
+            log_path,
         ]
         with os.fdopen(fd, "w") as out:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env)

@@ -51,6 +51,12 @@ def alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+def worker_log(pid: int) -> str:
+    """The log file of the rollout worker ``pid`` (its ``--log`` argument)."""
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    return argv[argv.index("--log") + 1]
+
+
 def worker_pids(parent: int) -> list[int]:
     """The rollout workers among ``parent``'s children (from /proc)."""
     out = []
@@ -439,9 +445,12 @@ def test_sigkill_of_the_learner_leaves_no_worker_and_resume_gives_the_same_metri
     wait_for_step(p, tmp_path / "killed", 3)
     pids = worker_pids(p.pid)
     assert len(pids) == 1
+    logs = [worker_log(x) for x in pids]
+    assert all(Path(x).is_file() for x in logs), logs
     p.send_signal(signal.SIGKILL)
     p.wait()
     wait_until(lambda: not any(alive(x) for x in pids), 10, "a worker outlived its learner")
+    assert not [x for x in logs if Path(x).exists()]  # before: one file per worker left in /tmp by every kill
     resumed = launch(tmp_path / "killed", *async_k3, "resume=auto")
     out = resumed.communicate(timeout=300)[0]
     assert resumed.returncode == 0, out

@@ -137,8 +137,11 @@ def test_bad_addresses_are_one_line_errors(tiny_tok):
 
 
 def test_a_server_that_cannot_start_says_why(tiny_tok):
-    with pytest.raises(ConfigError, match=r"the server exited with code \d+ before it was ready: .*no-such-flag"):
+    with pytest.raises(ConfigError, match=r"the server exited with code \d+ before it was ready: .*no-such-flag") as e:
         VLLMServerRollout(str(TINY), tiny_tok, server_args=["--no-such-flag"], **KW)
+    log = Path(str(e.value).rsplit("(its log: ", 1)[1].removesuffix(")"))  # kept for the user: the whole story
+    assert "no-such-flag" in log.read_text()
+    log.unlink()  # read: the test leaves nothing in /tmp
 
 
 def _ours() -> list[str]:
