@@ -53,13 +53,28 @@ def watch_parent(parent: int, period_s: float = 0.5, own_log: str | None = None)
     def loop() -> None:
         while True:
             if os.getppid() != parent:
-                if own_log is not None:
-                    with contextlib.suppress(OSError):
-                        os.unlink(own_log)
-                os._exit(3)
+                _orphaned(own_log)
             time.sleep(period_s)
 
     threading.Thread(target=loop, name="bapo-parent-watch", daemon=True).start()
+
+
+def await_parent_exit(parent: int, own_log: str | None, wait_s: float = 5.0) -> None:
+    """The learner's connection ended without a stop. A learner killed by SIGKILL closes its sockets a moment
+    before its children are handed on, so the parent watch may not have seen it yet: end as the watch does once
+    ``parent`` is gone. Returns if it is still there after ``wait_s`` (it dropped this worker)."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if os.getppid() != parent:
+            _orphaned(own_log)
+        time.sleep(0.02)
+
+
+def _orphaned(own_log: str | None) -> None:
+    if own_log is not None:
+        with contextlib.suppress(OSError):
+            os.unlink(own_log)
+    os._exit(3)
 
 
 class Heart:
@@ -142,16 +157,16 @@ def receive_weights(pg, meta: list) -> dict[str, torch.Tensor]:
     return out
 
 
-def serve(conn, heart: Heart, pg, maker, engine, expected) -> None:
-    """Answer the learner's requests until it says stop or goes away."""
+def serve(conn, heart: Heart, pg, maker, engine, expected) -> bool:
+    """Answer the learner's requests until it says stop (True) or goes away (False)."""
     while True:
         try:
             msg = recv(conn)
         except (EOFError, OSError):
-            return
+            return False
         kind = msg[0]
         if kind == "stop":
-            return
+            return True
         heart.busy.set()
         try:
             if kind == "weights":
@@ -197,13 +212,18 @@ def main(argv: list[str] | None, build: Callable[[dict], tuple]) -> int:
     parser.add_argument("--log", default=None, help="this process's log file, removed if the learner dies")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's: it stops us after its checkpoint
-    watch_parent(args.parent or os.getppid(), own_log=args.log)  # a learner gone before this line is noticed too
+    parent = args.parent or os.getppid()
+    watch_parent(parent, own_log=args.log)  # a learner gone before this line is noticed too
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker{args.index} %(levelname)s %(message)s")
     host, port = args.connect.rsplit(":", 1)
     key = os.environ.pop(AUTHKEY_ENV, "")
     conn = Client((host, int(port)), authkey=bytes.fromhex(key))
     send(conn, ("hello", args.index, os.getpid()))
-    kind, init = recv(conn)
+    try:
+        kind, init = recv(conn)
+    except (EOFError, OSError):
+        await_parent_exit(parent, args.log)
+        return 1
     if kind != "init":
         return 2
     timeout_s = float(init.get("timeout_s", 900))
@@ -224,7 +244,9 @@ def main(argv: list[str] | None, build: Callable[[dict], tuple]) -> int:
     pg = tdist.ProcessGroupGloo(tdist.PrefixStore(init["prefix"], store), 1, 2, timeout)
     heart.reply(("ready", None))
     try:
-        serve(conn, heart, pg, maker, engine, expected_weights(engine_model))
+        stopped = serve(conn, heart, pg, maker, engine, expected_weights(engine_model))
     finally:
         verifier.close()
+    if not stopped:
+        await_parent_exit(parent, args.log)
     return 0
