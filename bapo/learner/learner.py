@@ -420,7 +420,8 @@ class Learner:
 
         Mini-batch scope: one choice, over every token of the update (for fixed bounds,
         recomputed from the ratios already seen: no extra forward). Micro-batch scope:
-        token-weighted means of the per-micro-batch choices are logged, and a stateful
+        token-weighted means of the per-micro-batch choices are logged (a stat over the
+        micro-batches that report it), and a stateful
         objective steps on a choice over all of the update's tokens.
         """
         if chosen is not None:
@@ -429,9 +430,11 @@ class Learner:
         whole = self._choose(seen)[1] if mini or self.objective.stateful else None
         if mini:
             return whole, whole
-        tot = sum(n for _, n in per_micro) or 1
         keys = {k for st, _ in per_micro for k in st}
-        logged = {k: sum(float(st.get(k, 0.0)) * n for st, n in per_micro) / tot for k in keys}
+        logged = {}
+        for k in keys:  # a stat only some micro-batches have (bapo/target_reached) is their mean
+            have = [(float(st[k]), n) for st, n in per_micro if k in st]
+            logged[k] = sum(v * n for v, n in have) / (sum(n for _, n in have) or 1)
         return logged, logged if whole is None else whole
 
     # ------------------------------------------------------------------ checkpoints and export
