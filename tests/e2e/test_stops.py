@@ -103,6 +103,21 @@ def stop_in(
     return out, sent
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process below it at once (a node lost): the launcher, its ranks (torch's agent puts
+    each in a session of its own) and their workers."""
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        kids = subprocess.run(["ps", "-o", "pid=", "--ppid", str(tree[-1])], capture_output=True, text=True).stdout
+        todo += [int(k) for k in kids.split()]
+    for p in tree:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def saved(run_dir: Path) -> tuple[int, dict]:
     """The newest checkpoint's step and meta.json."""
     found = checkpoint.step_dirs(run_dir / "checkpoints")
@@ -110,10 +125,12 @@ def saved(run_dir: Path) -> tuple[int, dict]:
     return found[-1][0], checkpoint.read_meta(found[-1][1])
 
 
-def assert_stopped(out: str, sent: float, code: int, run_dir: Path) -> None:
-    """Stopped by the signal, no rank killed, and the checkpoint written within the grace of the signal."""
-    assert "RankKilled" not in out and "error:" not in out, out[-4000:]
-    assert code in {128 + s for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)}, out[-3000:]
+def assert_stopped(out: str, sent: float, code: int, run_dir: Path, *, torchrun: bool = False) -> None:
+    """Stopped by the signal, no rank killed, and the checkpoint written within the grace of the signal. (torchrun
+    itself exits 1 after passing a signal on; the project's launch exits 128 + the signal, as one process does.)"""
+    assert "RankKilled" not in out and "error:" not in out and "Unable to shutdown process" not in out, out[-4000:]
+    stops = {128 + s for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)}
+    assert code in (stops | {1} if torchrun else stops), (code, out[-3000:])
     took = saved(run_dir)[1]["time"] - sent
     assert 0 < took < GRACE, f"the checkpoint came {took:.1f} s after the signal (grace {GRACE} s):\n{out[-3000:]}"
 
@@ -156,7 +173,7 @@ def test_torchrun_sighup_in_the_updates_then_ctrl_c_in_the_evaluation(tmp_path, 
     run_dir, marks = tmp_path / "run", tmp_path / "phase"
     p = start(TORCHRUN, run_dir, marks=marks, pace_from="update 6")
     out, sent = stop_in(p, marks, "update", 6, signal.SIGHUP)  # step 1's 2nd update (loss calls 1-4, 5-8)
-    assert_stopped(out, sent, p.returncode, run_dir)
+    assert_stopped(out, sent, p.returncode, run_dir, torchrun=True)
     step, meta = saved(run_dir)
     assert (step, meta["version"], meta["pending_updates"]) == (0, 1, 1)
     # resumed: step 1 ends, step 2 trains, and Ctrl-C (to the whole process group) comes in step 2's evaluation
@@ -164,7 +181,7 @@ def test_torchrun_sighup_in_the_updates_then_ctrl_c_in_the_evaluation(tmp_path, 
     marks.unlink()
     p = start(TORCHRUN, run_dir, "resume=auto", marks=marks, pace_from="generate 2")
     out, sent = stop_in(p, marks, "generate", 2, signal.SIGINT, group=True)
-    assert_stopped(out, sent, p.returncode, run_dir)
+    assert_stopped(out, sent, p.returncode, run_dir, torchrun=True)
     step, meta = saved(run_dir)
     assert (step, meta["version"], meta["pending_updates"]) == (1, 4, 2)  # step 2's updates made, its eval not
     p = start(TORCHRUN, run_dir, "resume=auto")
@@ -175,7 +192,8 @@ def test_torchrun_sighup_in_the_updates_then_ctrl_c_in_the_evaluation(tmp_path, 
 
 def test_a_launched_sweep_cell_stopped_in_its_updates_resumes_on_relaunch(tmp_path, reference):
     sweep, marks = tmp_path / "sweep", tmp_path / "phase"
-    cmd = [*PLAIN, "-m", "seed=1", f"hydra.sweep.dir={sweep}", "hydra.sweep.subdir=cell"]
+    cmd = [sys.executable, "train.py", "-m", "launcher.nproc_per_node=2", "seed=1", f"hydra.sweep.dir={sweep}",
+           "hydra.sweep.subdir=cell"]  # fmt: skip
     p = subprocess.Popen(
         [*cmd, *RUN], cwd=ROOT, env=_env(marks, "update 5"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, start_new_session=True,
@@ -201,7 +219,7 @@ def test_sigkill_after_a_time_based_checkpoint_loses_at_most_that_interval(tmp_p
     wait_phase(p, marks, "update", 9)  # step 2's first update: step 1 ended in a checkpoint
     step, meta = saved(run_dir)
     assert step == 1 and meta["version"] == 2
-    os.killpg(p.pid, signal.SIGKILL)
+    kill_tree(p.pid)
     finish(p)
     p = start(PLAIN, run_dir, "resume=auto")
     out = finish(p)
