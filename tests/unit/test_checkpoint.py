@@ -180,6 +180,7 @@ def test_dcp_extra_state_may_hold_tensors(tmp_path):
 def test_a_dcp_checkpoint_before_the_first_step_keeps_the_optimizer_fresh(tmp_path):
     """DCP's get_state_dict fills an empty optimizer with a zero-lr step (AdamW step 1): neither the saving run nor a
     resumed one may keep it, or the first real update's bias correction differs from the uninterrupted run's."""
+
     def fresh():
         lrn = small_learner()
         lrn.optimizer = torch.optim.AdamW(lrn.model.parameters(), lr=1e-2)

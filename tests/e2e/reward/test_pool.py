@@ -260,7 +260,11 @@ def test_a_stop_signal_to_the_process_group_does_not_turn_rewards_into_zero():
         v.score([r"\boxed{0.5}", r"\boxed{0.2}"], [r"\frac12", r"\frac15"])  # both workers started and ready
         pids = [w.proc.pid for w in v._workers]
         out = {}
-        grader = threading.Thread(target=lambda: out.update(zip(("rewards", "stats"), v.score(responses, answers))))
+
+        def grade() -> None:
+            out["rewards"], out["stats"] = v.score(responses, answers)
+
+        grader = threading.Thread(target=grade)
         grader.start()
         time.sleep(0.5)  # every worker has a pair in flight
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1):
