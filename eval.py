@@ -73,6 +73,7 @@ def _evaluate(cfg: DictConfig, run_dir, job, source, problems: dict, log) -> dic
     from bapo.engines import build_rollout, engine_traits
     from bapo.eval import evaluate as ev
     from bapo.infra import dist
+    from bapo.infra.artifacts import check_model_folder
     from bapo.modeling import attention_kernel, load_model, load_tokenizer, model_path, pick_device
     from bapo.reward import MathVerifier
 
@@ -84,7 +85,7 @@ def _evaluate(cfg: DictConfig, run_dir, job, source, problems: dict, log) -> dic
         if source
         else model_path(m.name_or_path, m.gguf.package if m.gguf else None, m.gguf.file if m.gguf else None)
     )
-    ev.check_model_folder(path, key)
+    check_model_folder(path, key, trust_remote_code=m.trust_remote_code)  # a damaged or hostile one: one line
     try:
         tok = load_tokenizer(path, trust_remote_code=m.trust_remote_code)
         context = ev.model_context(path, trust_remote_code=m.trust_remote_code)

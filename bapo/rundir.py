@@ -34,10 +34,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
 from bapo.config import resumable_keys
+from bapo.infra.artifacts import load_config
 from bapo.infra.checks import ConfigError, UserError
 
 log = logging.getLogger(__name__)
@@ -416,21 +414,12 @@ def resume_changes(saved_cfg: dict, new_cfg: dict) -> list[Change]:
 
 
 def saved_config(run_dir: str | Path) -> dict | None:
-    """A run's config.yaml as a plain dict; None if the run has none."""
+    """A run's config.yaml as a plain dict (``bapo.infra.artifacts``: read as data, never resolved, an interpolation
+    in it refused naming the key); None if the run has none."""
     f = Path(run_dir) / "config.yaml"
     if not f.is_file():
         return None
-    try:
-        cfg = OmegaConf.to_container(OmegaConf.load(f), resolve=True)
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"{f}: cannot be read ({type(e).__name__}: {str(e).splitlines()[0]})") from None
-    except RecursionError:
-        raise ConfigError(f"{f}: cannot be read (nested too deeply to parse)") from None
-    except Exception as e:  # a YAML syntax error
-        raise ConfigError(f"{f}: cannot be read ({type(e).__name__}: {e})") from None
-    if not isinstance(cfg, dict):
-        raise ConfigError(f"{f}: not a mapping of config groups")
-    return cfg
+    return load_config(f)
 
 
 def record_changes(run_dir: str | Path, changes: list[Change], step: int) -> None:
