@@ -12,6 +12,7 @@ A run folder, an export or a pack is shared and downloaded, so everything here r
   (``data.train_seed: ${seed}``); ``interpolations="local"`` resolves those that name another key of the same file
   and keeps every other one (a resolver: ``${oc.env:...}``, ``${now:...}``) as literal text, within the same bound.
 * :func:`read_json`: a JSON file of at most a given size, as a mapping where one is expected.
+* :func:`read_tail`: the end of a log, where its last failure is.
 * :func:`read_lines`: a stream of lines (a JSONL file, a gzip'd pack) with a bound per line and in all; a line
   over its bound comes back as None (its caller skips and counts it, or refuses the file) and a file over its
   bound is one :class:`ArtifactError` naming it, so a 2 MB gzip of 2 GB on one line costs a bounded read.
@@ -63,6 +64,18 @@ def read_bytes(path: str | Path, max_bytes: int) -> bytes:
     if len(data) > max_bytes:
         raise ArtifactError(f"{path}: larger than {_size(max_bytes)}, more than this file ever holds: not read")
     return data
+
+
+def read_tail(path: str | Path, max_bytes: int) -> str:
+    """The last ``max_bytes`` of ``path`` as text (a log's end: where its last failure is), undecodable bytes
+    replaced."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - max_bytes))
+            return f.read(max_bytes).decode("utf-8", errors="replace")
+    except OSError as e:
+        raise ArtifactError(f"{path}: cannot be read ({e.strerror or e})") from None
 
 
 def _size(n: int) -> str:
@@ -297,10 +310,10 @@ def read_lines(
         if len(raw) <= max_line or raw.endswith(b"\n"):
             yield lineno, raw
             continue
+        yield lineno, None  # first: a caller that refuses the file reads no further
         while raw and not raw.endswith(b"\n"):  # the rest of an over-long line, a chunk at a time
             raw = f.readline(LINE_CHUNK)
             count(raw)
-        yield lineno, None
 
 
 def line_too_long(where: str, max_line: int) -> str:
