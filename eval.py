@@ -141,13 +141,14 @@ def _evaluate(cfg: DictConfig, run_dir, job, source, problems: dict, log) -> dic
 def main(cfg: DictConfig) -> None:
     import os
 
-    from bapo.entry.cli import guarded, hydra_files, launch_here
+    from bapo.entry.cli import guarded, hydra_files, launch_here, refuse_training_run
     from bapo.entry.launch import announce
     from bapo.infra.dist import from_slurm
 
     from_slurm()  # SLURM with one task per rank: torchrun's variables
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
+    refuse_training_run(run_dir, "eval.py")  # a training run's folder holds its record: never written over
     if launch_here(cfg, hc, __file__, run_dir, None, "eval"):  # the node's ranks evaluated (bapo.entry.launch)
         return
     files = hydra_files(cfg)  # .hydra/, written once the folder is held (conf/eval_config.yaml: output_subdir null)

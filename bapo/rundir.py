@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from bapo.config import resumable_keys
-from bapo.infra.artifacts import load_config
+from bapo.infra.artifacts import load_config, load_yaml
 from bapo.infra.checks import ConfigError, UserError
 
 log = logging.getLogger(__name__)
@@ -264,6 +264,22 @@ def _previous_run(run_dir: Path) -> list[str]:
                 found.append(name + "/")
         elif p.exists():
             found.append(name + ("/" if p.is_dir() else ""))
+    return found
+
+
+def training_run_files(run_dir: str | Path) -> list[str]:
+    """What in ``run_dir`` says a training run is there (:data:`EVIDENCE`, its ``config.yaml``, or Hydra's record of a
+    training job: a ``.hydra/config.yaml`` with a ``train`` group); empty for anything else (eval.py's folders)."""
+    run_dir = Path(run_dir)
+    found = _previous_run(run_dir) + (["config.yaml"] if (run_dir / "config.yaml").is_file() else [])
+    hydra = run_dir / ".hydra" / "config.yaml"
+    if not found and hydra.is_file():
+        try:
+            record = load_yaml(hydra)
+        except ConfigError:
+            record = None
+        if isinstance(record, dict) and "train" in record:
+            found.append(".hydra/ (a training job's)")
     return found
 
 
