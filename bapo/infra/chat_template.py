@@ -33,7 +33,7 @@ from typing import Any
 from bapo.infra.checks import ConfigError
 
 MAX_TEMPLATE_CHARS = 100_000  # real templates are 1-20 KB
-MAX_RENDER_S = 5.0  # a conversation renders in well under a millisecond
+MAX_RENDER_S = 2.0  # a conversation renders in well under a millisecond
 MAX_CHARS = 4_000_000  # a rendered prompt of about a million tokens; no template makes a larger text or list
 MAX_EXPONENT = 1024  # x ** n beyond this is a number no template prints
 
