@@ -15,7 +15,9 @@ given on the command line wins (``checkpoint=<run> max_new_tokens=1024``); every
 every override, is logged in one block and recorded in results.json's config. A bare HF folder,
 or no checkpoint, is evaluated with the settings composed here (conf/eval_config.yaml, ``model=``).
 ``model.trust_remote_code`` is never taken from a run or an export (a shared folder must not decide to
-run its own code): only ``model.trust_remote_code=true`` on the command line turns it on.
+run its own code): only ``model.trust_remote_code=true`` on the command line turns it on. A run folder or
+export is read as data (``bapo/infra/artifacts.py``: bounded, never interpolated), its model folder checked
+before anything loads it and its chat template rendered within bounds (``bapo/infra/chat_template.py``).
 
 Prompts longer than the model leaves room for (its context minus ``max_new_tokens``, and at most
 ``max_prompt_tokens``) are skipped and counted as in training; the reports say how many per set.
@@ -29,7 +31,8 @@ and rank 0 writes the reports. Every sample row records its generate call's seed
 
 Writes results.json, results.md and samples_<set>.jsonl to the run folder
 (outputs/eval/<date>/<time>), which it holds as train.py holds its own (a second eval.py on the same
-folder is refused at once). Bad input is one line, ``error: ConfigError: <key>: ...``, exit
+folder is refused at once; so is a training run's folder, whose ``.hydra/`` is the run's record: evaluate
+beside it with ``hydra.run.dir=<run>/eval``). Bad input is one line, ``error: ConfigError: <key>: ...``, exit
 status 2, and leaves no run folder behind (bapo/entry/cli.py). This is evaluation's composition root,
 as bapo/loop.py is training's: it alone builds the engines (the rollout engine and the training
 verifier) and hands them to bapo/eval/evaluate.py.

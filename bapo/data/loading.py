@@ -7,7 +7,8 @@ Three sources, one interface (an iterable of :class:`Problem`):
   is read as bytes and each line decoded on its own, so one bad row never sinks
   the load: a malformed row (invalid UTF-8, invalid JSON, a missing or empty
   field, an answer that is not a finite number or a string, a row nested too
-  deeply to parse, an integer too long to convert) is logged with its
+  deeply to parse, an integer too long to convert, a lone surrogate such as JSON's ``"\\ud800"``, a
+  line over :data:`MAX_ROW_BYTES`, which is never held whole) is logged with its
   ``file:line``, skipped and counted in :class:`LoadReport`; past the first
   :data:`ROWS_LOGGED` of a file the rest are logged as one count, and a file with
   no valid row (a binary file) logs none: its one error gives the count and the first. A UTF-8
@@ -18,7 +19,8 @@ Three sources, one interface (an iterable of :class:`Problem`):
   :class:`DataFileError` naming the file (use ``jsonl`` to skip bad rows one by one);
   rows that parse but lack a field are skipped and counted as above.
 
-Prompts go through the tokenizer's chat template with an instruction to put the
+Prompts go through the tokenizer's chat template (rendered in Jinja's sandbox with bounds on
+time, size and output: :mod:`bapo.infra.chat_template`) with an instruction to put the
 final answer in ``\\boxed{}``. A prompt longer than ``max_prompt_tokens`` tokens
 is skipped like a malformed row (counted in ``skipped`` and in ``too_long``,
 logged once with its problem id): :func:`render_prompts` for fixed sets,

@@ -41,6 +41,11 @@ What a run's line keeps, and why:
 
 The same runs give the same bytes: keys sorted, compact separators, runs in folder order, and a gzip header
 with no file name and mtime 0 (for a given zlib; the regenerate test compares reports, not packs).
+
+A sweep folder and a pack are someone else's data, read through ``bapo/infra/artifacts.py``: a run's config is never
+resolved (an interpolation in ``config.yaml`` is one of the run's ``problems``; Hydra's ``.hydra/config.yaml`` has
+its references to its own keys resolved and any resolver kept as written), every file has a bound per line and in
+all (``MAX_*`` below), and a pack is read as a gzip stream, so a bomb is one ``error: PackError`` line naming it.
 """
 
 from __future__ import annotations
