@@ -323,3 +323,26 @@ def test_eval_py_on_a_hostile_export_ends_in_one_line_having_read_no_variable(tm
     assert tree(tmp_path) == before
     written = [f for f in tmp_path.rglob("*") if f.is_file()]
     assert not [f for f in written if hostile.SECRET.encode() in f.read_bytes()] and hostile.SECRET not in p.stdout
+
+
+@pytest.mark.slow  # a gigabyte packed into 4.5 MB, and a real report.py
+def test_report_py_on_a_gzip_bomb_is_one_line_within_2_gb_of_address_space(tmp_path):
+    """Before: report.py unpacked the whole pack, decoded and split it (a 2 MB pack of 2 GB on one line took 4.3 GB
+    and 39 s): within 2 GB of address space this one was a MemoryError traceback. Now a line at a time, bounded."""
+    import resource
+
+    pack = tmp_path / "runs.jsonl.gz"
+    _gzip_bomb(pack, 1 << 30)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "study" / "report.py"), str(pack)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, preexec_fn=limit,
+    )  # fmt: skip
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        f"error: PackError: {pack}:1: a line longer than 64 MiB: not a study pack"
+    ], p.stderr[-3000:]
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["runs.jsonl.gz"]  # no report folder

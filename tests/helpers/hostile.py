@@ -93,14 +93,15 @@ def wrong_shape(folder: Path) -> Path:
 
 
 def index_outside(folder: Path) -> Path:
-    """A sharded index whose shard is a file outside the folder."""
+    """A sharded index whose shard is a file outside the folder (there, and whole: only where it is is wrong)."""
     from safetensors import safe_open
 
     out = export(folder)
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         names = list(f.keys())
-    (out / "model.safetensors").rename(out / "model-00001-of-00001.safetensors")
-    index = {"metadata": {}, "weight_map": dict.fromkeys(names, "../../../../etc/hostname")}
+    outside = folder.parent / f"{folder.name}-shard.safetensors"
+    (out / "model.safetensors").rename(outside)
+    index = {"metadata": {}, "weight_map": dict.fromkeys(names, f"../{outside.name}")}
     (out / "model.safetensors.index.json").write_text(json.dumps(index))
     return out
 
@@ -127,7 +128,7 @@ EXPORTS: dict[str, tuple[Callable[[Path], Path], str]] = {
     "template_dunder": (template(DUNDER), "SecurityError"),
     "wrong_shape": (wrong_shape, "model.layers.0.mlp.up_proj.weight has shape [7, 3]"),
     "huge_dims": (config_json(hidden_size=1 << 20, intermediate_size=1 << 22), "config.json makes it"),
-    "index_outside": (index_outside, "'../../../../etc/hostname', which is not a file of"),
+    "index_outside": (index_outside, "-shard.safetensors', which is not a file of"),
     "unknown_dtype": (config_json(dtype="float128", torch_dtype="float128"), "'float128' is not a dtype"),
     "generation_config_list": (generation_config("[1, 2]"), "generation_config.json: expected a JSON object"),
     "generation_config_broken": (generation_config('{"temperature": '), "generation_config.json:1: not JSON"),
