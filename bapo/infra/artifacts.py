@@ -149,8 +149,8 @@ def load_yaml(path: str | Path, *, max_bytes: int = MAX_YAML_BYTES, max_aliases:
     except _TooManyAliases as e:
         raise ArtifactError(f"{path}: {e} (a file that expands to more than it holds): not read") from None
     except yaml.MarkedYAMLError as e:
-        where = f":{e.problem_mark.line + 1}" if e.problem_mark is not None else ""
-        raise ArtifactError(f"{path}{where}: cannot be read: not YAML ({e.problem or e.context})") from None
+        where = f" at line {e.problem_mark.line + 1}" if e.problem_mark is not None else ""
+        raise ArtifactError(f"{path}: cannot be read: not YAML{where} ({e.problem or e.context})") from None
     except (yaml.YAMLError, ValueError, RecursionError) as e:
         raise ArtifactError(f"{path}: cannot be read ({_why(e)})") from None
     _count_nodes(value, path)

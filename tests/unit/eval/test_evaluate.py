@@ -412,7 +412,7 @@ def test_checkpoint_errors_name_the_folder(tmp_path, tiny_model, tiny_tok):
         find_checkpoint(str(tmp_path / "unfinished"))
     run = run_folder(tmp_path / "run", tiny_model, tiny_tok)
     (run / "config.yaml").write_text("model: [unclosed\n")
-    with pytest.raises(ConfigError, match=r"^checkpoint: .*config.yaml:2: cannot be read: not YAML"):
+    with pytest.raises(ConfigError, match=r"^checkpoint: .*config.yaml: cannot be read: not YAML at line 2"):
         _adopt([f"checkpoint={run}"])
     (run / "config.yaml").write_text("seed: 1\n")
     with pytest.raises(ConfigError, match="^checkpoint: .*is not a training run's config: it has no model.dtype"):

@@ -54,7 +54,7 @@ def test_a_few_aliases_expanding_past_the_value_bound_are_refused(tmp_path):
 def test_yaml_is_plain_data_bounded_in_size_and_depth(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("x: !!python/object/apply:os.system ['true']\n")
-    with pytest.raises(ArtifactError, match=r"c.yaml:1: cannot be read: not YAML"):
+    with pytest.raises(ArtifactError, match=r"c.yaml: cannot be read: not YAML at line 1"):
         load_yaml(f)
     f.write_text("x: " + "[" * 100_000 + "]" * 100_000 + "\n")
     with pytest.raises(ArtifactError, match=r"c.yaml: cannot be read \(nested too deeply to parse\)"):
