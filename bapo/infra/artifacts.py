@@ -86,11 +86,11 @@ def _size(n: int) -> str:
 
 
 def read_json(path: str | Path, *, max_bytes: int = MAX_JSON_BYTES, mapping: bool = True) -> Any:
-    """A JSON file of at most ``max_bytes`` (a JSON object, unless ``mapping=False``); NaN and infinities are
-    refused, and so is a document nested too deeply to parse."""
+    """A JSON file of at most ``max_bytes`` (a JSON object, unless ``mapping=False``); a document nested too deeply
+    to parse is refused. (NaN is read as Python's json reads it: a run's final metrics may hold one.)"""
     data = read_bytes(path, max_bytes)
     try:
-        value = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
+        value = json.loads(data.decode("utf-8"))
     except UnicodeDecodeError as e:
         raise ArtifactError(f"{path}: not UTF-8 text (byte {e.start})") from None
     except json.JSONDecodeError as e:
@@ -100,10 +100,6 @@ def read_json(path: str | Path, *, max_bytes: int = MAX_JSON_BYTES, mapping: boo
     if mapping and not isinstance(value, dict):
         raise ArtifactError(f"{path}: expected a JSON object, got {type(value).__name__}")
     return value
-
-
-def _no_constant(name: str) -> float:
-    raise ValueError(f"{name} is not a value a file of this project holds")
 
 
 def _why(e: BaseException) -> str:
@@ -255,7 +251,7 @@ class _Local:
 
         def part(m: re.Match) -> str:
             found = self._lookup(m.group(1), stack)
-            text = m.group(0) if found is _MISSING or isinstance(found, dict | list) else _as_text(found)
+            text = m.group(0) if found is _MISSING or isinstance(found, dict | list) else str(found)
             self._spend(chars=len(text))
             return text
 
@@ -278,10 +274,6 @@ _MISSING = object()
 def _has_other_interpolation(text: str) -> bool:
     """Whether ``text`` holds an interpolation that is not a plain reference (``${oc.env:X}``, ``${a.${b}}``)."""
     return _INTERPOLATION in _REFERENCE.sub("", text)
-
-
-def _as_text(value: Any) -> str:
-    return str(value)
 
 
 # ----------------------------------------------------------------------------- bounded lines
