@@ -695,7 +695,7 @@ def _load_run_config(path: Path) -> dict:
     try:
         run = load_config(path)
     except ArtifactError as e:
-        raise ArtifactError(f"checkpoint: {e}") from None
+        raise ConfigError(f"checkpoint: {e}") from None
     need = {"model": ("dtype",), "rollout": ("engine", "max_new_tokens"), "data": ("instruction", "max_prompt_tokens")}
     for group, keys in need.items():
         node = run.get(group)

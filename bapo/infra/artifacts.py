@@ -322,16 +322,16 @@ SHAPE_SLACK = 0.05  # the parameters config.json implies may exceed the weights'
 
 def check_model_folder(path: str | Path, key: str, *, trust_remote_code: bool = False) -> None:
     """A local model folder checked before anything loads it (module docstring); ``key``: the config key that names
-    it (``checkpoint``, ``model.name_or_path``). A hub name (not a folder) is left to its loaders. Checked once per
-    folder and content in a process."""
+    it (``checkpoint``, ``model.name_or_path``), which starts the ConfigError of a folder that fails. A hub name (not a
+    folder) is left to its loaders. Checked once per folder and content in a process."""
     folder = Path(path)
     if not folder.is_dir():
         return
     stamp = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.iterdir()) if p.is_file())
     try:
         _check_folder(str(folder.resolve()), trust_remote_code, stamp)
-    except ArtifactError as e:
-        raise ArtifactError(f"{key}: {e}") from None
+    except ArtifactError as e:  # under the key that names the folder: the entry points' ConfigError
+        raise ConfigError(f"{key}: {e}") from None
 
 
 @functools.lru_cache(maxsize=16)

@@ -179,7 +179,7 @@ def test_a_damaged_or_hostile_model_folder_is_one_line_naming_the_key_and_what(t
     """Before: each was a 60-93 line traceback from transformers when the model loaded (eval.py, train.py)."""
     build, says = hostile.EXPORTS[name]
     folder = build(tmp_path / name)
-    with pytest.raises(ArtifactError) as e:
+    with pytest.raises(ConfigError) as e:
         check_model_folder(folder, "checkpoint")
     assert str(e.value).startswith("checkpoint: ") and says in str(e.value) and "\n" not in str(e.value)
 
@@ -189,7 +189,7 @@ def test_the_model_loader_checks_the_folder_before_it_allocates(tmp_path):
     from bapo.modeling import load_model
 
     folder = hostile.config_json(hidden_size=1 << 20, intermediate_size=1 << 22)(tmp_path / "huge")
-    with pytest.raises(ArtifactError, match=r"^model.name_or_path: .*config.json makes it \[343, 1048576\]"):
+    with pytest.raises(ConfigError, match=r"^model.name_or_path: .*config.json makes it \[343, 1048576\]"):
         load_model(str(folder))
 
 
@@ -199,5 +199,5 @@ def test_a_model_folder_is_checked_again_once_it_changes(tmp_path):
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(config | {"vocab_size": 999}))
     os.utime(folder / "config.json", ns=(1, 1))
-    with pytest.raises(ArtifactError, match="config.json makes it"):
+    with pytest.raises(ConfigError, match="config.json makes it"):
         check_model_folder(folder, "checkpoint")
