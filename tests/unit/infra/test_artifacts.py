@@ -1,6 +1,7 @@
 """What a run wrote is read as data (bapo/infra/artifacts.py): YAML bounded in size, aliases and expanded values, a
 run's config never resolved, lines and files bounded, and a model folder checked before anything loads it. Each
-hostile or damaged file is one ArtifactError naming the file and the key or line."""
+hostile or damaged file is one ArtifactError naming the file and the key or line (a model folder's: a ConfigError
+under the key that names the folder)."""
 
 import gzip
 import io
