@@ -41,6 +41,14 @@ Stats (python floats): rho_before (at the starting bounds), rho_after (at the
 chosen bounds), steps, target_met, P and N at the chosen bounds; the recipe adds
 pn_ratio_before / pn_ratio_after (P / N, may be inf). rho is always the share
 P / (P + N), also for the recipe, so it means the same thing for every algorithm.
+
+What the search could do and did, as token counts over the advantage-carrying tokens (A != 0):
+``beyond`` is the share outside the chosen bounds (A > 0 with r > c_high, A < 0 with r < c_low),
+``reach`` the share that any pair of bounds in the search's ranges treats differently (A > 0 with
+r > the lowest c_high, A < 0 with r < the highest c_low): the tokens whose terms the search can
+move at all, so it bounds how far rho can move. Only where the search engaged (``active``), the
+stats also hold ``target_reached`` (= target_met) and ``rho_moved`` (rho_after - rho_before): an
+update that needed no search has neither, so a mean over updates is a mean over engaged ones.
 """
 
 from __future__ import annotations
@@ -69,8 +77,9 @@ def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
         raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
 
 
-def _token_scalars(ratio, adv, mask, old_logp, weight: str):
-    """Flatten to float64 [n] and split into (r, v = w * |A|) of positive / negative tokens.
+def _token_scalars(ratio, adv, mask, old_logp, weight: str, *, sides: bool = False):
+    """Flatten to float64 [n] and split into (r, v = w * |A|) of positive / negative tokens
+    (``sides``: then also the boolean [n] masks of the positive and the negative tokens).
 
     Tokens that do not belong to a side get r = 0 and v = 0, so they add nothing;
     ``torch.where`` keeps NaN/inf at masked positions out of every sum.
@@ -91,6 +100,8 @@ def _token_scalars(ratio, adv, mask, old_logp, weight: str):
     pos, neg = a > 0, a < 0  # [n]
     r_pos, v_pos = torch.where(pos, r, zero), torch.where(pos, v, zero)  # [n], [n]
     r_neg, v_neg = torch.where(neg, r, zero), torch.where(neg, v, zero)  # [n], [n]
+    if sides:
+        return (r_pos, v_pos), (r_neg, v_neg), (pos, neg)
     return (r_pos, v_pos), (r_neg, v_neg)
 
 
@@ -139,6 +150,16 @@ def _sums_at(r: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor, side: str, 
     if contribution == "loss_value":
         return bounds * prefix_v[below] + suffix_vr[below]  # r below c count c, the rest count r
     return suffix_vr[below]  # tokens with r >= c_low
+
+
+def _counts_beyond(r_pos, r_neg, pos, neg, highs: torch.Tensor, lows: torch.Tensor) -> torch.Tensor:
+    """Token counts [Kh + Kl + 1] (float64): A > 0 tokens with r > each c_high, A < 0 tokens with r < each
+    c_low, and the advantage-carrying tokens in all."""
+    r_pos, r_neg = torch.sort(r_pos[pos])[0], torch.sort(r_neg[neg])[0]  # [n_pos], [n_neg]
+    above = r_pos.numel() - torch.searchsorted(r_pos, highs, right=True)  # [Kh] r > c_high
+    below = torch.searchsorted(r_neg, lows, right=False)  # [Kl] r < c_low
+    total = torch.tensor([r_pos.numel() + r_neg.numel()], device=highs.device)
+    return torch.cat([above, below, total]).to(torch.float64)
 
 
 def _reduce(reduce_sum: ReduceSum | None, sums: torch.Tensor) -> torch.Tensor:
@@ -219,7 +240,7 @@ def bapo_bounds(
     if variant == "recipe":
         weight = "none"
     with torch.no_grad():
-        (r_pos, v_pos), (r_neg, v_neg) = _token_scalars(ratio, adv, mask, old_logp, weight)
+        (r_pos, v_pos), (r_neg, v_neg), (pos, neg) = _token_scalars(ratio, adv, mask, old_logp, weight, sides=True)
         highs = _candidates(*high_range, high_step, variant)
         lows = _candidates(*low_range, low_step, variant)
         highs_t = torch.tensor(highs, dtype=torch.float64, device=r_pos.device)  # [Kh]
@@ -228,10 +249,13 @@ def bapo_bounds(
             [
                 _sums_at(r_pos, v_pos, highs_t, "pos", contribution),
                 _sums_at(r_neg, v_neg, lows_t, "neg", contribution),
+                _counts_beyond(r_pos, r_neg, pos, neg, highs_t, lows_t),
             ]
-        )  # [Kh + Kl]
+        )  # [2 (Kh + Kl) + 1]
         sums = _reduce(reduce_sum, sums).to(torch.float64)
-        p_cand, n_cand = sums[: len(highs)], sums[len(highs) :]  # [Kh], [Kl]
+        nh, nl = len(highs), len(lows)
+        p_cand, n_cand = sums[:nh], sums[nh : nh + nl]  # [Kh], [Kl]
+        above, below, n_adv = sums[nh + nl : 2 * nh + nl], sums[2 * nh + nl : -1], sums[-1]  # [Kh], [Kl], []
 
         kh, kl = _search_path(len(highs), len(lows), variant)
         p = p_cand[torch.tensor(kh, device=sums.device)]  # [L]
@@ -242,8 +266,13 @@ def bapo_bounds(
         # The first candidate that meets the target; the path's end if none does.
         chosen = torch.where(met.any(), met.int().argmax(), torch.tensor(len(kh) - 1, device=met.device))
         picked = [chosen.double(), met[chosen].double(), rho[0], rho[chosen], p[chosen], n[chosen]]
-        picked = torch.stack(picked + [score[0], score[chosen], p[0] + n[0]])
-        step, target_met, rho_before, rho_after, p_after, n_after, score_before, score_after, mass = picked.tolist()
+        khc, klc = torch.tensor(kh, device=sums.device)[chosen], torch.tensor(kl, device=sums.device)[chosen]
+        share = [above[khc] + below[klc], above[0] + below[-1]]  # beyond the chosen bounds; within reach
+        share = [torch.where(n_adv > 0, x / n_adv.clamp(min=1), torch.zeros_like(n_adv)) for x in share]
+        picked = torch.stack(picked + [score[0], score[chosen], p[0] + n[0]] + share)
+        out = picked.tolist()
+        step, target_met, rho_before, rho_after, p_after, n_after, score_before, score_after, mass = out[:9]
+        beyond, reach = out[9:]
 
     step = int(step)
     stats = {
@@ -255,7 +284,11 @@ def bapo_bounds(
         "signal": float(mass > 0),  # some token carried an advantage (else rho = 1 by convention: nothing to search)
         "P": p_after,
         "N": n_after,
+        "beyond": beyond,
+        "reach": reach,
     }
+    if step > 0:  # the search engaged: did it reach its target, and how far did it move rho
+        stats["target_reached"], stats["rho_moved"] = target_met, rho_after - rho_before
     if variant == "recipe":
         stats["pn_ratio_before"], stats["pn_ratio_after"] = score_before, score_after
     return lows[kl[step]], highs[kh[step]], stats

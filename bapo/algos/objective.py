@@ -67,6 +67,10 @@ BAPO_NAMES = {
     "target_met": "bapo/target_met",
     "active": "bapo/search_active",
     "signal": "bapo/signal",
+    "target_reached": "bapo/target_reached",
+    "rho_moved": "bapo/rho_moved",
+    "beyond": "bapo/beyond_bounds",
+    "reach": "bapo/reach",
     "pn_ratio_before": "bapo/pn_ratio_before",
     "pn_ratio_after": "bapo/pn_ratio_after",
 }

@@ -259,7 +259,8 @@ def launch_here(cfg: Any, hc: Any, script: str | Path, run_dir: Path, cell: Cell
         if cell
         else (f"resume: the same command with resume=auto hydra.run.dir={run_dir}")
     )
-    outcome = launch.start(how, script, launch.rank_args(hc, run_dir, how), env, after=after)
+    grace = float((cfg.get("launcher") or {}).get("grace_s") or 120.0)
+    outcome = launch.start(how, script, launch.rank_args(hc, run_dir, how), env, after=after, grace_s=grace)
     if cell is None:
         if outcome.line and run_dir.is_dir() and not only_hydra_files(run_dir):
             _append_log(run_dir, outcome.line)  # the run's log ends with why it ended

@@ -56,7 +56,7 @@ from bapo.data.config import ANSWER_FORMATS, check_arith
 from bapo.data.loading import DataFileError, LoadReport, gsm8k_answer, load_hub, load_jsonl, render_prompts
 from bapo.data.tasks import ArithSpec, arith_heldout
 from bapo.eval import passk as M
-from bapo.infra import dist
+from bapo.infra import dist, stop
 from bapo.infra.artifacts import ArtifactError, load_config
 from bapo.infra.checks import choice, require, to_plain, typed
 from bapo.infra.paths import EVAL_DIR, EXPORT_CONFIG, HELDOUT, compose_option, eval_sets
@@ -90,11 +90,18 @@ def share_seed(seed: int | None, share: int, shares: int) -> int | None:
 def generate_local(
     rollout, prompts: Sequence[Prompt], *, n: int, temperature: float, seed: int | None
 ) -> tuple[list[Sample], int | None]:
-    """This share's samples, ``n`` per prompt of ``prompts[share::shares]``, grouped by prompt, and its call seed."""
+    """This share's samples, ``n`` per prompt of ``prompts[share::shares]``, grouped by prompt, and its call seed.
+
+    A stop request gives the generation up (:class:`bapo.infra.stop.Interrupted`), on every rank together under
+    torchrun (an agreement follows the generation)."""
     share, shares = shares_of(rollout)
     mine = list(prompts[share::shares])
     call_seed = share_seed(seed, share, shares)
-    local = rollout.generate(mine, n=n, temperature=temperature, seed=call_seed) if mine else []
+    try:
+        local = rollout.generate(mine, n=n, temperature=temperature, seed=call_seed) if mine else []
+    except stop.Interrupted:
+        local = None
+    stop.check_agreed(local is None)
     if len(local) != len(mine) * n:
         raise RuntimeError(f"the rollout engine returned {len(local)} samples for {len(mine)} prompts x n={n}")
     return local, call_seed

@@ -64,12 +64,14 @@ import torch
 import torch.distributed as tdist
 
 from bapo.engines.base import RolloutEngine
+from bapo.infra import stop
 from bapo.infra.checks import ConfigError, RunFailed, require, resumable
 from bapo.infra.listener import AuthListener
 from bapo.rollout.placement import Placement, PlacementConfig, PlacementTraits, RolloutParts
 from bapo.rollout.source import Interrupted
 from bapo.samples import Prompt, RolloutBatch, Sample
 
+GIVE_UP = ("make", "generate")  # waits a stop request abandons (the worker's work is discarded with it)
 log = logging.getLogger(__name__)
 
 AUTHKEY_ENV = "BAPO_WORKER_AUTHKEY"
@@ -320,6 +322,8 @@ class WorkerPool:
         deadline = time.monotonic() + max(timeout_s, 0.0)
         assert w.conn is not None
         while True:
+            if what in GIVE_UP and stop.requested():
+                raise Interrupted  # a stop gives the batch (or evaluation) up: the worker's reply is not awaited
             try:
                 if w.conn.poll(0.2):
                     msg = recv(w.conn)
@@ -500,6 +504,7 @@ class RemoteMaker:
         self.version: int | None = None  # the version of the weights the last batch read (every rank alike)
         self.copy: dict[str, torch.Tensor] | None = None  # rank 0 under torchrun: those weights, gathered
         self.held: int | None = None  # the version worker 0 holds, as every rank knows it (evaluation's)
+        self.abandoned = False  # a stop gave a batch up: the workers still owe its replies, and end with the run
 
     def recover(self, w: Worker) -> None:
         """A replacement's maker state: the one its predecessor had after its last accepted batch."""
@@ -535,7 +540,7 @@ class RemoteMaker:
                 start(w)
             return pool._reply(w, "make")  # noqa: SLF001
 
-        with pool._lock:  # noqa: SLF001
+        with pool._lock, self._abandon_on_stop():  # noqa: SLF001
             t0 = time.perf_counter()
             pool.take_sync_s()  # from here on: this batch's weight pushes
             started = []
@@ -556,6 +561,14 @@ class RemoteMaker:
             stats["rollout/worker_restarts"] = float(pool.restarts)
             stats["time/worker_batch_s"] = time.perf_counter() - t0
             return dataclasses.replace(out, stats=stats)
+
+    @contextlib.contextmanager
+    def _abandon_on_stop(self):
+        try:
+            yield
+        except Interrupted:
+            self.abandoned = True
+            raise
 
     def gather(self, item: RolloutBatch | tuple) -> RolloutBatch:
         """The batch on every rank (rank 0's, broadcast, under torchrun)."""
@@ -578,6 +591,9 @@ class RemoteMaker:
 
     def load_state_dict(self, state: dict) -> None:
         if self.pool is None:
+            return
+        if self.abandoned:  # after a stop: this side's record only (the busy workers end with the run)
+            self.states = [state] * self.pool.count
             return
         if not state:
             raise ValueError(

@@ -1,6 +1,7 @@
 """The real loop, end to end, on the shipped tiny model."""
 
 import json
+import logging
 import math
 import subprocess
 import sys
@@ -50,6 +51,25 @@ def test_smoke_run_trains_and_logs(tmp_path, algo):
     assert (tmp_path / "export" / "model.safetensors").exists()
     assert final["policy/version"] == 6
     assert (tmp_path / "config.yaml").read_text().count("algo:") == 1
+
+
+def test_a_bapo_run_logs_what_its_search_reached_and_warns_when_out_of_reach(tmp_path, caplog):
+    """rho0 = 0.95 is out of reach: every update's search runs to the corner [0.9, 3.0] unmet, and the run says so
+    (the step's bapo/target_reached 0, monitor/target_out_of_reach 1, one warning naming the corner)."""
+    over = ["algo=bapo", "algo.bounds.rho0=0.95", "learner.lr=1e-2", "train.steps=2", "eval.every=0"]
+    with caplog.at_level(logging.WARNING, logger="bapo.monitor"):
+        run(smoke_cfg(over), tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][1:]
+    rows = [r for r in rows if r["bapo/signal"] == 1.0]  # a step whose groups all tie carries nothing to search
+    assert rows
+    for r in rows:
+        assert r["bapo/search_active"] == 1.0 and r["bapo/target_reached"] == 0.0, r
+        assert (r["clip/low"], r["clip/high"]) == (pytest.approx(0.9), pytest.approx(3.0))
+        assert r["bapo/rho_moved"] == pytest.approx(r["clip/rho"] - r["bapo/rho_before"])
+        assert 0.0 <= r["bapo/beyond_bounds"] <= r["bapo/reach"] <= 1.0
+        assert r["monitor/target_out_of_reach"] == 1.0
+    said = [x.getMessage() for x in caplog.records if x.name == "bapo.monitor"]
+    assert len(said) == 1 and "out of reach" in said[0] and "[0.90, 3.00]" in said[0]
 
 
 def test_overlong_penalty_shapes_reward_not_accuracy(tmp_path):

@@ -1,4 +1,5 @@
-"""The training-health monitor: each warning fires once, and its flag stays up."""
+"""The training-health monitor: the collapse and clip warnings fire once and their flags stay up; BAPO's
+out-of-reach warning is a per-step flag whose warning repeats every ``target_every`` steps."""
 
 import logging
 
@@ -8,7 +9,7 @@ from bapo.monitor import Monitor
 
 
 def make(**kw):
-    args = dict(entropy_frac=0.5, entropy_window=3, clip_threshold=0.2, clip_patience=3)
+    args = dict(entropy_frac=0.5, entropy_window=3, clip_threshold=0.2, clip_patience=3, target_every=3)
     return Monitor(**(args | kw))
 
 
@@ -58,3 +59,47 @@ def test_missing_metrics_are_ignored_and_state_round_trips():
     other = make()
     other.load_state_dict(mon.state_dict())
     assert other.state_dict() == mon.state_dict()
+
+
+def _search(engaged: bool, reached: bool, low=0.9, high=3.0) -> dict:
+    """One update's row of BAPO's search (mini-batch scope): bapo/target_reached only where it engaged."""
+    row = {"bapo/search_active": float(engaged), "clip/low": low, "clip/high": high, "clip/rho": 0.38}
+    row |= {"bapo/beyond_bounds": 0.02}
+    if engaged:
+        row |= {"bapo/target_reached": float(reached), "bapo/rho_moved": 0.0001}
+    return row
+
+
+def test_target_out_of_reach_flags_each_step_and_warns_every_n_steps(caplog):
+    mon = make(target_every=3)
+    corner, fine, idle = _search(True, False), _search(True, True, 0.6, 1.4), _search(False, False, 0.6, 1.2)
+    assert "monitor/target_out_of_reach" not in mon.observe({}, [{"learner/clip_frac_high": 0.0}])  # not BAPO
+    with caplog.at_level(logging.WARNING):
+        # 2 of 5 unmet is not most; 3 of 5 is
+        assert mon.observe({}, [corner, corner, fine, idle, idle])["monitor/target_out_of_reach"] == 0.0
+        flags = [mon.observe({}, [corner, corner, corner, fine, idle])["monitor/target_out_of_reach"]]
+        flags += [mon.observe({}, [corner] * 5)["monitor/target_out_of_reach"] for _ in range(4)]
+        flags += [mon.observe({}, [fine] * 5)["monitor/target_out_of_reach"]]
+    assert flags == [1.0] * 5 + [0.0]
+    said = [r.getMessage() for r in warnings(caplog)]
+    assert len(said) == 2  # at the first of the five steps, then three steps later
+    assert "out of reach" in said[0] and "[0.90, 3.00]" in said[0] and "3 of 5 updates" in said[0]
+    # micro-batch scope: an update's row holds shares; 0.8 engaged of which a quarter reached -> 0.6 unmet each
+    micro = {"bapo/search_active": 0.8, "bapo/target_reached": 0.25, "clip/low": 0.9, "clip/high": 3.0}
+    assert make().observe({}, [micro])["monitor/target_out_of_reach"] == 1.0
+
+
+def test_the_out_of_reach_warning_resumes_where_it_was():
+    """A resumed run warns when the uninterrupted one would: the step of the last warning is checkpointed."""
+    a, corner = make(target_every=4), [_search(True, False)] * 3
+    for _ in range(2):
+        a.observe({}, corner)
+    b = make(target_every=4)
+    b.load_state_dict(a.state_dict())
+    for mon in (a, b):
+        mon.observe({}, corner)
+    assert a.state_dict() == b.state_dict() and a.target_warned == 1
+    old = {k: v for k, v in a.state_dict().items() if k not in ("steps", "target_warned")}
+    c = make()
+    c.load_state_dict(old)  # a checkpoint from before the warning existed
+    assert c.target_warned is None and c.steps == 0

@@ -222,6 +222,56 @@ def test_recipe_matches_naive_loop(contribution, weight):
     assert len(seen_steps) > 3
 
 
+# ---------------------------------------------------------------- what the search reached
+
+
+def test_mechanism_stats_by_hand():
+    # The first hand walk: r = [2, 1, 1], A = [+1, -1, -1], chosen [0.6, 1.35]. Three tokens carry an advantage.
+    #   beyond: the positive r = 2 > 1.35; no negative r < 0.6            -> 1 / 3
+    #   reach:  the positive r = 2 > 1.2 (the lowest c_high); no negative r < 0.9 (the highest c_low) -> 1 / 3
+    #   the search engaged and reached 0.4: rho moved 1.35 / 3.35 - 1.2 / 3.2
+    ratio, adv, mask, old_logp = _tokens([2.0, 1.0, 1.0], [1.0, -1.0, -1.0])
+    _, _, stats = bapo_bounds(ratio, adv, mask, old_logp, weight="none")
+    assert stats["beyond"] == pytest.approx(1 / 3) and stats["reach"] == pytest.approx(1 / 3)
+    assert stats["target_reached"] == 1.0
+    assert stats["rho_moved"] == pytest.approx(1.35 / 3.35 - 1.2 / 3.2)
+    # With the positive token's behaviour prob 0.5 the search runs to its corner [0.9, 3.0] unmet: r = 2 is
+    # inside it (beyond 0), rho went from 0.6 / 2.6 to 1 / 3.
+    _, _, stats = bapo_bounds(ratio, adv, mask, torch.tensor([0.5, 1.0, 1.0], dtype=F64).log())
+    assert stats["beyond"] == 0.0 and stats["reach"] == pytest.approx(1 / 3)
+    assert stats["target_reached"] == 0.0 and stats["rho_moved"] == pytest.approx(1 / 3 - 0.6 / 2.6)
+    # A negative token below every c_low (r = 0.5 < 0.6) is beyond the bounds and within reach; A = 0 counts nowhere.
+    ratio, adv, mask, old_logp = _tokens([1.0, 0.5, 1.0, 3.0], [1.0, -1.0, -1.0, 0.0])
+    _, _, stats = bapo_bounds(ratio, adv, mask, old_logp, weight="none", rho0=0.35)
+    assert stats["steps"] == 0 and "target_reached" not in stats and "rho_moved" not in stats  # rho 1/2.6 >= 0.35
+    assert stats["beyond"] == pytest.approx(1 / 3) and stats["reach"] == pytest.approx(1 / 3)
+    _, _, stats = bapo_bounds(ratio, adv, torch.zeros_like(mask), old_logp)  # no token at all
+    assert (stats["beyond"], stats["reach"]) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("variant", ["paper", "recipe"])
+def test_mechanism_stats_match_a_token_count(variant):
+    """beyond / reach against a plain count over the tokens at the returned bounds; the same on two ranks."""
+    hp = {"rho0": 0.45} if variant == "paper" else {**RECIPE, "rho0": 0.9}
+    lowest_high, highest_low = (1.2, 0.9) if variant == "paper" else (1.2, 0.95)
+    engaged = 0
+    for seed in range(40):
+        ratio, adv, mask, old_logp, _ = _random_tokens(seed, spread=0.1 + 0.03 * seed)
+        c_low, c_high, stats = bapo_bounds(ratio, adv, mask, old_logp, **hp)
+        toks = [(r, a) for r, a, m in zip(ratio.tolist(), adv.tolist(), mask.tolist(), strict=True) if m and a != 0]
+        beyond = sum((a > 0 and r > c_high) or (a < 0 and r < c_low) for r, a in toks) / len(toks)
+        reach = sum((a > 0 and r > lowest_high) or (a < 0 and r < highest_low) for r, a in toks) / len(toks)
+        assert stats["beyond"] == pytest.approx(beyond, abs=1e-12) and stats["reach"] == pytest.approx(reach), seed
+        assert stats["beyond"] <= stats["reach"] + 1e-12 or stats["steps"] == 0
+        if stats["steps"] > 0:
+            engaged += 1
+            assert stats["target_reached"] == stats["target_met"]
+            assert stats["rho_moved"] == pytest.approx(stats["rho_after"] - stats["rho_before"])
+        two = bapo_bounds(ratio, adv, mask, old_logp, **hp, reduce_sum=lambda t: 2 * t)[2]
+        assert (two["beyond"], two["reach"]) == (pytest.approx(stats["beyond"]), pytest.approx(stats["reach"]))
+    assert 0 < engaged < 40  # the cases cover searches that engaged and ones that did not
+
+
 # ---------------------------------------------------------------- reduce_sum, fixed bounds, factory
 
 

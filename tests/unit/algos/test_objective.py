@@ -47,7 +47,12 @@ def test_surrogate_objective_is_bounds_plus_policy_loss():
         "bapo/target_met": bstats["target_met"],
         "bapo/search_active": bstats["active"],
         "bapo/signal": bstats["signal"],
+        "bapo/beyond_bounds": bstats["beyond"],
+        "bapo/reach": bstats["reach"],
+        "bapo/target_reached": bstats["target_reached"],
+        "bapo/rho_moved": bstats["rho_moved"],
     }
+    assert bstats["active"] == 1.0  # the search engaged on these tokens, so its outcome is logged
     assert obj.loss is policy_loss and obj.adaptive and obj.prepass and not obj.stateful
     assert obj.after_update(stats) == {} and obj.state_dict() == {}
     assert not surrogate_objective("bapo", scope="micro_batch").prepass

@@ -92,6 +92,19 @@ def test_micro_scope_searches_each_micro_batch_on_its_own(tiny_model, tiny_tok):
     assert (whole["clip/low"], whole["clip/high"]) != (out["clip/low"], out["clip/high"])
 
 
+def test_micro_scope_averages_a_stat_over_the_micro_batches_that_report_it(tiny_model, tiny_tok):
+    """bapo/target_reached exists only where a micro-batch's search engaged: its logged value is the mean over
+    those micro-batches (token-weighted), not a mean that counts the others as 0."""
+    batch = fake_batch(tiny_tok, tiny_model)
+    learner = make_learner(copy.deepcopy(tiny_model), scope="micro_batch", micro_batch_size=3)
+    per_micro = [({"bapo/target_reached": 1.0, "clip/low": 0.6}, 10), ({"clip/low": 0.8}, 30)]
+    logged, _ = learner._choice_stats(None, per_micro, [])
+    assert logged["bapo/target_reached"] == 1.0
+    assert logged["clip/low"] == pytest.approx((0.6 * 10 + 0.8 * 30) / 40)
+    out = learner.accumulate(batch)
+    assert "bapo/beyond_bounds" in out and 0.0 <= out["bapo/beyond_bounds"] <= 1.0
+
+
 def test_split_trims_padding(tiny_model, tiny_tok):
     batch = fake_batch(tiny_tok, tiny_model)
     parts = split(batch, 3)
