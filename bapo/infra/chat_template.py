@@ -9,8 +9,9 @@ options, globals and variables: the same text, which tests/unit/infra/test_chat_
 
 * time: at most :data:`MAX_RENDER_S` seconds per conversation, checked on every line the compiled template runs
   (a trace function on this thread, only while it renders, only in the template's own code);
-* size: no value over :data:`MAX_CHARS` characters or items is made (``*``, ``**``, ``+``, ``%``, ``~`` and the
-  arguments of every call and filter are checked before they run), nor stored in a ``namespace``;
+* size: no value over :data:`MAX_CHARS` characters or items is made (``*``, ``**``, ``+``, ``%``, ``~``, the
+  arguments of every call and filter, and the result of the text methods that multiply, ``replace``, ``join`` and
+  ``expandtabs``, are checked before they run), nor stored in a ``namespace``;
 * output: at most :data:`MAX_CHARS` characters, counted as the template writes them;
 * the template itself: at most :data:`MAX_TEMPLATE_CHARS` characters.
 
@@ -64,6 +65,24 @@ def _check(value: Any, what: str) -> Any:
     return value
 
 
+def _check_text_method(text: str, name: str, args: tuple) -> None:
+    """Refuse the text methods whose result can be far longer than their arguments (``s.replace('', t)``,
+    ``t.join(items)``, ``s.expandtabs(n)``) before they run, from the exact length they would make."""
+    size = 0
+    if name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
+        found = text.count(args[0])
+        if len(args) > 2 and isinstance(args[2], int) and args[2] >= 0:
+            found = min(found, args[2])
+        size = len(text) + found * (len(args[1]) - len(args[0]))
+    elif name == "join" and args and isinstance(args[0], list | tuple):
+        size = sum(len(x) for x in args[0] if isinstance(x, str)) + len(text) * max(len(args[0]) - 1, 0)
+    elif name == "expandtabs":
+        tab = args[0] if args and isinstance(args[0], int) else 8
+        size = len(text) + text.count("\t") * max(tab, 0)
+    if size > MAX_CHARS:
+        raise _Bound(f"str.{name} would make {size:,} characters, over the bound of {MAX_CHARS:,}")
+
+
 def _environment():
     """The sandbox transformers renders chat templates in (``_compile_jinja_template``), with the size checks."""
     import jinja2
@@ -104,6 +123,8 @@ def _environment():
         def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 (Jinja's own)
             for v in (*args, *kwargs.values()):
                 _check(v, "an argument")
+            if isinstance(getattr(__obj, "__self__", None), str):  # a text's method: its result's size, first
+                _check_text_method(__obj.__self__, __obj.__name__, args)
             return _check(super().call(__context, __obj, *args, **kwargs), "a result")
 
         def bounded_join(self, parts: Sequence[Any]) -> str:

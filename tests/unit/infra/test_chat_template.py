@@ -105,6 +105,20 @@ def test_no_value_over_the_size_bound_is_made(tmp_path, source):
     assert "\n" not in str(e.value) and time.monotonic() - t0 < 10, str(e.value)
 
 
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{% set a = 'x' * 3000000 %}{{ a.replace('x', 'yyyyyyyyyy') }}",
+        "{% set a = 'x' * 3000 %}{{ a.replace('', a) }}",
+        "{% set a = 'x' * 1000000 %}{{ a.join([a, a, a]) }}",
+        "{% set a = '\t' * 3000000 %}{{ a.expandtabs(8) }}",
+    ],
+)
+def test_a_texts_methods_that_multiply_are_refused_before_they_run(tmp_path, source):
+    with pytest.raises(ChatTemplateError, match=r"its chat template is refused: str\.\w+ would make [\d,]+ characters"):
+        render_chat(_with(tmp_path, source), CHAT)
+
+
 def test_the_output_is_bounded_as_it_is_written(tmp_path):
     tok = _with(tmp_path, hostile.HUGE_OUTPUT)
     with pytest.raises(ChatTemplateError, match="its output passed 4,000,000 characters"):
