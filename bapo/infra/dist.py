@@ -63,6 +63,7 @@ class LauncherConfig:
         )
         host, _, port = (self.rdzv_endpoint or "h:1").rpartition(":")
         require(bool(host) and port.isdigit(), "launcher.rdzv_endpoint", f"host:port, got {self.rdzv_endpoint!r}")
+        require(int(port) <= 65535, "launcher.rdzv_endpoint", f"the port must be 0-65535, got {self.rdzv_endpoint!r}")
 
 
 def launched() -> bool:

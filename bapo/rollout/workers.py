@@ -8,7 +8,9 @@ their share of every rollout batch with the weights the learner pushes. The in-p
 the queue, ``run()`` and the checkpoint format are the colocated run's.
 
 Transport: libraries only. Requests and results (rollout batches, the maker's state) go over an
-authenticated ``multiprocessing.connection`` to each worker; weights go over a two-rank gloo process
+authenticated ``multiprocessing.connection`` to each worker (:class:`bapo.infra.listener.AuthListener`: the key's
+challenge off the accept loop, timed, so a silent local client keeps no worker out; what the key protects and
+what it does not is in its docstring and docs/offpolicy.md); weights go over a two-rank gloo process
 group per worker (``torch.distributed.ProcessGroupGloo`` on a ``TCPStore``), one flat buffer per dtype,
 the way a GPU trainer sends them over NCCL. One pair group per worker, so a worker can be replaced
 without disturbing the others.
@@ -55,7 +57,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
@@ -64,6 +66,7 @@ import torch.distributed as tdist
 from bapo.engines.base import RolloutEngine
 from bapo.infra import stop
 from bapo.infra.checks import ConfigError, RunFailed, require, resumable
+from bapo.infra.listener import AuthListener
 from bapo.rollout.placement import Placement, PlacementConfig, PlacementTraits, RolloutParts
 from bapo.rollout.source import Interrupted
 from bapo.samples import Prompt, RolloutBatch, Sample
@@ -196,7 +199,7 @@ class WorkerPool:
         self._closed = False
         atexit.register(self.stop)
 
-    def _listen(self, host: str, port: int) -> Listener:
+    def _listen(self, host: str, port: int) -> AuthListener:
         """The workers' listener on ``host:port``; a bad host or a busy port is one ConfigError naming its key."""
         where = f"placement.host: {host!r} for rollout workers"
         if not host.strip():
@@ -208,7 +211,7 @@ class WorkerPool:
                 f"{where}: cannot resolve it ({e.strerror}); give an address or name of this machine"
             ) from None
         try:
-            return Listener((host, port), authkey=self.authkey)
+            return AuthListener((host, port), self.authkey)  # the key's challenge off the accept loop, timed
         except OSError as e:
             if e.errno in (errno.EADDRINUSE, errno.EACCES):
                 raise ConfigError(
@@ -271,15 +274,9 @@ class WorkerPool:
                 raise WorkerLost(f"{w.ended()} before connecting{w.reason()}")
             if time.monotonic() > deadline:
                 raise WorkerLost(f"did not connect within {self.start_timeout_s:g} s")
-            # Listener.accept blocks; the socket is polled so that a dead worker is noticed.
-            sock = self.listener._listener._socket  # noqa: SLF001 (multiprocessing's listener has no accept timeout)
-            sock.settimeout(0.5)
-            try:
-                conn = self.listener.accept()
+            try:  # a connection that proved the key (any other is refused off this loop); polled for a dead worker
+                conn = self.listener.accept(timeout=0.5)
             except TimeoutError:
-                continue
-            except OSError as e:  # a connection that failed the authkey: not ours
-                log.warning("rollout workers: refused a connection: %s", e)
                 continue
             hello = recv(conn)
             if hello == ("hello", w.index, w.proc.pid):
