@@ -170,7 +170,7 @@ def test_a_data_file_that_cannot_serve_is_a_data_file_error_naming_it(tmp_path, 
 
 
 def test_a_hub_file_datasets_cannot_parse_or_a_name_it_cannot_find_names_the_key(tmp_path):
-    from bapo.data.loading import load_hub
+    from bapo.data.hub import load_hub
 
     f = tmp_path / "bad.jsonl"
     f.write_text('{"problem": "1+1?", "answer": "2"}\nnot json\n')
