@@ -18,6 +18,8 @@ to give it locally: a copy of the set as the path, ``HF_DATASETS_CACHE``, or the
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,7 +55,7 @@ def hub_unreachable(timeout: float = HUB_PROBE_TIMEOUT_S) -> str | None:
         get_session().head(url, timeout=timeout)
     except Exception as e:  # any failure to get an answer (DNS, refused, timeout, offline mode, a proxy)
         msg = str(e).splitlines()[0][:120] if str(e) else ""
-        return f"{url} did not answer within {timeout:g} s ({type(e).__name__}{': ' + msg if msg else ''})"
+        return f"no answer from {url} within {timeout:g} s ({type(e).__name__}{': ' + msg if msg else ''})"
     return None
 
 
@@ -105,7 +107,7 @@ def open_set(name: str, *, split: str, subset: str | None = None, key: str = "da
             ) from None
     if p.is_dir():
         try:
-            return datasets.load_dataset(str(p), subset, split=split)
+            return datasets.load_dataset(str(p), subset, split=split, cache_dir=local_cache(p))
         except Exception as e:
             raise DataFileError(
                 f"{key}: {p.absolute()}: datasets could not load split {split!r} from this folder ({_first(e)})"
@@ -129,6 +131,19 @@ def open_set(name: str, *, split: str, subset: str | None = None, key: str = "da
             f"{key}: the hub set {_set_name(name, split, subset)} is not reachable ({why}) and its cached copy "
             f"does not serve it ({_first(e)})"
         ) from None
+
+
+def local_cache(folder: Path) -> str:
+    """Where ``datasets`` keeps its prepared copy of a local folder: a folder of the cache named after this folder's
+    absolute path and its files' sizes and modification times. ``datasets`` 5.2 names its copy of a folder whose
+    card lists its data files (a hub set's layout) by the folder's name and those patterns alone, so a second copy
+    of the same name, or the same folder rewritten, was served the first one's rows (or failed its split check)."""
+    import datasets
+
+    files = sorted(f for f in folder.rglob("*") if f.is_file() and ".cache" not in f.relative_to(folder).parts)
+    stamp = [(str(f.relative_to(folder)), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    key = hashlib.sha1(json.dumps([str(folder.resolve()), stamp]).encode()).hexdigest()[:16]
+    return str(Path(datasets.config.HF_DATASETS_CACHE) / "bapo-local" / f"{folder.name}-{key}")
 
 
 def check_hub(name: str, *, split: str, subset: str | None = None, key: str = "data.path") -> None:
