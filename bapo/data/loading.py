@@ -3,20 +3,22 @@
 Three sources, one interface (an iterable of :class:`Problem`):
 
 * ``arith`` and ``mixops``: the synthetic tasks of :mod:`bapo.data.tasks`, each with its own seed.
-* ``jsonl``: local JSONL files with ``problem`` and ``answer`` fields. The file
+* ``jsonl``: local JSONL files, each row mapped to a problem by :class:`bapo.data.rows.RowFields` (``problem`` and
+  ``answer`` fields by default; dotted keys, chat prompts, the set's own instruction cut, answer formats). The file
   is read as bytes and each line decoded on its own, so one bad row never sinks
   the load: a malformed row (invalid UTF-8, invalid JSON, a missing or empty
-  field, an answer that is not a finite number or a string, a row nested too
+  field, an answer that is not a finite number or a string or that lists several answers, a row nested too
   deeply to parse, an integer too long to convert) is logged with its
   ``file:line``, skipped and counted in :class:`LoadReport`; past the first
   :data:`ROWS_LOGGED` of a file the rest are logged as one count, and a file with
   no valid row (a binary file) logs none: its one error gives the count and the first. A UTF-8
   byte-order mark before row 1 is dropped. JSON's ``NaN`` and ``Infinity`` are
   refused: no answer can be graded against them.
-* ``hub``: any ``datasets`` dataset, by hub name or local path. ``datasets``
-  parses a local file as a whole, so an empty or unparsable file is a
-  :class:`DataFileError` naming the file (use ``jsonl`` to skip bad rows one by one);
-  rows that parse but lack a field are skipped and counted as above.
+* ``hub``: any ``datasets`` dataset, by hub name, local folder or data file (:mod:`bapo.data.hub`: the named sets
+  ``data=skywork_or1``, ``dapo_math``, ``deepscaler`` are hub configs). ``datasets`` parses a local file as a
+  whole, so an empty or unparsable file is a :class:`DataFileError` naming the file (use ``jsonl`` to skip bad
+  rows one by one); rows that parse but cannot be mapped are skipped and counted as above, and a hub set that is
+  neither reachable nor cached is one :class:`DataFileError` naming the set, its split and the ways to give it.
 
 Prompts go through the tokenizer's chat template with an instruction to put the
 final answer in ``\\boxed{}``. A prompt longer than ``max_prompt_tokens`` tokens
@@ -27,10 +29,10 @@ tokenized: a problem over ``MAX_CHARS_PER_TOKEN * max_prompt_tokens``
 characters is skipped on its length alone (see :data:`MAX_CHARS_PER_TOKEN`).
 ``max_prompt_tokens=None`` means no limit.
 
-A file that cannot serve at all (missing, a folder, empty, no valid row) and a limit no prompt fits
-under are a :class:`DataFileError`, one line naming the config key, the absolute path and, for a
-path under ``paths.data_dir``, where that folder came from (``$BAPO_DATA_DIR`` or the default).
-:func:`check_files` finds the first three before anything is loaded.
+A source that cannot serve at all (a file missing, a folder, empty or with no valid row; a hub set out of
+reach) and a limit no prompt fits under are a :class:`DataFileError`, one line naming the config key, the absolute
+path and, for a path under ``paths.data_dir``, where that folder came from (``$BAPO_DATA_DIR`` or the default) and
+the data config's ``missing_hint``. :func:`check_files` finds the first ones before anything is loaded.
 """
 
 from __future__ import annotations

@@ -200,6 +200,34 @@ def test_hub_style_loader_reads_a_local_file(tmp_path):
     assert load_evalset(s, limit=2) == problems[:2]
 
 
+SHIPPED = {"aime24": 30, "aime25": 30, "amc23": 40, "math500": 500, "gsm8k": 1319}  # rows (assets/evalsets/SOURCES.md)
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_every_file_set_ships_and_loads_from_any_working_folder(name, tmp_path, monkeypatch):
+    """A clone evaluates with nothing beside it: each set's default file is the repository's own, read by a path
+    relative to it, from any working folder, whatever BAPO_DATA_DIR says."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("BAPO_DATA_DIR", str(tmp_path / "nothing-here"))
+    s = build_job(_cfg([f"eval={name}"])).sets[name]
+    assert s.path.startswith("assets/evalsets/") and (ROOT / s.path).is_file()
+    problems = load_evalset(s)
+    assert len(problems) == SHIPPED[name] and all(p.problem and p.answer for p in problems)
+
+
+def test_the_shipped_sets_are_the_shared_files_byte_for_byte(shared_data):
+    shipped = sorted((ROOT / "assets" / "evalsets").glob("*.jsonl"))
+    assert [f.name for f in shipped] == [
+        "aime24.jsonl",
+        "aime25.jsonl",
+        "amc23.jsonl",
+        "gsm8k_test.jsonl",
+        "math500.jsonl",
+    ]
+    for f in shipped:
+        assert f.read_bytes() == (shared_data / f.name).read_bytes(), f.name
+
+
 def test_shared_sets_load(shared_data):
     for name, rows in [("aime24", 30), ("aime25", 30), ("amc23", 40), ("math500", 500), ("gsm8k", 1319)]:
         problems = load_evalset(build_job(_cfg([f"eval={name}"])).sets[name])
