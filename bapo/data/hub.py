@@ -8,10 +8,10 @@ the JSONL loader does; rows that repeat a problem with its answer are kept once 
 
 A hub name is tried only where the hub can answer. With ``HF_HUB_OFFLINE``/``HF_DATASETS_OFFLINE`` set, or when
 the hub's endpoint does not answer one request within :data:`HUB_PROBE_TIMEOUT_S`, the set is read from the
-``datasets`` cache alone; ``datasets`` itself would retry each request five times with back-off (about 25 s on
-a node whose DNS fails, minutes where connections hang) and print a line per retry. A set that is neither
-reachable nor cached is one :class:`~bapo.data.rows.DataFileError` naming the set, the split and the three ways
-to give it locally: a copy of the set as the path, ``HF_DATASETS_CACHE``, or the problems as JSONL.
+``datasets`` cache alone: ``datasets`` itself retries each request five times with back-off, for minutes where
+connections hang, and prints a line per retry. A set that is neither reachable nor cached is one
+:class:`~bapo.data.rows.DataFileError` naming the set, the split and the three ways to give it locally: a copy of
+the set as the path, ``HF_DATASETS_CACHE``, or the problems as JSONL.
 :func:`check_hub` raises it before anything slow starts (``bapo.data.loading.check_files``).
 """
 
@@ -135,9 +135,9 @@ def open_set(name: str, *, split: str, subset: str | None = None, key: str = "da
 
 def local_cache(folder: Path) -> str:
     """Where ``datasets`` keeps its prepared copy of a local folder: a folder of the cache named after this folder's
-    absolute path and its files' sizes and modification times. ``datasets`` 5.2 names its copy of a folder whose
-    card lists its data files (a hub set's layout) by the folder's name and those patterns alone, so a second copy
-    of the same name, or the same folder rewritten, was served the first one's rows (or failed its split check)."""
+    absolute path and its files' sizes and modification times. ``datasets`` itself (5.2) names its copy of a folder
+    whose card lists the data files (a hub set's layout) by the folder's name and those patterns alone, so a second
+    folder of the same name, or this one rewritten, would be served the first one's rows or fail its split check."""
     import datasets
 
     files = sorted(f for f in folder.rglob("*") if f.is_file() and ".cache" not in f.relative_to(folder).parts)
