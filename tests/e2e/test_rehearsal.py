@@ -202,12 +202,13 @@ PROBLEMS = [
 
 
 def write_data(folder: Path) -> Path:
-    """A local copy of Skywork-OR1-RL-Data (its layout, the math split): each of PROBLEMS in 60 wordings, so that
-    the 1% that data=skywork_or1 holds out by hash holds at least the rehearsal's data.heldout_size."""
+    """A local copy of Skywork-OR1-RL-Data (its layout, the math split): PROBLEMS, and differences of the same shape
+    whose answers are 1-3 too, enough that the 1% data=skywork_or1 holds out by hash covers data.heldout_size."""
     from bapo.data.tasks import is_heldout
     from tests.helpers.hubsets import write_skywork_or1
 
-    problems = [(f"{p} (Wording {k}.)", a) for k in range(60) for p, a in PROBLEMS]
+    more = [(f"What is ${a} - {a - d}$?", str(d)) for a in range(6, 200) for d in (1, 2, 3)]
+    problems = PROBLEMS + [p for p in more if p[0] not in {q for q, _ in PROBLEMS}]
     assert sum(is_heldout(p, 0.01) for p, _ in problems) >= int(PAPER_7B_SIZES["data.heldout_size"])
     return write_skywork_or1(folder, problems)
 
