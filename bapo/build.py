@@ -183,7 +183,7 @@ def build_stages(rc: RunConfig, cfg: DictConfig | None = None) -> Stages:
         e, sets = rc.eval, {}
         why = "data.max_prompt_tokens, and the model's context - rollout.max_new_tokens"
         for n in e.sets:  # over-long prompts skipped and counted as in the held-out set (eval/<set>/skipped)
-            problems = load_evalset(named_set(n, data_dir=rc.data_dir), limit=e.sets_limit)
+            problems = load_evalset(named_set(n), limit=e.sets_limit)
             sets[n] = prepare_set(n, problems, tok, instruction=d.instruction, max_prompt_tokens=limit, limit_keys=why)
     except BaseException:
         placement.stop()

@@ -1,2 +1,3 @@
-"""Training and evaluation data: the dataset schema (``data`` group), loading rows from JSONL files and the
-hub with per-row validation, and the procedurally generated tasks of the shipped testbeds."""
+"""Training and evaluation data: the dataset schema (``data`` group), the row mapping (``rows.py``), loading rows
+from JSONL files (``loading.py``) and ``datasets`` sets (``hub.py``) with per-row validation, and the procedurally
+generated tasks of the shipped testbeds."""

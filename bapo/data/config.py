@@ -11,9 +11,8 @@ from dataclasses import dataclass
 
 from omegaconf import MISSING
 
-from bapo.infra.checks import choice, require
-
-ANSWER_FORMATS = ("plain", "gsm8k")  # plain | gsm8k ("... #### 72")
+from bapo.data.rows import ANSWER_FORMATS
+from bapo.infra.checks import choice, require, resumable
 
 
 @dataclass
@@ -60,13 +59,16 @@ class ArithDataConfig(DataCommon):
 
 @dataclass
 class FileDataConfig(DataCommon):
-    """``data=jsonl``: local JSONL files."""
+    """``data=jsonl``: local JSONL files. The row mapping (``problem_key`` ... ``strip_instructions``) is
+    ``bapo.data.rows.RowFields``'s; ``missing_hint`` is what a missing file's error adds: where to get it."""
 
     path: str = MISSING
     eval_path: str | None = MISSING
-    problem_key: str = MISSING
+    problem_key: str = MISSING  # a dotted path reaches a nested field; a chat list's last user message is the problem
     answer_key: str = MISSING
-    answer_format: str = MISSING
+    answer_format: str = MISSING  # plain | gsm8k ("... #### 72") | json_list ('["72"]')
+    strip_instructions: list[str] = MISSING  # texts cut from the start or end of each problem
+    missing_hint: str | None = resumable()  # words an error only
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -76,7 +78,8 @@ class FileDataConfig(DataCommon):
 
 @dataclass
 class HubDataConfig(FileDataConfig):
-    """``data=hub``: any ``datasets`` dataset by hub name, local folder or data file."""
+    """``data=hub`` and the named hub sets (``data=skywork_or1``, ...): any ``datasets`` dataset by hub name, local
+    folder or data file."""
 
     split: str = MISSING
     eval_split: str | None = MISSING

@@ -3,10 +3,11 @@
 Three sources, one interface (an iterable of :class:`Problem`):
 
 * ``arith`` and ``mixops``: the synthetic tasks of :mod:`bapo.data.tasks`, each with its own seed.
-* ``jsonl``: local JSONL files with ``problem`` and ``answer`` fields. The file
+* ``jsonl``: local JSONL files, each row mapped to a problem by :class:`bapo.data.rows.RowFields` (``problem`` and
+  ``answer`` fields by default; dotted keys, chat prompts, the set's own instruction cut, answer formats). The file
   is read as bytes and each line decoded on its own, so one bad row never sinks
   the load: a malformed row (invalid UTF-8, invalid JSON, a missing or empty
-  field, an answer that is not a finite number or a string, a row nested too
+  field, an answer that is not a finite number or a string or that lists several answers, a row nested too
   deeply to parse, an integer too long to convert, a lone surrogate such as JSON's ``"\\ud800"``, a
   line over :data:`MAX_ROW_BYTES`, which is never held whole) is logged with its
   ``file:line``, skipped and counted in :class:`LoadReport`; past the first
@@ -14,10 +15,11 @@ Three sources, one interface (an iterable of :class:`Problem`):
   no valid row (a binary file) logs none: its one error gives the count and the first. A UTF-8
   byte-order mark before row 1 is dropped. JSON's ``NaN`` and ``Infinity`` are
   refused: no answer can be graded against them.
-* ``hub``: any ``datasets`` dataset, by hub name or local path. ``datasets``
-  parses a local file as a whole, so an empty or unparsable file is a
-  :class:`DataFileError` naming the file (use ``jsonl`` to skip bad rows one by one);
-  rows that parse but lack a field are skipped and counted as above.
+* ``hub``: any ``datasets`` dataset, by hub name, local folder or data file (:mod:`bapo.data.hub`: the named sets
+  ``data=skywork_or1``, ``dapo_math``, ``deepscaler`` are hub configs). ``datasets`` parses a local file as a
+  whole, so an empty or unparsable file is a :class:`DataFileError` naming the file (use ``jsonl`` to skip bad
+  rows one by one); rows that parse but cannot be mapped are skipped and counted as above, and a hub set that is
+  neither reachable nor cached is one :class:`DataFileError` naming the set, its split and the ways to give it.
 
 Prompts go through the tokenizer's chat template (rendered in Jinja's sandbox with bounds on
 time, size and output: :mod:`bapo.infra.chat_template`) with an instruction to put the
@@ -29,19 +31,17 @@ tokenized: a problem over ``MAX_CHARS_PER_TOKEN * max_prompt_tokens``
 characters is skipped on its length alone (see :data:`MAX_CHARS_PER_TOKEN`).
 ``max_prompt_tokens=None`` means no limit.
 
-A file that cannot serve at all (missing, a folder, empty, no valid row) and a limit no prompt fits
-under are a :class:`DataFileError`, one line naming the config key, the absolute path and, for a
-path under ``paths.data_dir``, where that folder came from (``$BAPO_DATA_DIR`` or the default).
-:func:`check_files` finds the first three before anything is loaded.
+A source that cannot serve at all (a file missing, a folder, empty or with no valid row; a hub set out of
+reach) and a limit no prompt fits under are a :class:`DataFileError`, one line naming the config key, the absolute
+path and, for a path under ``paths.data_dir``, where that folder came from (``$BAPO_DATA_DIR`` or the default) and
+the data config's ``missing_hint``. :func:`check_files` finds the first ones before anything is loaded.
 """
 
 from __future__ import annotations
 
 import codecs
 import hashlib
-import json
 import logging
-import math
 import os
 import random
 from collections.abc import Iterable, Iterator, Sequence
@@ -49,11 +49,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bapo.data.hub import check_hub, is_hub_name, load_hub
+from bapo.data.rows import (
+    ROWS_LOGGED,
+    DataFileError,
+    LoadReport,
+    RowFields,
+    log_skipped,
+    parse_row,
+    row_error,
+    tried,
+)
 from bapo.data.tasks import ArithSource, ArithSpec, arith_heldout, is_heldout
 from bapo.infra.artifacts import line_too_long, read_lines
 from bapo.infra.chat_template import render_chat
-from bapo.infra.checks import ConfigError
-from bapo.infra.paths import ROOT, resolve_path
+from bapo.infra.paths import resolve_path
 from bapo.samples import Problem, Prompt
 
 log = logging.getLogger(__name__)
@@ -81,43 +91,31 @@ LIMIT_NOTE = (
 MAX_SKIP_STREAK = 10_000
 
 
-# ----------------------------------------------------------------------------- files and hub
+# ----------------------------------------------------------------------------- files
 
 
-class DataFileError(ConfigError):
-    """A data file that a config key points at is missing, a folder, empty, or holds no usable row, or no
-    prompt fits the length limit. One line: the key, the absolute path, and what to change."""
-
-
-def _tried(value: str) -> str:
-    """The absolute path a data path is looked for at (:func:`bapo.config.resolve_path`): from the working
-    directory, else from the repository root."""
-    path = Path(value).expanduser()
-    if path.is_absolute():
-        return os.path.normpath(path)
-    here = os.path.normpath(Path.cwd() / path)
-    root = os.path.normpath(ROOT / path)
-    return here if here == root else f"{here} (nor {root})"
-
-
-def _origin(value: str, data_dir: str | None) -> str:
-    """Where a path under ``paths.data_dir`` came from, and what to set, for a message about it."""
+def _origin(value: str, data_dir: str | None, missing_hint: str | None = None) -> str:
+    """Where a path under ``paths.data_dir`` came from, and what to set, for a message about it; and where the file
+    comes from (``missing_hint``: the data config's own words), when it says."""
+    hint = f"; {missing_hint}" if missing_hint else ""
     if not data_dir or not value.startswith(data_dir.rstrip("/") + "/"):
-        return ""
+        return hint
     env = os.environ.get("BAPO_DATA_DIR")
     src = f"$BAPO_DATA_DIR={env}" if env is not None else "the default (BAPO_DATA_DIR is not set)"
     return (
         f"; it is under paths.data_dir={data_dir}, from {src}: point BAPO_DATA_DIR or paths.data_dir at the "
-        "folder that holds it"
+        f"folder that holds it{hint}"
     )
 
 
-def file_problem(key: str, value: str, data_dir: str | None = None) -> DataFileError | None:
+def file_problem(
+    key: str, value: str, data_dir: str | None = None, missing_hint: str | None = None
+) -> DataFileError | None:
     """Why the data file ``value`` (of config key ``key``) cannot be read, or None when it can."""
     path = Path(resolve_path(value))
-    origin = _origin(value, data_dir)
+    origin = _origin(value, data_dir, missing_hint)
     if not path.exists():
-        return DataFileError(f"{key}: no such file: {_tried(value)}{origin}")
+        return DataFileError(f"{key}: no such file: {tried(value)}{origin}")
     if path.is_dir():
         return DataFileError(f"{key}: {os.path.normpath(path.absolute())} is a folder, not a JSONL file{origin}")
     if path.stat().st_size == 0:
@@ -136,118 +134,44 @@ DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt", ".arrow")
 
 
 def check_files(cfg, data_dir: str | None = None) -> None:
-    """Raise :class:`DataFileError` for the first data file of the typed ``data`` group that is missing, a folder
-    or empty (``data.path``, ``data.eval_path``). A ``hub`` path is checked when it is a local folder or names a
-    data file (by its suffix); anything else is a hub name, which only loading can check."""
+    """Raise :class:`DataFileError` for the first data source of the typed ``data`` group that cannot serve
+    (``data.path``, ``data.eval_path``): a file that is missing, a folder or empty; for ``hub``, a set that is
+    neither reachable nor cached (:func:`bapo.data.hub.check_hub`, which fetches a reachable one into the cache).
+    A local folder or a named data file of ``hub`` is left to ``datasets``, which reads it as a whole when it loads."""
     if cfg.kind == "arith":
         return
-    for key in ("data.path", "data.eval_path"):
-        value = getattr(cfg, key.split(".")[1])
-        if not value:
+    for key, value, split in _sources(cfg):
+        if cfg.kind == "hub" and is_hub_name(value):
+            check_hub(value, split=split, subset=cfg.subset, key=key)
             continue
-        if cfg.kind == "hub" and Path(resolve_path(value)).is_dir():
-            continue  # a dataset folder: datasets reads it
-        if cfg.kind == "hub" and Path(value).suffix.lower() not in DATA_SUFFIXES:
-            continue
-        if (err := file_problem(key, value, data_dir)) is not None:
+        local = Path(resolve_path(value))
+        if cfg.kind == "hub" and (local.is_dir() or local.suffix.lower() not in DATA_SUFFIXES):
+            continue  # a dataset folder, or a file datasets reads by its own rules
+        if (err := file_problem(key, value, data_dir, cfg.missing_hint)) is not None:
             raise err
 
 
-@dataclass
-class LoadReport:
-    """What the loaders read, and what they and the prompt renderers had to skip.
-
-    ``rows`` counts rows the loaders parsed. ``skipped`` counts every row dropped for any
-    reason, in a loader or at rendering; ``too_long`` counts those of them dropped because
-    the prompt was over ``max_prompt_tokens``.
-    """
-
-    rows: int = 0
-    skipped: int = 0
-    too_long: int = 0
-
-
-ROWS_LOGGED = 5  # malformed rows of one file logged one by one; the rest as one count
-
-
-def _log_skipped(source: object, whys: list[str], count: int) -> None:
-    """The malformed rows of a file that had valid rows too, logged once it is read: the first :data:`ROWS_LOGGED`
-    (``whys``) each with its ``file:line``, then the rest of the ``count`` in one line."""
-    for why in whys:
-        log.warning("skipping malformed row: %s", why)
-    if count > len(whys):
-        log.warning("skipping malformed rows: %d more in %s (%d in all)", count - len(whys), source, count)
-
-
-def _row_to_problem(row: object, where: str, problem_key: str, answer_key: str, idx: int) -> Problem:
-    if not isinstance(row, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    for key in (problem_key, answer_key):
-        if key not in row:
-            raise ValueError(f"{where}: missing field {key!r} (has {sorted(row)})")
-    prob, ans = row[problem_key], row[answer_key]
-    if not isinstance(prob, str) or not prob.strip():
-        raise ValueError(f"{where}: field {problem_key!r} must be a non-empty string")
-    if isinstance(ans, bool) or not isinstance(ans, str | int | float):
-        raise ValueError(f"{where}: field {answer_key!r} must be a string or number, got {_short(ans)}")
-    if isinstance(ans, float) and not math.isfinite(ans):
-        raise ValueError(f"{where}: field {answer_key!r} is {ans!r}, which no answer can equal")
-    if isinstance(ans, str) and not ans.strip():
-        raise ValueError(f"{where}: field {answer_key!r} is an empty string")
-    for key in (problem_key, answer_key, "id", "source"):
-        if isinstance(row.get(key), str):
-            _check_text(row[key], where, key)
-    return Problem(id=str(row.get("id", idx)), problem=prob, answer=str(ans), source=str(row.get("source", "")))
-
-
-def _check_text(text: str, where: str, key: str) -> None:
-    """Refuse a string that is not text: JSON's ``"\\ud800"`` decodes to a lone surrogate, which no tokenizer,
-    file or log can encode."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(
-            f"{where}: field {key!r} holds a lone surrogate ({text[e.start : e.end]!a} at character {e.start + 1}), "
-            "which is not text"
-        ) from None
-
-
-def _short(value: object, n: int = 60) -> str:
-    r = repr(value)
-    return r if len(r) <= n else f"{r[:n]}... ({len(r)} characters)"
-
-
-def _refuse_constant(name: str) -> float:
-    raise ValueError(f"{name} is not a number an answer can be graded against")
-
-
-def _parse_row(line: str) -> object:
-    """``json.loads`` of one row, without NaN/Infinity (refused), and with nesting bounded: a row nested deeper
-    than Python's recursion limit is a RecursionError, reported like any other malformed row."""
-    return json.loads(line, parse_constant=_refuse_constant)
-
-
-def _row_error(where: str, e: Exception) -> str:
-    """One line for the log: where, and what was wrong with the row."""
-    if isinstance(e, UnicodeDecodeError):
-        return f"{where}: invalid UTF-8 (byte 0x{e.object[e.start]:02x} at column {e.start + 1})"
-    if isinstance(e, json.JSONDecodeError):
-        return f"{where}: invalid JSON ({e.msg})"
-    if isinstance(e, RecursionError):
-        return f"{where}: nested too deeply to parse"
-    msg = str(e).split("\n")[0]
-    return msg if msg.startswith(where) else f"{where}: {msg}"  # json's own (a too-long integer, NaN) lack it
+def _sources(cfg) -> list[tuple[str, str, str | None]]:
+    """(config key, path, split) of each source the typed ``data`` group reads: the training rows, and the held-out
+    rows where they come from another file (``eval_path``) or split (``eval_split``)."""
+    hub = cfg.kind == "hub"
+    out = [("data.path", cfg.path, cfg.split if hub else None)]
+    eval_split = cfg.eval_split if hub else None
+    if cfg.eval_path or eval_split:
+        key = "data.eval_path" if cfg.eval_path else "data.path"
+        out.append((key, cfg.eval_path or cfg.path, eval_split or (cfg.split if hub else None)))
+    return out
 
 
 def load_jsonl(
     path: str | Path,
     *,
-    problem_key: str = "problem",
-    answer_key: str = "answer",
+    fields: RowFields | None = None,
     report: LoadReport | None = None,
     key: str = "data.path",
 ) -> list[Problem]:
-    """Read problems from a JSONL file. Malformed rows are logged with file:line and skipped.
+    """Read problems from a JSONL file, each row mapped by ``fields`` (:class:`bapo.data.rows.RowFields`: plain
+    ``problem`` and ``answer`` fields by default). Malformed rows are logged with file:line and skipped.
 
     Lines are decoded one at a time (bytes, then UTF-8), so an invalid byte costs its own
     row only; a byte-order mark before row 1 is dropped rather than spoiling that row.
@@ -256,6 +180,7 @@ def load_jsonl(
     """
     if (err := file_problem(key, str(path))) is not None:
         raise err
+    fields = fields or RowFields()
     path = Path(resolve_path(str(path)))
     report = report if report is not None else LoadReport()
     out, whys, skipped = [], [], 0
@@ -273,76 +198,17 @@ def load_jsonl(
             if not raw.strip():
                 continue
             try:
-                line = raw.decode("utf-8")
-                out.append(_row_to_problem(_parse_row(line), where, problem_key, answer_key, lineno))
+                out.append(fields.problem_of(parse_row(raw.decode("utf-8")), where, lineno))
                 report.rows += 1
             except (ValueError, RecursionError) as e:  # UnicodeDecodeError, JSONDecodeError are ValueErrors
                 report.skipped += 1
                 skipped += 1
                 if len(whys) < ROWS_LOGGED:
-                    whys.append(_row_error(where, e))
+                    whys.append(row_error(where, e))
     if not out:
         first = f"; the first: {whys[0]}" if whys else ""
         raise DataFileError(f"{key}: {path.absolute()}: no valid rows ({skipped} skipped{first})")
-    _log_skipped(path, whys, skipped)
-    return out
-
-
-def load_hub(
-    name: str,
-    *,
-    split: str,
-    subset: str | None = None,
-    problem_key: str = "problem",
-    answer_key: str = "answer",
-    report: LoadReport | None = None,
-    key: str = "data.path",
-) -> list[Problem]:
-    """Load problems through ``datasets`` (a hub name, a local folder, or a data file).
-
-    ``datasets`` parses a local file as a whole: an empty or unparsable file is a
-    :class:`DataFileError` that names it and ``key`` (``datasets`` itself raises a bare
-    ``StopIteration`` on an empty JSONL file), and so is a name that is neither a local path
-    nor loadable from the hub. Rows that parse but are malformed are skipped and counted.
-    """
-    import datasets
-
-    report = report if report is not None else LoadReport()
-    p = Path(name)
-    if p.is_file():
-        if p.stat().st_size == 0:
-            raise DataFileError(f"{key}: {p.absolute()}: the data file is empty")
-        try:
-            ds = datasets.load_dataset(p.suffix.lstrip(".").replace("jsonl", "json"), data_files=str(p), split=split)
-        except Exception as e:  # StopIteration, ValueError, DatasetGenerationError, ...: all mean "this file"
-            msg = str(e).split("\n")[0]
-            raise DataFileError(
-                f"{key}: {p.absolute()}: datasets could not load split {split!r} from this file ({type(e).__name__}: "
-                f"{msg}); data.kind=jsonl reads a JSONL file row by row and skips malformed rows"
-            ) from e
-    else:
-        try:
-            ds = datasets.load_dataset(name, subset, split=split)
-        except Exception as e:  # a name that is neither a local file or folder nor reachable on the hub
-            msg = str(e).split("\n")[0]
-            raise DataFileError(
-                f"{key}: {name!r} is not a local file or folder (tried {_tried(name)}), and datasets could not load "
-                f"it as a hub name ({type(e).__name__}: {msg})"
-            ) from None
-    out, whys, skipped = [], [], 0
-    for i, row in enumerate(ds):
-        try:
-            out.append(_row_to_problem(row, f"{name}[{split}] row {i}", problem_key, answer_key, i))
-            report.rows += 1
-        except ValueError as e:
-            report.skipped += 1
-            skipped += 1
-            if len(whys) < ROWS_LOGGED:
-                whys.append(str(e).split("\n")[0])
-    if not out:
-        first = f"; the first: {whys[0]}" if whys else ""
-        raise DataFileError(f"{key}: {name}[{split}]: no valid rows ({skipped} skipped{first})")
-    _log_skipped(f"{name}[{split}]", whys, skipped)
+    log_skipped(path, whys, skipped)
     return out
 
 
@@ -526,10 +392,14 @@ class PromptStream:
 # ----------------------------------------------------------------------------- assembly
 
 
-def gsm8k_answer(p: Problem) -> Problem:
-    """GSM8K's hub rows end their worked answer with '#### 72'; keep the number."""
-    ans = p.answer.split("####")[-1].strip().replace(",", "")
-    return Problem(id=p.id, problem=p.problem, answer=ans, source=p.source)
+def row_fields(cfg) -> RowFields:
+    """The row mapping of a typed file or hub config (the ``data`` group, or an eval set)."""
+    return RowFields(
+        problem_key=cfg.problem_key,
+        answer_key=cfg.answer_key,
+        answer_format=cfg.answer_format,
+        strip_instructions=tuple(cfg.strip_instructions),
+    )
 
 
 def problem_sources(cfg) -> tuple[Iterator[Problem], list[Problem], LoadReport]:
@@ -543,21 +413,17 @@ def problem_sources(cfg) -> tuple[Iterator[Problem], list[Problem], LoadReport]:
         train = ArithSource(seed=cfg.train_seed, split="train", heldout_frac=cfg.heldout_frac, spec=spec)
         held = arith_heldout(cfg.heldout_size, seed=cfg.heldout_seed, heldout_frac=cfg.heldout_frac, spec=spec)
         return train, held, report
-    hub = cfg.kind == "hub"
+    fields = row_fields(cfg)
 
-    def load(where: str, which: str | None, key: str) -> list[Problem]:
-        keys = dict(problem_key=cfg.problem_key, answer_key=cfg.answer_key, report=report, key=key)
-        if hub:
-            rows = load_hub(where, split=which, subset=cfg.subset, **keys)
-        else:  # a relative path that is not under the working directory is taken from the repo root
-            rows = load_jsonl(where, **keys)
-        return [gsm8k_answer(p) for p in rows] if cfg.answer_format == "gsm8k" else rows
+    def load(key: str, where: str, split: str | None) -> list[Problem]:
+        if cfg.kind == "hub":
+            return load_hub(where, split=split, subset=cfg.subset, fields=fields, report=report, key=key)
+        return load_jsonl(where, fields=fields, report=report, key=key)  # relative: from here, else the repo root
 
-    rows = load(cfg.path, cfg.split if hub else None, "data.path")
-    eval_split = cfg.eval_split if hub else None
-    if cfg.eval_path or eval_split:
-        eval_key = "data.eval_path" if cfg.eval_path else "data.path"
-        train_rows, held = rows, load(cfg.eval_path or cfg.path, eval_split or (cfg.split if hub else None), eval_key)
+    sources = _sources(cfg)
+    rows = load(*sources[0])
+    if len(sources) > 1:
+        train_rows, held = rows, load(*sources[1])
     else:  # hold out a hash-chosen slice of the training rows
         train_rows = [p for p in rows if not is_heldout(p.problem, cfg.heldout_frac)]
         held = [p for p in rows if is_heldout(p.problem, cfg.heldout_frac)]

@@ -53,7 +53,8 @@ from bapo.config import (
     resolve_path,
 )
 from bapo.data.config import ANSWER_FORMATS, check_arith
-from bapo.data.loading import DataFileError, LoadReport, gsm8k_answer, load_hub, load_jsonl, render_prompts
+from bapo.data.hub import load_hub
+from bapo.data.loading import DataFileError, LoadReport, load_jsonl, render_prompts, row_fields
 from bapo.data.tasks import ArithSpec, arith_heldout
 from bapo.eval import passk as M
 from bapo.infra import dist, stop
@@ -365,9 +366,10 @@ class EvalSetConfig:
     path: str | None = MISSING  # the JSONL file; for kind=hub, a hub name, local folder or data file
     split: str = MISSING  # hub only
     subset: str | None = MISSING  # hub only
-    problem_key: str = MISSING
+    problem_key: str = MISSING  # the row mapping: bapo.data.rows.RowFields (dotted keys, chat prompts)
     answer_key: str = MISSING
-    answer_format: str = MISSING  # plain | gsm8k ("... #### 72")
+    answer_format: str = MISSING  # plain | gsm8k ("... #### 72") | json_list
+    strip_instructions: list[str] = MISSING  # the set's own instruction, cut from each problem
     arith: ArithSetConfig | None = MISSING
 
     def __post_init__(self) -> None:
@@ -486,12 +488,10 @@ def build_job(cfg: DictConfig) -> EvalJob:
     )
 
 
-def named_set(name: str, *, data_dir: str) -> EvalSetConfig:
-    """conf/eval/<name>.yaml as eval.py composes it, with ``paths.data_dir`` given:
-    how the training loop runs eval.py's sets (``eval.sets``) outside eval.py's config."""
-    node = OmegaConf.merge(
-        {"paths": {"data_dir": data_dir}}, {"eval": {name: OmegaConf.load(EVAL_DIR / f"{name}.yaml")}}
-    )
+def named_set(name: str) -> EvalSetConfig:
+    """conf/eval/<name>.yaml as eval.py composes it: how the training loop runs eval.py's sets (``eval.sets``)
+    outside eval.py's config."""
+    node = OmegaConf.create({"eval": {name: OmegaConf.load(EVAL_DIR / f"{name}.yaml")}})
     try:
         plain = OmegaConf.to_container(node, resolve=True)["eval"][name]
     except OmegaConfBaseException as e:
@@ -500,24 +500,23 @@ def named_set(name: str, *, data_dir: str) -> EvalSetConfig:
 
 
 def load_evalset(s: EvalSetConfig, *, limit: int | None = None) -> list[Problem]:
-    """The problems of one set, in file order (the first ``limit`` if given). A file that cannot be read
-    is a ConfigError naming the set's key, the path tried, and where the data folder comes from."""
+    """The problems of one set, in file order (the first ``limit`` if given). A file or hub set that cannot be read
+    is one ConfigError naming the set's key (``eval.<name>.path``), the path tried, or the hub set and the ways to
+    give it locally (``bapo.data.hub``)."""
+    key = f"eval.{s.name}.path"
     try:
         if s.kind == "arith":
             a = s.arith
             spec = ArithSpec(a.min_terms, a.max_terms, a.min_value, a.max_value, a.ops)
             rows = arith_heldout(a.size, seed=a.seed, heldout_frac=a.heldout_frac, spec=spec)
         elif s.kind == "jsonl":
-            rows = load_jsonl(resolve_path(s.path), problem_key=s.problem_key, answer_key=s.answer_key)
+            rows = load_jsonl(s.path, fields=row_fields(s), key=key)
         else:
-            keys = dict(problem_key=s.problem_key, answer_key=s.answer_key)
-            rows = load_hub(resolve_path(s.path), split=s.split, subset=s.subset, **keys)
+            rows = load_hub(s.path, split=s.split, subset=s.subset, fields=row_fields(s), key=key)
+    except DataFileError as e:
+        raise ConfigError(str(e)) from None
     except (OSError, ValueError) as e:
-        where = Path(resolve_path(s.path)).absolute() if s.path else None
-        hint = f" (tried {where}; the data folder is paths.data_dir, or $BAPO_DATA_DIR)" if where else ""
-        raise ConfigError(f"eval.{s.name}.path: {e}{hint}") from None
-    if s.answer_format == "gsm8k":
-        rows = [gsm8k_answer(p) for p in rows]
+        raise ConfigError(f"{key}: {s.path}: {e}") from None
     return rows[:limit] if limit else rows
 
 

@@ -147,6 +147,7 @@ class TrainCommand:
     cfg_only: bool
     world: int
     launcher: str  # python | torchrun
+    plan: bool = False  # --plan: prints the memory plan (bapo.plan) and exits, as --cfg prints the config
 
     @property
     def placeholders(self) -> list[str]:
@@ -167,7 +168,7 @@ def parse_train(argv: tuple[str, ...]) -> TrainCommand | None:
         world = 1
         for n in sizes:
             world *= int(n) if n.isdigit() else 2  # $SLURM_NNODES: some number of nodes; 2 checks the rules
-    multirun = cfg_only = False
+    multirun = cfg_only = plan = False
     overrides = []
     while args:
         a = args.pop(0)
@@ -176,11 +177,19 @@ def parse_train(argv: tuple[str, ...]) -> TrainCommand | None:
         elif a in ("--cfg", "-c"):
             cfg_only = True
             args.pop(0)
+        elif a == "--plan":
+            plan = True
+        elif a in PLAN_OPTIONS:  # bapo/plan.py's parser: each takes a value
+            assert plan or "--plan" in args, f"train.py flag {a!r} is --plan's option"
+            args.pop(0)
         elif a.startswith("-"):
             raise AssertionError(f"train.py flag {a!r}: the docs test does not know it (add it here)")
         else:
             overrides.append(a)
-    return TrainCommand(pre[0] if pre else "python", overrides, multirun, cfg_only, world, launcher)
+    return TrainCommand(pre[0] if pre else "python", overrides, multirun, cfg_only, world, launcher, plan)
+
+
+PLAN_OPTIONS = ("--nproc", "--gpu-memory", "--host-memory")
 
 
 def _fill(override: str) -> str:
@@ -249,8 +258,8 @@ def validate(overrides: list[str], world: int):
 
 def why_not_run(cmd: DocCommand, t: TrainCommand, rc, gpu: bool) -> str | None:
     """Why a composed train.py command is not run here (None: it runs in the slow test)."""
-    if t.cfg_only:
-        return None  # printing the config is what it does: run as it is (cheap)
+    if t.cfg_only or t.plan:
+        return None  # printing the config or the memory plan is what it does: run as it is (cheap)
     if gpu:
         return "needs a GPU"
     if t.multirun:
@@ -437,7 +446,7 @@ def _runnable() -> list[DocCommand]:
             out.append(cmd)
         elif k == "train" and cmd.error is None:
             t = parse_train(cmd.argv)
-            if t.cfg_only or (t.launcher == "python" and not t.multirun and not t.placeholders):
+            if t.cfg_only or t.plan or (t.launcher == "python" and not t.multirun and not t.placeholders):
                 out.append(cmd)
     return out
 
@@ -482,10 +491,11 @@ def test_documented_cpu_commands_run(cmd, tmp_path, ran, one_thread):
         assert (tmp_path / "eval" / "results.json").is_file()
         return
     t = parse_train(cmd.argv)
-    if t.cfg_only:
+    if t.cfg_only or t.plan:
         argv = [sys.executable, "train.py", *cmd.argv[cmd.argv.index("train.py") + 1 :]]
         proc = subprocess.run(argv, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0 and "algo:" in proc.stdout, f"{cmd.where}: {proc.stderr[-2000:]}"
+        printed = "memory plan: " if t.plan else "algo:"
+        assert proc.returncode == 0 and printed in proc.stdout, f"{cmd.where}: {proc.stderr[-2000:]}"
         return
     rc, gpu = validate(t.overrides, t.world)
     why = why_not_run(cmd, t, rc, gpu)

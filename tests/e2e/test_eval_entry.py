@@ -42,8 +42,8 @@ BAD = {
     "no_checkpoint": (["checkpoint=/nonexistent/run"], "checkpoint: /nonexistent/run does not exist"),
     "heldout": (["eval=heldout"], "eval: heldout is training's held-out config (conf/eval/heldout.yaml"),
     "no_data": (
-        ["eval=aime24", "paths.data_dir=/nonexistent"],
-        "eval.aime24.path: data.path: no such file: /nonexistent/aime24.jsonl",
+        ["eval=aime24", "eval.aime24.path=/nonexistent/aime24.jsonl"],
+        "eval.aime24.path: no such file: /nonexistent/aime24.jsonl",
     ),
     "truncated": ([], "checkpoint: {export}/model.safetensors is damaged or truncated"),
     # before: torch's RuntimeError traceback, and the run folder stayed

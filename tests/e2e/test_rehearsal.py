@@ -12,8 +12,9 @@ rank), and HF (``.venv``, ``rollout=hf``: the one other override, and only in th
 2 gloo ranks (``OMP_NUM_THREADS=1``); ``--standalone`` is added so that concurrent test runs do not share a
 rendezvous port. paper_7b goes through a checkpoint, a resume (the second half of a run killed after step 3:
 its metrics must equal the uninterrupted run's, timings aside), the HF export, and eval.py on the export.
-The data are tiny JSONL sets with the real fields, written to a temporary ``BAPO_DATA_DIR``, so a fresh
-clone runs this without ``../shared/data``.
+paper_7b trains on a hub set (Skywork-OR1-RL-Data): the rehearsal gives it a small local copy in the set's own
+layout (tests/helpers/hubsets.py) as users give it on a node without network, ``data.path=<the copy>``; the
+evaluation sets are the shipped ones (assets/evalsets/), so a fresh clone runs this without ``../shared/data``.
 
 Where vLLM is not installed the vLLM variants skip and say why, except under CI (``CI`` set): there they
 fail, since CI builds ``.venv-vllm``.
@@ -49,7 +50,7 @@ PAPER_7B_SIZES = {
     "train.prompts_per_step": "4",  # 256; 4 mini-batches of whole groups, one sample per rank each
     "rollout.n": "2",  # 16
     "model.max_new_tokens": "16",  # 8192
-    "data.heldout_size": "2",  # 200 MATH-500 problems
+    "data.heldout_size": "2",  # 200 held-out Skywork problems
     "eval.n": "2",  # 4
     "eval.sets_k": "2",  # AIME avg@16
     "eval.sets_limit": "2",  # all 30 problems
@@ -100,6 +101,16 @@ def overrides(command: str) -> list[str]:
     return [w for w in words[entry + 1 :] if not w.startswith("-")]
 
 
+def local_data(command: str, copy: str | Path) -> list[str]:
+    """What a user without network adds to a command that trains on the paper's hub set: its local copy."""
+    return [f"data.path={copy}"] if "experiment=paper_7b" in command.split() else []
+
+
+def users(command: str, copy: str | Path = "/data/Skywork-OR1-RL-Data") -> list[str]:
+    """The overrides the user types on a node without network: the command's, and where the data is."""
+    return [*overrides(command), *local_data(command, copy)]
+
+
 def sized(sizes: dict[str, str]) -> list[str]:
     return [f"{k}={v}" for k, v in sizes.items()]
 
@@ -148,8 +159,8 @@ def with_checkpoint(user: list[str], run: str | Path) -> list[str]:
 
 
 CASES = {
-    "paper_7b-vllm": ("config", overrides(PAPER_7B), PAPER_7B_SIZES),
-    "paper_7b_split-vllm": ("config", overrides(PAPER_7B_SPLIT), PAPER_7B_SIZES),
+    "paper_7b-vllm": ("config", users(PAPER_7B), PAPER_7B_SIZES),
+    "paper_7b_split-vllm": ("config", users(PAPER_7B_SPLIT), PAPER_7B_SIZES),
     "qwen7b-vllm": ("config", overrides(QWEN7B), QWEN7B_SIZES),
     "eval-vllm": ("eval_config", with_checkpoint(overrides(EVAL), "outputs/run"), EVAL_SIZES),
     "sweep_cell": ("config", [*overrides(SWEEP), *SWEEP_CELL], SWEEP_SIZES),
@@ -170,8 +181,8 @@ def test_the_rehearsal_differs_from_the_users_command_in_sizes_only(case):
 
 def test_the_size_check_sees_a_drift():
     # a key outside the sizes (here the learning rate) is reported: the check is not vacuous
-    assert changed_keys("config", overrides(PAPER_7B), {"learner.lr": "1e-3"}) == {"learner.lr"}
-    assert changed_keys("config", overrides(PAPER_7B), {"model": "tiny"}) > {"model.name_or_path"}
+    assert changed_keys("config", users(PAPER_7B), {"learner.lr": "1e-3"}) == {"learner.lr"}
+    assert changed_keys("config", users(PAPER_7B), {"model": "tiny"}) > {"model.name_or_path"}
 
 
 # ----------------------------------------------------------------------------- fixtures: hub cache, data, env
@@ -191,21 +202,15 @@ PROBLEMS = [
 
 
 def write_data(folder: Path) -> Path:
-    """train_math.jsonl, math500.jsonl, aime24.jsonl and aime25.jsonl with the fields of ../shared/data."""
-    folder.mkdir(parents=True, exist_ok=True)
-    sets = {
-        "train_math": ("math-train", "MATH train / Prealgebra / difficulty 1", PROBLEMS * 2),
-        "math500": ("test/prealgebra", "MATH-500", PROBLEMS[:4]),
-        "aime24": ("aime24-I", "AIME 2024 I", PROBLEMS[4:7]),
-        "aime25": ("aime25-I", "AIME 2025 I", PROBLEMS[5:8]),
-    }
-    for name, (prefix, source, problems) in sets.items():
-        lines = [
-            json.dumps({"id": f"{prefix}-{i:04d}", "problem": p, "answer": a, "source": source})
-            for i, (p, a) in enumerate(problems)
-        ]
-        (folder / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
-    return folder
+    """A local copy of Skywork-OR1-RL-Data (its layout, the math split): PROBLEMS, and differences of the same shape
+    whose answers are 1-3 too, enough that the 1% data=skywork_or1 holds out by hash covers data.heldout_size."""
+    from bapo.data.tasks import is_heldout
+    from tests.helpers.hubsets import write_skywork_or1
+
+    more = [(f"What is ${a} - {a - d}$?", str(d)) for a in range(6, 200) for d in (1, 2, 3)]
+    problems = PROBLEMS + [p for p in more if p[0] not in {q for q, _ in PROBLEMS}]
+    assert sum(is_heldout(p, 0.01) for p, _ in problems) >= int(PAPER_7B_SIZES["data.heldout_size"])
+    return write_skywork_or1(folder, problems)
 
 
 @pytest.fixture(scope="module")
@@ -222,10 +227,12 @@ def world(tmp_path_factory):
         torch.set_num_threads(threads)
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT))
     env |= {"HF_HUB_CACHE": str(base / "hub"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    env |= {"BAPO_DATA_DIR": str(write_data(base / "data")), "WANDB_MODE": "offline", "WANDB_DIR": str(base)}
+    (base / "data").mkdir()  # paths.data_dir, pinned; no rehearsed command reads it
+    env |= {"BAPO_DATA_DIR": str(base / "data"), "WANDB_MODE": "offline", "WANDB_DIR": str(base)}
+    env |= {"HF_DATASETS_CACHE": str(base / "datasets")}
     # vLLM on CPU: the KV cache it may take, and its in-process engine core (as the existing vLLM tests)
     env |= {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    return {"base": base, "env": env}
+    return {"base": base, "env": env, "skywork": write_data(base / "Skywork-OR1-RL-Data")}
 
 
 def launch(python: str, args: list[str], env: dict, *, torchrun: bool) -> str:
@@ -253,7 +260,7 @@ def train_as_the_user(world: dict, engine: str, command: str, sizes: dict, run_d
     """The user's training ``command``, in ``engine``'s variant and with the rehearsal's ``sizes``, run into
     ``run_dir``. Returns (the interpreter, the train.py arguments), for the runs that continue it."""
     py = python_for(engine)
-    train = ["train.py", *variant(overrides(command), engine), *sized(sizes)]
+    train = ["train.py", *variant(users(command, world["skywork"]), engine), *sized(sizes)]
     launch(py, [*train, f"hydra.run.dir={run_dir}"], world["env"], torchrun=torchrun)
     return py, train
 

@@ -137,7 +137,22 @@ def test_a_missing_data_file_names_the_key_the_absolute_path_and_where_the_folde
     assert line.startswith("error: DataFileError: data.path: ")
     assert str(tmp_path / "nodata" / "train_math.jsonl") in line
     assert "paths.data_dir" in line and "BAPO_DATA_DIR" in line
+    # where the file comes from (data=math's missing_hint), and the hub sets that need none
+    assert line.endswith("or train on a hub set, data=skywork_or1 (the paper's), data=dapo_math or data=deepscaler")
+    assert "agentica-project/rllm (rllm/data/train/math/math.json and aime.json)" in line
     assert not (tmp_path / "r").exists()
+
+
+def test_a_missing_file_error_says_where_the_file_comes_from_when_the_config_says(tmp_path):
+    from bapo.data.loading import check_files
+    from tests.helpers.config import run_config
+
+    cfg = run_config("data=jsonl", f"data.path={tmp_path / 'train.jsonl'}", "data.missing_hint='get it from X'").data
+    with pytest.raises(DataFileError, match=r"^data\.path: no such file: .*train\.jsonl; get it from X$"):
+        check_files(cfg, str(tmp_path / "elsewhere"))
+    cfg = run_config("data=math", f"paths.data_dir={tmp_path}").data  # under paths.data_dir: the folder, then the hint
+    with pytest.raises(DataFileError, match=r"point BAPO_DATA_DIR or paths\.data_dir at the folder that holds it; "):
+        check_files(cfg, str(tmp_path))
 
 
 @pytest.mark.slow
@@ -170,7 +185,7 @@ def test_a_data_file_that_cannot_serve_is_a_data_file_error_naming_it(tmp_path, 
 
 
 def test_a_hub_file_datasets_cannot_parse_or_a_name_it_cannot_find_names_the_key(tmp_path):
-    from bapo.data.loading import load_hub
+    from bapo.data.hub import load_hub
 
     f = tmp_path / "bad.jsonl"
     f.write_text('{"problem": "1+1?", "answer": "2"}\nnot json\n')

@@ -341,7 +341,9 @@ def test_resumable_keys_come_from_the_schema_marks():
     from tests.helpers.config import compose
 
     flat = set()
-    for over in ([], ["rollout=vllm"], ["rollout=vllm_server"], ["learner=fsdp"], ["placement=disaggregated"]):
+    overs = ([], ["rollout=vllm"], ["rollout=vllm_server"], ["learner=fsdp"], ["placement=disaggregated"])
+    overs += (["data=jsonl"],)  # the file sources' keys (data.missing_hint)
+    for over in overs:
         cfg = OmegaConf.to_container(compose(*over), resolve=False)
         stack = [("", cfg)]
         while stack:

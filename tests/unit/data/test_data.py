@@ -4,7 +4,9 @@ import re
 import pytest
 
 from bapo.data import loading, tasks
-from bapo.data.loading import ListSource, LoadReport, load_hub, load_jsonl, problem_sources, render_prompt
+from bapo.data.hub import load_hub
+from bapo.data.loading import ListSource, LoadReport, load_jsonl, problem_sources, render_prompt
+from bapo.data.rows import ROWS_LOGGED, RowFields
 from bapo.data.tasks import ArithSource, ArithSpec, arith_heldout, arith_problem, careless, is_heldout
 from bapo.samples import Problem
 from tests.helpers.config import run_config
@@ -99,10 +101,10 @@ def test_many_malformed_rows_are_logged_a_few_then_once_with_a_count(tmp_path, c
         rows = load_jsonl(f, report=rep)
     assert len(rows) == 2 and rep.skipped == 12
     logged = [r.getMessage() for r in caplog.records]
-    assert logged[: loading.ROWS_LOGGED] == [
+    assert logged[:ROWS_LOGGED] == [
         f"skipping malformed row: {f}:{i}: invalid JSON (Expecting value)" for i in range(2, 7)
     ]
-    assert logged[loading.ROWS_LOGGED :] == [f"skipping malformed rows: 7 more in {f} (12 in all)"]
+    assert logged[ROWS_LOGGED:] == [f"skipping malformed rows: 7 more in {f} (12 in all)"]
 
 
 def test_jsonl_missing_file_and_all_bad(tmp_path):
@@ -119,7 +121,7 @@ def test_jsonl_missing_file_and_all_bad(tmp_path):
 def test_hub_loader_reads_local_files_through_datasets(tmp_path):
     f = tmp_path / "train.jsonl"
     f.write_text("\n".join(json.dumps({"question": f"q{i}", "answer": f"work #### {i},000"}) for i in range(5)))
-    rows = load_hub(str(f), split="train", problem_key="question")
+    rows = load_hub(str(f), split="train", fields=RowFields(problem_key="question"))
     assert len(rows) == 5 and rows[0].problem == "q0"
 
 

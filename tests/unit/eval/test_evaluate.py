@@ -121,7 +121,7 @@ def test_every_evalset_composes_and_validates(name):
 @pytest.mark.parametrize("name", SETS)
 def test_training_loads_a_set_by_name_as_eval_py_composes_it(name):
     # bapo.loop runs eval.sets through named_set, outside eval.py's Hydra config
-    assert named_set(name, data_dir="/d") == build_job(_cfg([f"eval={name}", "paths.data_dir=/d"])).sets[name]
+    assert named_set(name) == build_job(_cfg([f"eval={name}"])).sets[name]
 
 
 def test_sets_are_the_documented_ones_and_several_compose_at_once():
@@ -198,6 +198,34 @@ def test_hub_style_loader_reads_a_local_file(tmp_path):
     assert [p.problem for p in problems] == ["q0", "q1", "q2"]
     assert [p.answer for p in problems] == ["1000", "1001", "1002"]
     assert load_evalset(s, limit=2) == problems[:2]
+
+
+SHIPPED = {"aime24": 30, "aime25": 30, "amc23": 40, "math500": 500, "gsm8k": 1319}  # rows (assets/evalsets/SOURCES.md)
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_every_file_set_ships_and_loads_from_any_working_folder(name, tmp_path, monkeypatch):
+    """A clone evaluates with nothing beside it: each set's default file is the repository's own, read by a path
+    relative to it, from any working folder, whatever BAPO_DATA_DIR says."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("BAPO_DATA_DIR", str(tmp_path / "nothing-here"))
+    s = build_job(_cfg([f"eval={name}"])).sets[name]
+    assert s.path.startswith("assets/evalsets/") and (ROOT / s.path).is_file()
+    problems = load_evalset(s)
+    assert len(problems) == SHIPPED[name] and all(p.problem and p.answer for p in problems)
+
+
+def test_the_shipped_sets_are_the_shared_files_byte_for_byte(shared_data):
+    shipped = sorted((ROOT / "assets" / "evalsets").glob("*.jsonl"))
+    assert [f.name for f in shipped] == [
+        "aime24.jsonl",
+        "aime25.jsonl",
+        "amc23.jsonl",
+        "gsm8k_test.jsonl",
+        "math500.jsonl",
+    ]
+    for f in shipped:
+        assert f.read_bytes() == (shared_data / f.name).read_bytes(), f.name
 
 
 def test_shared_sets_load(shared_data):
