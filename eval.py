@@ -78,7 +78,7 @@ def _evaluate(cfg: DictConfig, run_dir, job, source, problems: dict, log) -> dic
     from bapo.infra import dist
     from bapo.infra.artifacts import check_model_folder
     from bapo.modeling import attention_kernel, load_model, load_tokenizer, model_path, pick_device
-    from bapo.reward import MathVerifier
+    from bapo.reward import build_verifier
 
     m, r = job.model, job.run
     run_dir = dist.shared_path(run_dir)  # torchrun: joins the process group (a hub id resolves rank by rank)
@@ -121,9 +121,7 @@ def _evaluate(cfg: DictConfig, run_dir, job, source, problems: dict, log) -> dic
         rollout.load_weights(ev.checkpoint_weights(path), 0)
     config = OmegaConf.to_container(cfg, resolve=True) | (source.record() if source else {"model_path": path})
     results = {}
-    with MathVerifier(
-        num_workers=job.reward.num_workers, timeout_s=job.reward.timeout_s, fallback=job.reward.fallback
-    ) as verifier:
+    with build_verifier(job.reward) as verifier:
         for name, s in sets.items():
             res = ev.evaluate_set(
                 rollout, verifier, s, k=r.k, temperature=r.temperature, max_distinct=r.maj_max_distinct, seed=r.seed

@@ -30,7 +30,7 @@ from bapo.infra import dist
 from bapo.learner import Learner, frozen_dtype, master_dtype
 from bapo.modeling import attention_kernel, load_model, load_tokenizer, model_path
 from bapo.monitor import Monitor
-from bapo.reward import MathVerifier
+from bapo.reward import Verifier, build_verifier
 from bapo.rollout.groupfilter import GroupFilter
 from bapo.rollout.maker import RolloutMaker
 from bapo.rollout.placement import RolloutParts, placement_class
@@ -42,7 +42,7 @@ class Stages:
     """Everything :func:`run` wires together, built once by :func:`build_stages`."""
 
     tokenizer: object
-    verifier: MathVerifier
+    verifier: Verifier
     heldout: list
     sets: dict
     buffer: ReplayBuffer
@@ -65,16 +65,9 @@ def model_files(rc: RunConfig) -> tuple[str, object, dict]:
     return path, tok, load
 
 
-def build_verifier(rc: RunConfig) -> MathVerifier:
-    r = rc.reward
-    return MathVerifier(
-        num_workers=r.num_workers, timeout_s=r.timeout_s, fallback=r.fallback, format_reward=r.format_reward
-    )
-
-
 def build_maker(
     rc: RunConfig, *, path: str, tokenizer, engine_model, limit: int, rank: int, world: int
-) -> tuple[object, object, MathVerifier, LoadReport, list]:
+) -> tuple[object, object, Verifier, LoadReport, list]:
     """The rollout side of a run: its engine and the batch maker that drives it (drawing prompts from the
     training stream, generating this rank's share, grading), the data loaders' report and the held-out
     prompts (rendered here too, so that the report counts their skipped rows wherever it is built). Built
@@ -88,7 +81,7 @@ def build_maker(
         seed=rc.seed,
         max_model_len=limit + rc.rollout.max_new_tokens,  # vLLM sizes its engine for this, not the full context
     )
-    verifier = build_verifier(rc)
+    verifier = build_verifier(rc.reward)
     d = rc.data
     train_src, heldout, report = problem_sources(d)
     heldout = render_prompts(heldout, tokenizer, instruction=d.instruction, max_prompt_tokens=limit, report=report)
@@ -174,7 +167,7 @@ def build_stages(rc: RunConfig, cfg: DictConfig | None = None) -> Stages:
                 rank=dist.rank(),
                 world=dist.world_size(),
             ),
-            verifier=lambda: build_verifier(rc),
+            verifier=lambda: build_verifier(rc.reward),
             heldout=heldout_prompts,
             tokenizer=tok,
         )

@@ -45,6 +45,7 @@ from bapo.learner.config import LEARNER, FSDPLearnerConfig, LearnerCommon, Singl
 from bapo.modeling import ModelConfig
 from bapo.monitor import MonitorConfig
 from bapo.reward.config import RewardConfig
+from bapo.reward.registry import REWARD_CONFIGS
 from bapo.rollout.placement import PLACEMENT_CONFIGS, PlacementConfig, placement_class
 from bapo.rollout.schedule import partial_lag
 
@@ -138,7 +139,6 @@ class RunConfig:
 
 PLAIN: dict[str, type] = {
     "model": ModelConfig,
-    "reward": RewardConfig,
     "buffer": BufferConfig,
     "logger": LoggerConfig,
     "eval": EvalConfig,
@@ -149,6 +149,7 @@ PLAIN: dict[str, type] = {
 }
 VARIANTS: dict[str, tuple[str, Mapping[str, type]]] = {
     "data": ("kind", DATA),
+    "reward": ("kind", REWARD_CONFIGS),  # what grades (bapo.reward.registry)
     "rollout": ("engine", ENGINE_CONFIGS),
     "learner": ("kind", LEARNER),
     "placement": ("mode", PLACEMENT_CONFIGS),  # where rollout runs (bapo.rollout.placement)

@@ -59,10 +59,10 @@ from bapo.data.tasks import ArithSpec, arith_heldout
 from bapo.eval import passk as M
 from bapo.infra import dist, stop
 from bapo.infra.artifacts import ArtifactError, load_config
-from bapo.infra.checks import choice, require, to_plain, typed
+from bapo.infra.checks import choice, require, to_plain, typed, variant
 from bapo.infra.paths import EVAL_DIR, EXPORT_CONFIG, HELDOUT, compose_option, eval_sets
 from bapo.infra.seeding import derive_seed
-from bapo.reward import normalize_answer
+from bapo.reward import REWARD_CONFIGS, normalize_answer
 from bapo.samples import Problem, Prompt, Sample
 
 log = logging.getLogger(__name__)
@@ -481,7 +481,7 @@ def build_job(cfg: DictConfig) -> EvalJob:
     return EvalJob(
         run=run,
         model=typed("model", plain["model"], ModelConfig),
-        reward=typed("reward", plain["reward"], RewardConfig),
+        reward=variant("reward", plain["reward"], "kind", REWARD_CONFIGS),
         engine=rollout["engine"],
         rollout=engine,
         sets=sets,

@@ -1,4 +1,5 @@
-"""The ``reward`` group's schema (conf/reward/): the grader's pool and the reward's shaping."""
+"""The ``reward`` group's schema (conf/reward/): what grades (``kind``, a name in ``bapo.reward.registry.REWARDS``),
+the grader's pool and the reward's shaping. A reward's own keys go in a subclass, its class's ``config``."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from bapo.reward.extract import FALLBACKS
 
 @dataclass
 class RewardConfig:
+    kind: str = MISSING  # what grades: a name in bapo.reward.registry.REWARDS, or package.module:Class
     num_workers: int = resumable()
     timeout_s: float = resumable()
     fallback: str = MISSING

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 from pathlib import Path
 
+from bapo.reward.config import RewardConfig
 from bapo.reward.extract import FALLBACKS, extract_answer
 from bapo.reward.verify import load_judge, run_judge, same_normalized
 
@@ -189,6 +190,14 @@ class MathVerifier:
     ``"module:function"`` (``function(pred, gold) -> bool``), importable in a fresh
     interpreter; tests swap it to inject crashes.
     """
+
+    config = RewardConfig  # reward=math (conf/reward/math.yaml): the group's common keys are all it reads
+
+    @classmethod
+    def from_config(cls, cfg: RewardConfig) -> MathVerifier:
+        """The verifier ``reward=math`` describes (``bapo.reward.registry``)."""
+        return cls(num_workers=cfg.num_workers, timeout_s=cfg.timeout_s, fallback=cfg.fallback,
+                   format_reward=cfg.format_reward)  # fmt: skip
 
     def __init__(
         self,
