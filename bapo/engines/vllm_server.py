@@ -331,6 +331,8 @@ class VLLMServerRollout(RolloutEngine):
         self.dtype = getattr(torch, dtype)
         self.proc: subprocess.Popen | None = None
         self.sync_parts: dict[str, float] = {}
+        # a host snapshot (async mode) is cast and fingerprinted on this rank's GPU, where it has one
+        self.stage_device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         rank, world, local = dist.rank(), dist.world_size(), dist.local_rank()
         self.local = local
         self.node_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -570,7 +572,9 @@ class VLLMServerRollout(RolloutEngine):
         staged = None
         try:
             # shared: the node's first rank writes; the others read the stream (a collective) and check the reply
-            staged = save_weights(weights, folder, self.dtype, write=not shared or self.local == 0)
+            staged = save_weights(
+                weights, folder, self.dtype, write=not shared or self.local == 0, device=self.stage_device
+            )
         except BaseException as e:  # noqa: BLE001 (re-raised below, on every rank together when shared)
             err = e
         t_write = time.perf_counter()
