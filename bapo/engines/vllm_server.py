@@ -43,8 +43,10 @@ staged weights) down too.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
+import logging
 import os
 import shutil
 import signal
@@ -206,24 +208,55 @@ def _last_line(log: Path) -> str:
     return (errors or lines or ["(empty log)"])[-1][:400]
 
 
-def _stop_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
-    """SIGTERM to the server's process group (vLLM shuts its engine down), SIGKILL after ``grace_s``."""
-    if proc.poll() is not None:
-        return
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+def _group_alive(pgid: int) -> list[int]:
+    """The processes of process group ``pgid`` that have not exited (a zombie has: only its parent's wait is left).
+    Read from /proc; where there is none, whether a signal still reaches the group."""
+    proc = Path("/proc")
+    if not proc.is_dir():
         try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(wait)
-            break
-        except subprocess.TimeoutExpired:
+            os.killpg(pgid, 0)
+            return [pgid]
+        except (ProcessLookupError, PermissionError):
+            return []
+    alive = []
+    for d in proc.iterdir():
+        if not d.name.isdigit():
             continue
-    try:  # the engine core may outlive the API process by a moment
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state, ppid, pgrp, ...
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            alive.append(int(d.name))
+    return alive
+
+
+def _stop_group(proc: subprocess.Popen, grace_s: float = 20.0, kill_wait_s: float = 30.0) -> None:
+    """Stop the server's whole process group and return once none of it is left: SIGTERM (vLLM shuts its engine
+    down), SIGKILL to whatever is left after ``grace_s``, then wait (up to ``kill_wait_s``) until every process
+    of the group has exited: the engine core and the workers are the wrapper's children, not ours, so waiting
+    for the wrapper alone would return while they still hold the GPU."""
+    pgid = proc.pid  # the wrapper leads a session and process group of its own
+    deadline = time.monotonic() + grace_s
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(max(0.0, deadline - time.monotonic()))
+    while _group_alive(pgid) and time.monotonic() < deadline:  # the rest of the group, on its own SIGTERM
+        time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(5.0)
+    deadline = time.monotonic() + kill_wait_s
+    while (left := _group_alive(pgid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if left:
+        logging.getLogger(__name__).warning(
+            "rollout=vllm_server: processes %s of the server's group outlived SIGKILL by %.0f s", left, kill_wait_s
+        )
 
 
 def server_devices(gpus: str, visible: str | None, ranks: int, local: int, tp: int) -> str:
