@@ -19,10 +19,12 @@ def _ps_group(pgid: int) -> list[str]:
     return [line for line in out if line.split()[0] == str(pgid) and not line.split()[1].startswith("Z")]
 
 
-def _group(script: str) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], start_new_session=True)
-    for _ in range(200):  # the child has started (a process of the group other than the wrapper)
-        if any(line.split()[2] != str(proc.pid) for line in _ps_group(proc.pid)):
+def _group(script: str, ready) -> subprocess.Popen:
+    """``script`` as a session of its own; returns once its child has written ``ready`` (its signals are set)."""
+    env = dict(os.environ, READY=str(ready))
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], start_new_session=True, env=env)
+    for _ in range(600):
+        if ready.exists():
             return proc
         time.sleep(0.05)
     raise AssertionError("the stand-in never started its child")
@@ -42,21 +44,24 @@ def groups():
 
 CHILD_IGNORES_TERM = """
     import signal, subprocess, sys, time
-    child = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"
+    child = ("import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+             "open(os.environ['READY'], 'w').close(); time.sleep(300)")
     subprocess.Popen([sys.executable, "-c", child])  # the engine core: in the wrapper's group, not its caller's child
     signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))  # the wrapper leaves at once on SIGTERM
     time.sleep(300)
 """
 
 
-def test_a_wrapper_that_already_exited_leaves_no_process_of_its_group(groups):
+def test_a_wrapper_that_already_exited_leaves_no_process_of_its_group(groups, tmp_path):
     """The API process died (or exited) and its engine core lives on: stopping the server stops the rest of the
     group too (it returned at once when the wrapper was gone, leaving the engine core on the GPU)."""
     proc = _group(
         """
         import subprocess, sys
-        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
-        """
+        child = "import os, time; open(os.environ['READY'], 'w').close(); time.sleep(300)"
+        subprocess.Popen([sys.executable, "-c", child])
+        """,
+        tmp_path / "ready",
     )
     groups.append(proc)
     proc.wait(30)
@@ -65,10 +70,10 @@ def test_a_wrapper_that_already_exited_leaves_no_process_of_its_group(groups):
     assert _ps_group(proc.pid) == [] and _group_alive(proc.pid) == []
 
 
-def test_stopping_returns_once_the_engine_core_has_exited_too(groups):
+def test_stopping_returns_once_the_engine_core_has_exited_too(groups, tmp_path):
     """The wrapper exits on SIGTERM at once, its child ignores SIGTERM: SIGKILL after the grace, and the stop returns
     only once the child has exited."""
-    proc = _group(CHILD_IGNORES_TERM)
+    proc = _group(CHILD_IGNORES_TERM, tmp_path / "ready")
     groups.append(proc)
     t0 = time.monotonic()
     _stop_group(proc, grace_s=1.0)
@@ -76,8 +81,8 @@ def test_stopping_returns_once_the_engine_core_has_exited_too(groups):
     assert 1.0 <= time.monotonic() - t0 < 20  # the grace was given to the child, then SIGKILL
 
 
-def test_group_alive_names_live_processes_and_not_zombies(groups):
-    proc = _group(CHILD_IGNORES_TERM)
+def test_group_alive_names_live_processes_and_not_zombies(groups, tmp_path):
+    proc = _group(CHILD_IGNORES_TERM, tmp_path / "ready")
     groups.append(proc)
     alive = _group_alive(proc.pid)
     assert proc.pid in alive and len(alive) == 2
