@@ -13,9 +13,12 @@ Generation: one streamed ``POST /v1/completions`` per prompt, token ids in (``pr
 (``return_token_ids``), the sampled token's log-prob under the tempered distribution, this project's stop ids
 (``stop_token_ids``, ``ignore_eos``), every sampling key sent explicitly (no penalties, no top-k, no min-p), and
 ``seed`` per prompt (vLLM seeds child j of a request with seed + j, so prompts are spaced ``n`` apart). Requests
-are admitted while the sequences in flight fit the server's KV cache (its blocks x block size, and
-``max_num_seqs``), so a request in flight is running, not queued, and ``rollout.request_timeout_s`` bounds
-*silence*: a stream that sends nothing for that long means a stuck server, whatever the generation's length.
+are admitted while the KV cache their responses are expected to hold fits ``rollout.kv_overcommit`` x the server's
+(its blocks x block size) and ``max_num_seqs`` (:mod:`bapo.engines.admission`); each response's share is released
+at its ``finish_reason``. vLLM's scheduler queues what does not fit and preempts when the cache runs short, so a
+request may wait, silent, before its first token: ``rollout.request_timeout_s`` bounds the *silence* of a request
+that has started (a stuck server, whatever the generation's length), and of the server as a whole while none of
+the requests in flight has started.
 
 Weight sync. vLLM 0.32's native weight transfer (``--weight-transfer-config '{"backend": "nccl"}'``) needs
 NCCL, which the CPU build lacks and this lab cannot run, so the engine uses the path vLLM offers on every
@@ -61,14 +64,15 @@ import urllib.parse
 import urllib.request
 import uuid
 import weakref
-from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from bapo.engines.admission import Admission
 from bapo.engines.base import RolloutEngine, SamplingDefaults, make_sample
 from bapo.engines.config import RolloutCommon
 from bapo.engines.registry import EngineTraits
@@ -105,7 +109,8 @@ class VLLMServerConfig(RolloutCommon):
     enforce_eager: bool = resumable()
     server_args: list[str] = resumable()  # more `vllm serve` flags for a started server
     start_timeout_s: float = resumable()
-    request_timeout_s: float = resumable()  # a streamed request silent this long means a stuck server
+    request_timeout_s: float = resumable()  # a running request silent this long means a stuck server
+    kv_overcommit: float = resumable()  # the share of a server's KV cache its requests are expected to fill
     weights_dir: str | None = resumable()  # where the weight folders go (null: /dev/shm where it exists, else tmp)
 
     def __post_init__(self) -> None:
@@ -115,6 +120,11 @@ class VLLMServerConfig(RolloutCommon):
         require(self.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", "must be >= 1")
         require(self.start_timeout_s > 0, "rollout.start_timeout_s", "must be > 0 seconds")
         require(self.request_timeout_s > 0, "rollout.request_timeout_s", "must be > 0 seconds")
+        require(
+            0 < self.kv_overcommit <= 4,
+            "rollout.kv_overcommit",
+            f"must be in (0, 4] (the share of a server's KV cache to fill), got {self.kv_overcommit}",
+        )
         if self.url is not None:
             for u in self.url.split(","):
                 require(
@@ -283,36 +293,12 @@ def server_devices(gpus: str, visible: str | None, ranks: int, local: int, tp: i
     return ",".join(parent[int(g)] for g in mine)
 
 
-class _Admission:
-    """Requests in flight while their sequences fit the server's KV cache and ``max_num_seqs``: what runs at once."""
+@dataclass(eq=False)
+class _Open:
+    """A streamed request in flight: its socket, and whether its first event came (the server runs it)."""
 
-    def __init__(self, tokens: int | None, seqs: int):
-        self.tokens, self.seqs = tokens, seqs
-        self.used_tokens = self.used_seqs = 0
-        self.cond = threading.Condition()
-
-    def fits(self, tokens: int, seqs: int) -> bool:
-        idle = self.used_seqs == 0  # a request larger than the whole cache still runs, alone
-        tok_ok = self.tokens is None or self.used_tokens + tokens <= self.tokens
-        return idle or (tok_ok and self.used_seqs + seqs <= self.seqs)
-
-    def __call__(self, tokens: int, seqs: int):
-        outer = self
-
-        class _Slot:
-            def __enter__(self):
-                with outer.cond:
-                    outer.cond.wait_for(lambda: outer.fits(tokens, seqs))
-                    outer.used_tokens += tokens
-                    outer.used_seqs += seqs
-
-            def __exit__(self, *exc):
-                with outer.cond:
-                    outer.used_tokens -= tokens
-                    outer.used_seqs -= seqs
-                    outer.cond.notify_all()
-
-        return _Slot()
+    sock: socket.socket
+    started: bool = False
 
 
 class VLLMServerRollout(RolloutEngine):
@@ -349,6 +335,7 @@ class VLLMServerRollout(RolloutEngine):
         server_args: Sequence[str] = (),
         start_timeout_s: float = 300.0,
         request_timeout_s: float = 900.0,
+        kv_overcommit: float = 1.0,
         weights_dir: str | None = None,
         dtype: str = "float32",
         seed: int = 0,
@@ -401,9 +388,14 @@ class VLLMServerRollout(RolloutEngine):
             port = port + local if port else _free_port(host)
             self.url = self._start(host, port, gpus, tensor_parallel_size, flags, start_timeout_s)
         described = self._check_model(max_model_len)
-        self.admission = _Admission(described.get("kv_tokens"), int(described.get("max_num_seqs") or 256))
+        seqs = int(described.get("max_num_seqs") or 256)
+        self.admission = Admission(described.get("kv_tokens"), seqs, kv_overcommit)
+        self._streams: set[_Open] = set()  # requests in flight (their sockets: an abort shuts them)
+        self._streams_lock = threading.Lock()
+        self._last_heard = time.monotonic()  # when the server last sent a byte on any stream
         self.positional = bool(described.get("positional_draws"))  # seeds of a response's segments: vllm.py's docstring
-        self.pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="bapo-vllm-http")
+        # a thread per request in flight or waiting for admission: as many as the server may run (n = 1 segments)
+        self.pool = ThreadPoolExecutor(max_workers=max(64, seqs), thread_name_prefix="bapo-vllm-http")
         dist.before_teardown(self.close)
 
     # ------------------------------------------------------------------ the server process
@@ -501,40 +493,101 @@ class VLLMServerRollout(RolloutEngine):
         except OSError as e:
             raise ServerError(f"rollout=vllm_server: POST {self.url}{path} failed: {self._died(e)}") from None
 
-    def _stream(self, path: str, body: dict) -> list[dict]:
-        """``POST path`` with ``"stream": true``: every server-sent ``data:`` event, in order. The socket's timeout
-        counts silence only (any byte, a keep-alive comment included, restarts it)."""
+    def _stream(self, path: str, body: dict) -> Iterator[dict]:
+        """``POST path`` with ``"stream": true``: every server-sent ``data:`` event, in order, as it comes. Until its
+        first event the request may wait in the server's queue, silent (:meth:`_collect` bounds how long the server
+        as a whole may stay silent); from then on the socket's timeout bounds this stream's silence (any byte, a
+        keep-alive comment included, restarts it)."""
         u = urllib.parse.urlsplit(self.url)
         conn_cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
         conn = conn_cls(u.hostname, u.port, timeout=self.timeout)
-        events = []
+        stream, done = None, False
         try:
             conn.request("POST", path, json.dumps(body | {"stream": True}), {"Content-Type": "application/json"})
+            sock = conn.sock  # the response reads it (and the connection may hand it over to the response)
             resp = conn.getresponse()
             if resp.status != 200:
                 detail = resp.read()[:400].decode(errors="replace").replace("\n", " ")
                 raise ServerError(f"rollout=vllm_server: POST {self.url}{path}: HTTP {resp.status}: {detail}")
+            stream = _Open(sock)
+            sock.settimeout(None)  # queued: silent until the scheduler runs it
+            with self._streams_lock:
+                self._streams.add(stream)
+                self._last_heard = time.monotonic()
             for raw in resp:
+                self._last_heard = time.monotonic()
                 line = raw.decode(errors="replace").strip()
                 if not line.startswith("data:"):
                     continue  # blank separators and ": keep-alive" comments
                 data = line[5:].strip()
                 if data == "[DONE]":
+                    done = True
                     break
+                if not stream.started:  # running now: from here on, silence means a stuck server
+                    stream.started = True
+                    sock.settimeout(self.timeout)
                 event = json.loads(data)
                 if "error" in event:
                     raise ServerError(f"rollout=vllm_server: {self.url}{path}: {str(event['error'])[:400]}")
-                events.append(event)
+                yield event
         except TimeoutError:
             raise ServerError(
                 f"rollout.request_timeout_s: the server at {self.url} sent nothing for {self.timeout:g} s on a "
                 "running request (stuck or overloaded); raise rollout.request_timeout_s if it is only slow"
             ) from None
-        except OSError as e:
+        except (OSError, http.client.HTTPException) as e:
             raise ServerError(f"rollout=vllm_server: POST {self.url}{path} failed: {self._died(e)}") from None
         finally:
+            if stream is not None:
+                with self._streams_lock:
+                    self._streams.discard(stream)
             conn.close()
-        return events
+        if not done:
+            raise ServerError(f"rollout=vllm_server: POST {self.url}{path}: the stream ended before [DONE]")
+
+    def _silent(self) -> ServerError | None:
+        """The error of a server that sent nothing on any stream for ``rollout.request_timeout_s`` while requests
+        were in flight and none of them had started (a started one times out on its own socket)."""
+        with self._streams_lock:
+            waiting = [s for s in self._streams if not s.started]
+            if not waiting or len(waiting) < len(self._streams):
+                return None
+            quiet = time.monotonic() - self._last_heard
+        if quiet < self.timeout:
+            return None
+        return ServerError(
+            f"rollout.request_timeout_s: the server at {self.url} sent nothing for {self.timeout:g} s on any of "
+            f"{len(waiting)} request(s) in flight, none of them started (stuck); raise rollout.request_timeout_s "
+            "if it is only slow"
+        )
+
+    def _collect(self, jobs: list[Future]) -> list:
+        """The jobs' results, in order. At the first failure, or a server silent on every stream while none has
+        started (:meth:`_silent`), every request in flight is stopped (its socket shut, a request waiting for
+        admission refused) and that error is raised."""
+        pending = set(jobs)
+        while pending:
+            _, pending = wait(pending, timeout=min(1.0, self.timeout / 4), return_when=FIRST_EXCEPTION)
+            failed = next((j for j in jobs if j.done() and not j.cancelled() and j.exception() is not None), None)
+            err = failed.exception() if failed is not None else self._silent()
+            if err is not None:
+                self._abort(pending)
+                raise err
+        return [j.result() for j in jobs]
+
+    def _abort(self, pending: set[Future]) -> None:
+        """Stop the requests of ``pending``: queued ones cancelled, those waiting for admission refused, those in
+        flight cut off (a shut socket ends its read at once); returns when none is left running."""
+        for j in pending:
+            j.cancel()
+        self.admission.abort()
+        with self._streams_lock:
+            streams = list(self._streams)
+        for stream in streams:
+            with contextlib.suppress(OSError):
+                stream.sock.shutdown(socket.SHUT_RDWR)
+        wait(pending)
+        self.admission.reopen()
 
     def _rpc(self, method: str, **kwargs):
         out = self._post("/collective_rpc", {"method": method, "kwargs": kwargs})
@@ -684,13 +737,15 @@ class VLLMServerRollout(RolloutEngine):
         }
         toks: dict[int, list[int]] = {i: [] for i in range(n)}
         lps: dict[int, list[float]] = {i: [] for i in range(n)}
-        with self.admission(n * (len(ids) + max_tokens), n):
-            events = self._stream("/v1/completions", body)
-        for event in events:
-            for c in event.get("choices", []):
-                toks[c["index"]] += list(c.get("token_ids") or [])
-                if self.logprobs and c.get("logprobs"):
-                    lps[c["index"]] += list(c["logprobs"]["token_logprobs"])
+        with self.admission.request(len(ids), n, max_tokens, learn=max_tokens == self.max_new_tokens) as ticket:
+            for event in self._stream("/v1/completions", body):
+                for c in event.get("choices", []):
+                    i = c["index"]
+                    toks[i] += list(c.get("token_ids") or [])
+                    if self.logprobs and c.get("logprobs"):
+                        lps[i] += list(c["logprobs"]["token_logprobs"])
+                    if c.get("finish_reason") is not None:  # this child's part of the KV cache is free
+                        ticket.finish(i, len(toks[i]))
         out = []
         for i in range(n):
             if self.logprobs and len(lps[i]) != len(toks[i]):
@@ -709,8 +764,8 @@ class VLLMServerRollout(RolloutEngine):
             for i, p in enumerate(prompts)
         ]  # fmt: skip
         samples = []
-        for i, job in enumerate(jobs):
-            for toks, lp in job.result():
+        for i, result in enumerate(self._collect(jobs)):
+            for toks, lp in result:
                 samples.append(make_sample(prompts[i], i, toks, lp, self.stop_ids, self.version, self.tokenizer))
         return samples
 
@@ -724,8 +779,7 @@ class VLLMServerRollout(RolloutEngine):
             for r, cap, s, o in zip(rows, caps, seeds, offsets, strict=True)
         ]
         out = []
-        for job in jobs:
-            ((toks, lp),) = job.result()
+        for ((toks, lp),) in self._collect(jobs):
             out.append((torch.tensor(toks, dtype=torch.long), torch.tensor(lp, dtype=torch.float32)))
         return out
 

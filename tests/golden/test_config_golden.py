@@ -42,6 +42,9 @@ ADDED: dict[str, object] = {
     "rollout.partial_budget": None,
     # The learner's torch threads (placement.learner_threads): torch's default, as before.
     "placement.learner_threads": None,
+    # rollout=vllm_server's admission (bapo/engines/admission.py): requests in flight fill the server's KV cache at
+    # their expected length; before, each request reserved its whole budget, with no key (generation speed only).
+    "rollout.kv_overcommit": 1.0,
 }
 # Per composition, where an added key's value differs from ADDED's.
 ADDED_IN: dict[str, dict[str, object]] = {"algo=eps_feedback": {"algo.objective": "eps_feedback"}}

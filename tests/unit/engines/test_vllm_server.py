@@ -93,3 +93,77 @@ def test_group_alive_names_live_processes_and_not_zombies(groups, tmp_path):
             break
         time.sleep(0.05)
     assert _group_alive(proc.pid) == []
+
+
+# ----------------------------------------------------------------------------- admission
+
+
+def test_a_child_is_expected_to_hold_the_time_weighted_half_of_a_response():
+    """Before 32 whole responses have finished a child is expected to run to max_tokens; then to hold, on average
+    over its run, E[L^2] / (2 E[L]) tokens: lengths 100 and 300 (half each) give (100^2 + 300^2) / 2 / (2 x 200)
+    = 125 (a long response runs longer, so it is met more often than a short one)."""
+    from bapo.engines.admission import Admission
+
+    a = Admission(tokens=10_000, seqs=64)
+    assert a.held(1000) == 1000.0
+    with a.request(10, 32, 1000, learn=True) as ticket:
+        for i in range(32):
+            ticket.finish(i, 100 if i % 2 else 300)
+    assert a.held(1000) == 125.0 and a.held(120) == 120.0  # never more than the request's cap
+    with a.request(10, 8, 50, learn=False) as ticket:  # segments under a smaller cap teach nothing
+        for i in range(8):
+            ticket.finish(i, 50)
+    assert a.held(1000) == 125.0 and len(a.lengths) == 32
+
+
+def test_a_request_waits_for_room_and_each_finished_child_makes_some():
+    import threading
+
+    from bapo.engines.admission import Admission
+
+    a = Admission(tokens=100, seqs=64)  # children of prompt 10 + max_tokens 40: 50 tokens each, 2 fit
+    first = a.request(10, 2, 40, learn=True).__enter__()
+    assert a.used_tokens == 100 and a.used_seqs == 2
+    admitted = threading.Event()
+
+    def second():
+        with a.request(10, 1, 40, learn=True):
+            admitted.set()
+
+    t = threading.Thread(target=second)
+    t.start()
+    assert not admitted.wait(0.3)  # no room
+    first.finish(0, 7)  # one child's 50 tokens are free: the waiting request fits
+    assert admitted.wait(10)
+    t.join()
+    first.finish(0, 7)  # a second finish of the same child releases nothing
+    assert a.used_tokens == 50 and a.used_seqs == 1
+    first.__exit__(None, None, None)  # the request ended: its unfinished child is released too
+    assert a.used_tokens == 0 and a.used_seqs == 0
+
+
+def test_an_aborted_admission_refuses_the_requests_waiting_for_it():
+    import threading
+
+    from bapo.engines.admission import Admission, Stopped
+
+    a = Admission(tokens=100, seqs=64, overcommit=0.5)  # 50 tokens of room: one child of 50 at a time
+    held = a.request(10, 1, 40, learn=True).__enter__()
+    errors = []
+
+    def waiter():
+        try:
+            with a.request(10, 1, 40, learn=True):
+                pass
+        except Stopped as e:
+            errors.append(str(e))
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    a.abort()
+    t.join(10)
+    assert errors and "stopped before this request was sent" in errors[0]
+    a.reopen()
+    held.__exit__(None, None, None)
+    with a.request(10, 1, 40, learn=True):
+        assert a.used_seqs == 1
