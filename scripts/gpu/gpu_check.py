@@ -6,9 +6,9 @@
 
 Two modes (each section in this order, each in a process of its own with its own timeout):
 
-torch   a GPU machine with torch (older than the pin is fine) and no network, about 3 minutes on an H200:
-        env, host, metaload, budget, mask, qwen7b.
-full    a node with vLLM, about 7 minutes: env, host, server, logprobs, budget, mask, metaload, qwen7b.
+torch   a GPU machine with torch (older than the pin is fine) and no network, about 4 minutes on an H200:
+        env, host, metaload, staging, budget, mask, qwen7b.
+full    a node with vLLM, about 8 minutes: env, host, server, logprobs, budget, mask, metaload, staging, qwen7b.
 
 Each section prints one JSON line on stdout, ``{"section", "verdict": "ok" | "fail" | "skip", "reason", "seconds",
 ...figures}``, and appends it to ``--out`` (JSONL; written as it goes, so a failed or killed section leaves the
@@ -53,13 +53,14 @@ SECTIONS = {
     "budget": (120, 300, False),
     "mask": (60, 180, False),
     "metaload": (120, 300, False),
+    "staging": (120, 300, False),
     "qwen7b": (60, 180, False),
 }
 MODES = {
-    "torch": ("env", "host", "metaload", "budget", "mask", "qwen7b"),
-    "full": ("env", "host", "server", "logprobs", "budget", "mask", "metaload", "qwen7b"),
+    "torch": ("env", "host", "metaload", "staging", "budget", "mask", "qwen7b"),
+    "full": ("env", "host", "server", "logprobs", "budget", "mask", "metaload", "staging", "qwen7b"),
 }
-TIME_LIMIT = {"torch": 300.0, "full": 480.0}  # the whole check's cap on a GPU; --dry-run: an hour
+TIME_LIMIT = {"torch": 360.0, "full": 540.0}  # the whole check's cap on a GPU; --dry-run: an hour
 MIN_SECTION_S = 10.0  # a section is skipped, and says so, when less than this is left before the cap
 # The project's dependencies the check does not import: torch is the machine's own, datasets (pyarrow) and wandb
 # are large binaries that no section needs (the sections write their data as JSON lines and log nowhere).
@@ -83,7 +84,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--only", nargs="+", choices=list(SECTIONS), help="run only these sections of the mode")
     p.add_argument("--out", type=Path, help="append each section's JSON line here (JSONL; truncated first)")
     p.add_argument("--wheelhouse", type=Path, default=WHEELHOUSE, help="wheels to fill a venv from, offline")
-    p.add_argument("--time-limit", type=float, help="seconds for the whole check (default: 300 torch, 480 full)")
+    p.add_argument("--time-limit", type=float, help="seconds for the whole check (default: 360 torch, 540 full)")
     p.add_argument("--standin-layers", type=int, default=2, help="decoder layers of the 7B-wide stand-in")
     p.add_argument("--budgets", type=int, nargs="+",
                    help="tokens per micro-batch of the budget section (default: gpu_node's 16384 and gpu_node_h200's "
