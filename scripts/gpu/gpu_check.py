@@ -65,6 +65,10 @@ MIN_SECTION_S = 10.0  # a section is skipped, and says so, when less than this i
 # The project's dependencies the check does not import: torch is the machine's own, datasets (pyarrow) and wandb
 # are large binaries that no section needs (the sections write their data as JSON lines and log nowhere).
 NOT_CARRIED = ("torch", "datasets", "wandb")
+# What the sections import besides torch and the standard library (a venv from the wheelhouse must import them all;
+# transformers' from_pretrained imports kernels).
+IMPORTS = ("transformers", "huggingface_hub", "tokenizers", "safetensors", "hydra", "omegaconf", "math_verify",
+           "yaml", "tqdm", "kernels")  # fmt: skip
 
 
 class UsageError(Exception):
@@ -168,12 +172,23 @@ def venv_from_wheelhouse(base: str, wheelhouse: Path) -> tuple[str, list[str]]:
     adds = [f"import site; site.addsitedir({d!r})" for d in sites.splitlines() if d.strip()]
     (Path(own) / "_gpu_check_base.pth").write_text("\n".join(adds) + "\n")
     pip = [python, "-m", "pip", "install", "--no-index", "--find-links", str(wheelhouse), "--disable-pip-version-check"]
-    p = subprocess.run([*pip, "-r", str(wheelhouse / "requirements.txt")], **run)
+    lock = wheelhouse / "requirements.lock"  # every wheel pinned, some dependencies left out: installed as listed
+    reqs = ["--no-deps", "-r", str(lock)] if lock.is_file() else ["-r", str(wheelhouse / "requirements.txt")]
+    p = subprocess.run([*pip, *reqs], **run)
     if p.returncode:
         last = [ln for ln in p.stderr.splitlines() if ln.strip()] or ["no output"]
         raise UsageError(f"installing from {wheelhouse} failed (offline, --no-index): {last[-1].strip()}")
     installed = re.findall(r"Successfully installed (.*)", p.stdout)
     return python, (installed[0].split() if installed else [])
+
+
+def cannot_import(python: str) -> str | None:
+    """Why ``python`` cannot import what the sections use (:data:`IMPORTS`), in one line; None: it can."""
+    p = subprocess.run([python, "-c", "; ".join(f"import {m}" for m in IMPORTS)], capture_output=True, text=True,
+                       timeout=300)  # fmt: skip
+    if p.returncode == 0:
+        return None
+    return ([ln.strip() for ln in p.stderr.splitlines() if ln.strip()] or ["no output"])[-1]
 
 
 def choose_python(args, mode: str) -> tuple[str, dict]:
@@ -195,6 +210,9 @@ def choose_python(args, mode: str) -> tuple[str, dict]:
         found = probe(python)
         if found["missing"]:
             raise UsageError(f"the venv from {args.wheelhouse} still lacks {', '.join(found['missing'])}")
+        why = cannot_import(python)  # a dependency the lock file left out that a section does need
+        if why is not None:
+            raise UsageError(f"the venv from {args.wheelhouse} cannot import what the sections use: {why}")
         how |= {"python": python, "venv": str(Path(python).parents[1]), "installed_from_wheelhouse": installed,
                 "venv_setup_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
     if mode == "full" and not args.dry_run and not found["vllm"]:

@@ -195,6 +195,47 @@ def test_a_venv_over_a_venvs_torch_installs_offline_from_the_wheelhouse(tmp_path
     (house / "requirements.txt").write_text("not-in-the-wheelhouse==1.0\n")
     with pytest.raises(gpu_check.UsageError, match="installing from .* failed .*not-in-the-wheelhouse"):
         gpu_check.venv_from_wheelhouse(base, house)
+    # a lock file lists the wheels to install as they are: a dependency left out of the wheelhouse (one the check
+    # never imports, as hf-xet) is not looked for
+    (pkg / "pyproject.toml").write_text('[project]\nname = "gpucheckdemo"\nversion = "2.0"\n'
+                                        'dependencies = ["left-out-of-the-wheelhouse"]\n')  # fmt: skip
+    subprocess.run([*pip, str(house), str(pkg)], check=True, capture_output=True, timeout=300)
+    (house / "requirements.txt").write_text("gpucheckdemo==2.0\n")
+    with pytest.raises(gpu_check.UsageError, match="installing from .* failed .*left-out-of-the-wheelhouse"):
+        gpu_check.venv_from_wheelhouse(base, house)
+    (house / "requirements.lock").write_text("gpucheckdemo==2.0\n")
+    python, installed = gpu_check.venv_from_wheelhouse(base, house)
+    assert installed == ["gpucheckdemo-2.0"]
+
+
+def test_the_gpu_bundle_needs_a_wheelhouse(tmp_path):
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "build" / "gpu_bundle.sh"), str(tmp_path / "b"),
+                        str(tmp_path / "none")], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert p.returncode == 2 and p.stderr.strip() == f"error: no wheelhouse at {tmp_path / 'none'} (its " \
+        "requirements.txt): make wheelhouse first"  # fmt: skip
+
+
+@pytest.mark.slow  # the bundle made, then three dry-run sections from inside it: about 1.5 minutes
+def test_the_gpu_bundle_is_a_slim_tree_that_runs_the_check(tmp_path):
+    """What is copied to a GPU machine without network: no studies, tests, assets or benchmarks, and, with a
+    wheelhouse of its real size (about 23 MiB), under half of the device tool's 64 MiB; the check runs from it."""
+    house = tmp_path / "wheelhouse"
+    house.mkdir()
+    (house / "requirements.txt").write_text("\n".join(gpu_check.requirements()) + "\n")
+    (house / "padding.whl").write_bytes(b"\0" * (23 << 20))  # the wheels' size, made up
+    bundle = tmp_path / "bundle"
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "build" / "gpu_bundle.sh"), str(bundle), str(house)],
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    files = [f for f in bundle.rglob("*") if f.is_file()]
+    assert sum(f.stat().st_size for f in files) < 32 << 20
+    assert not {"tests", "assets"} & {f.relative_to(bundle).parts[0] for f in files}
+    assert not [f for f in files if "study" in f.relative_to(bundle).parts or "bench" in f.relative_to(bundle).parts]
+    out = tmp_path / "check.jsonl"
+    cmd = ["bash", "scripts/gpu_check.sh", "--dry-run", "--mode", "torch", "--only", "env", "staging", "qwen7b"]
+    p = subprocess.run([*cmd, "--out", str(out)], cwd=bundle, env=ENV, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert [json.loads(x)["verdict"] for x in out.read_text().splitlines()] == ["ok"] * 4
 
 
 # ----------------------------------------------------------------------------- the dry runs
