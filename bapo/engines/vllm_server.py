@@ -504,16 +504,15 @@ class VLLMServerRollout(RolloutEngine):
         stream, done = None, False
         try:
             conn.request("POST", path, json.dumps(body | {"stream": True}), {"Content-Type": "application/json"})
-            sock = conn.sock  # the response reads it (and the connection may hand it over to the response)
+            stream = _Open(conn.sock)  # the response reads this socket (the connection may hand it over)
+            with self._streams_lock:
+                self._streams.add(stream)
+                self._last_heard = time.monotonic()
             resp = conn.getresponse()
             if resp.status != 200:
                 detail = resp.read()[:400].decode(errors="replace").replace("\n", " ")
                 raise ServerError(f"rollout=vllm_server: POST {self.url}{path}: HTTP {resp.status}: {detail}")
-            stream = _Open(sock)
-            sock.settimeout(None)  # queued: silent until the scheduler runs it
-            with self._streams_lock:
-                self._streams.add(stream)
-                self._last_heard = time.monotonic()
+            stream.sock.settimeout(None)  # queued: silent until the scheduler runs it
             for raw in resp:
                 self._last_heard = time.monotonic()
                 line = raw.decode(errors="replace").strip()
@@ -525,7 +524,7 @@ class VLLMServerRollout(RolloutEngine):
                     break
                 if not stream.started:  # running now: from here on, silence means a stuck server
                     stream.started = True
-                    sock.settimeout(self.timeout)
+                    stream.sock.settimeout(self.timeout)
                 event = json.loads(data)
                 if "error" in event:
                     raise ServerError(f"rollout=vllm_server: {self.url}{path}: {str(event['error'])[:400]}")
@@ -577,17 +576,21 @@ class VLLMServerRollout(RolloutEngine):
 
     def _abort(self, pending: set[Future]) -> None:
         """Stop the requests of ``pending``: queued ones cancelled, those waiting for admission refused, those in
-        flight cut off (a shut socket ends its read at once); returns when none is left running."""
+        flight cut off (a shut socket ends its read at once, and one opened meanwhile is shut at the next look);
+        returns when none is left running."""
         for j in pending:
             j.cancel()
         self.admission.abort()
-        with self._streams_lock:
-            streams = list(self._streams)
-        for stream in streams:
-            with contextlib.suppress(OSError):
-                stream.sock.shutdown(socket.SHUT_RDWR)
-        wait(pending)
-        self.admission.reopen()
+        try:
+            while pending:
+                with self._streams_lock:
+                    streams = list(self._streams)
+                for stream in streams:
+                    with contextlib.suppress(OSError):
+                        stream.sock.shutdown(socket.SHUT_RDWR)
+                _, pending = wait(pending, timeout=0.5)
+        finally:
+            self.admission.reopen()
 
     def _rpc(self, method: str, **kwargs):
         out = self._post("/collective_rpc", {"method": method, "kwargs": kwargs})

@@ -46,6 +46,7 @@ class Fake:
         self.keepalive_s = None  # send ": keep-alive" comments this often while waiting
         self.silent = False  # never answer a completion
         self.stall_after: int | None = None  # go silent after this many tokens of each response
+        self.fail_request: int | None = None  # answer the completion request of this arrival index with an error
         self.reset_ok = True
         self.scheduler: KVScheduler | None = None  # answer completions as vLLM's scheduler would run them
         self.bodies: list[dict] = []
@@ -88,6 +89,12 @@ def _handler(fake: Fake):
             if self.path == "/reset_prefix_cache":
                 return self._json({"success": fake.reset_ok})
             fake.bodies.append(body)
+            if len(fake.bodies) - 1 == fake.fail_request:
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                self.wfile.write(b'data: {"error": {"message": "the stand-in fails this request"}}\n\n')
+                return
             with fake.lock:
                 fake.in_flight += 1
                 fake.most_in_flight = max(fake.most_in_flight, fake.in_flight)

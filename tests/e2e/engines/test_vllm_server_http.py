@@ -115,6 +115,18 @@ def test_a_request_queued_by_the_server_outlives_the_timeout_while_the_server_st
     assert fake.scheduler.most_running == 2 and len(fake.bodies) == 6
 
 
+def test_a_failed_request_stops_the_others_at_once(fake_server, tiny_tok):
+    """The second of 4 requests fails at once, the others would stream for 20 x 0.3 s: the batch fails with that
+    request's error without waiting for them, and leaves none of them open."""
+    fake, url = fake_server(gap_s=0.3, tokens=20, fail_request=1)
+    e = _engine(url, tiny_tok)
+    t0 = time.monotonic()
+    with pytest.raises(ServerError, match="the stand-in fails this request"):
+        e.generate(_prompts(tiny_tok, 4))
+    assert time.monotonic() - t0 < 5.0  # well before the others' 6 s
+    assert not e._streams and e.admission.used_seqs == 0
+
+
 def test_a_request_that_stalls_after_it_started_is_named_in_one_line(fake_server, tiny_tok):
     fake, url = fake_server(stall_after=2)
     e = _engine(url, tiny_tok, request_timeout_s=0.5)
