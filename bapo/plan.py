@@ -28,7 +28,9 @@ root module: embeddings, final norm, untied LM head; ``N_layer`` in each decoder
   With activation checkpointing each layer keeps only its input; without it, everything below. Shared-prompt
   packing with the sdpa kernel adds its dense [W, W] masks.
 * host memory per node: vLLM's bf16 weights while it sleeps at level 1 (offloaded to pinned memory; level
-  2 discards them), the servers' staged weight copies (tmpfs: one a node in sync mode, one a server in async),
+  2 discards them), the servers' staged weight copies (tmpfs: one a node in sync mode, one a server in async)
+  and the writers' chunk buffers (``bapo.engines.staging.writer_bytes``; in async mode a chunk of the snapshot
+  is also cast on the learner's GPU beside the update),
   async weight snapshots (one full copy per held version and rank, in the engine's dtype,
   fp32 under ``learner.old_logp=recompute``), FSDP's CPU offload (``16N/W`` per rank), and the full
   state dict rank 0 gathers for an HF export (in the model's dtype).
@@ -326,6 +328,10 @@ def update_moments(u: Setup, tokens: int) -> list[Moment]:
     st = learner_state(u)
     state = [st["masters"], st["grads"], st["adam"], st["ref"]]
     fixed = [st["context"]]
+    if u.server and u.rc.train.async_rollout:  # the producer stages a host snapshot while the learner updates
+        from bapo.engines.staging import writer_bytes
+
+        fixed.append(Item("weight staging beside the update: a snapshot's chunk cast on this GPU", writer_bytes(True)))
     root = Item(f"learner: {_name(b)} root params, unsharded ({s.root_params / 1e9:.2f} B)", b * s.root_params)
     layer_params = Item(
         f"learner: {_name(b)} params of 2 decoder layers (computed, prefetched)", 2 * b * s.layer_params
@@ -438,6 +444,11 @@ def host_items(u: Setup, sleep_level: int) -> list[Item]:
     if u.workers:
         k = u.rc.rollout.workers
         items += [Item(f"rollout worker x{k}: {i.what}", k * i.bytes) for i in hf_engine(u)]
+    if u.server:  # async: every rank stages its own snapshot; sync: the node's first rank writes the shared copy
+        from bapo.engines.staging import writer_bytes
+
+        writers = ranks if rc.train.async_rollout else 1
+        items.append(Item(f"weight staging: {writers} writer(s)' chunk buffers, pinned", writers * writer_bytes(False)))
     if u.server and u.server_gpus:
         servers = u.server_gpus // rc.rollout.tensor_parallel_size
         copies = servers if rc.train.async_rollout else 1

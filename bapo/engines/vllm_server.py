@@ -13,9 +13,12 @@ Generation: one streamed ``POST /v1/completions`` per prompt, token ids in (``pr
 (``return_token_ids``), the sampled token's log-prob under the tempered distribution, this project's stop ids
 (``stop_token_ids``, ``ignore_eos``), every sampling key sent explicitly (no penalties, no top-k, no min-p), and
 ``seed`` per prompt (vLLM seeds child j of a request with seed + j, so prompts are spaced ``n`` apart). Requests
-are admitted while the sequences in flight fit the server's KV cache (its blocks x block size, and
-``max_num_seqs``), so a request in flight is running, not queued, and ``rollout.request_timeout_s`` bounds
-*silence*: a stream that sends nothing for that long means a stuck server, whatever the generation's length.
+are admitted while the KV cache their responses are expected to hold fits ``rollout.kv_overcommit`` x the server's
+(its blocks x block size) and ``max_num_seqs`` (:mod:`bapo.engines.admission`); each response's share is released
+at its ``finish_reason``. vLLM's scheduler queues what does not fit and preempts when the cache runs short, so a
+request may wait, silent, before its first token: ``rollout.request_timeout_s`` bounds the *silence* of a request
+that has started (a stuck server, whatever the generation's length), and of the server as a whole while none of
+the requests in flight has started.
 
 Weight sync. vLLM 0.32's native weight transfer (``--weight-transfer-config '{"backend": "nccl"}'``) needs
 NCCL, which the CPU build lacks and this lab cannot run, so the engine uses the path vLLM offers on every
@@ -46,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import logging
 import os
 import shutil
 import signal
@@ -60,14 +64,15 @@ import urllib.parse
 import urllib.request
 import uuid
 import weakref
-from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from bapo.engines.admission import Admission
 from bapo.engines.base import RolloutEngine, SamplingDefaults, make_sample
 from bapo.engines.config import RolloutCommon
 from bapo.engines.registry import EngineTraits
@@ -104,7 +109,8 @@ class VLLMServerConfig(RolloutCommon):
     enforce_eager: bool = resumable()
     server_args: list[str] = resumable()  # more `vllm serve` flags for a started server
     start_timeout_s: float = resumable()
-    request_timeout_s: float = resumable()  # a streamed request silent this long means a stuck server
+    request_timeout_s: float = resumable()  # a running request silent this long means a stuck server
+    kv_overcommit: float = resumable()  # the share of a server's KV cache its requests are expected to fill
     weights_dir: str | None = resumable()  # where the weight folders go (null: /dev/shm where it exists, else tmp)
 
     def __post_init__(self) -> None:
@@ -114,6 +120,11 @@ class VLLMServerConfig(RolloutCommon):
         require(self.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", "must be >= 1")
         require(self.start_timeout_s > 0, "rollout.start_timeout_s", "must be > 0 seconds")
         require(self.request_timeout_s > 0, "rollout.request_timeout_s", "must be > 0 seconds")
+        require(
+            0 < self.kv_overcommit <= 4,
+            "rollout.kv_overcommit",
+            f"must be in (0, 4] (the share of a server's KV cache to fill), got {self.kv_overcommit}",
+        )
         if self.url is not None:
             for u in self.url.split(","):
                 require(
@@ -207,24 +218,55 @@ def _last_line(log: Path) -> str:
     return (errors or lines or ["(empty log)"])[-1][:400]
 
 
-def _stop_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
-    """SIGTERM to the server's process group (vLLM shuts its engine down), SIGKILL after ``grace_s``."""
-    if proc.poll() is not None:
-        return
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+def _group_alive(pgid: int) -> list[int]:
+    """The processes of process group ``pgid`` that have not exited (a zombie has: only its parent's wait is left).
+    Read from /proc; where there is none, whether a signal still reaches the group."""
+    proc = Path("/proc")
+    if not proc.is_dir():
         try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(wait)
-            break
-        except subprocess.TimeoutExpired:
+            os.killpg(pgid, 0)
+            return [pgid]
+        except (ProcessLookupError, PermissionError):
+            return []
+    alive = []
+    for d in proc.iterdir():
+        if not d.name.isdigit():
             continue
-    try:  # the engine core may outlive the API process by a moment
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state, ppid, pgrp, ...
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            alive.append(int(d.name))
+    return alive
+
+
+def _stop_group(proc: subprocess.Popen, grace_s: float = 20.0, kill_wait_s: float = 30.0) -> None:
+    """Stop the server's whole process group and return once none of it is left: SIGTERM (vLLM shuts its engine
+    down), SIGKILL to whatever is left after ``grace_s``, then wait (up to ``kill_wait_s``) until every process
+    of the group has exited: the engine core and the workers are the wrapper's children, not ours, so waiting
+    for the wrapper alone would return while they still hold the GPU."""
+    pgid = proc.pid  # the wrapper leads a session and process group of its own
+    deadline = time.monotonic() + grace_s
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(max(0.0, deadline - time.monotonic()))
+    while _group_alive(pgid) and time.monotonic() < deadline:  # the rest of the group, on its own SIGTERM
+        time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(5.0)
+    deadline = time.monotonic() + kill_wait_s
+    while (left := _group_alive(pgid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if left:
+        logging.getLogger(__name__).warning(
+            "rollout=vllm_server: processes %s of the server's group outlived SIGKILL by %.0f s", left, kill_wait_s
+        )
 
 
 def server_devices(gpus: str, visible: str | None, ranks: int, local: int, tp: int) -> str:
@@ -251,36 +293,12 @@ def server_devices(gpus: str, visible: str | None, ranks: int, local: int, tp: i
     return ",".join(parent[int(g)] for g in mine)
 
 
-class _Admission:
-    """Requests in flight while their sequences fit the server's KV cache and ``max_num_seqs``: what runs at once."""
+@dataclass(eq=False)
+class _Open:
+    """A streamed request in flight: its socket, and whether its first event came (the server runs it)."""
 
-    def __init__(self, tokens: int | None, seqs: int):
-        self.tokens, self.seqs = tokens, seqs
-        self.used_tokens = self.used_seqs = 0
-        self.cond = threading.Condition()
-
-    def fits(self, tokens: int, seqs: int) -> bool:
-        idle = self.used_seqs == 0  # a request larger than the whole cache still runs, alone
-        tok_ok = self.tokens is None or self.used_tokens + tokens <= self.tokens
-        return idle or (tok_ok and self.used_seqs + seqs <= self.seqs)
-
-    def __call__(self, tokens: int, seqs: int):
-        outer = self
-
-        class _Slot:
-            def __enter__(self):
-                with outer.cond:
-                    outer.cond.wait_for(lambda: outer.fits(tokens, seqs))
-                    outer.used_tokens += tokens
-                    outer.used_seqs += seqs
-
-            def __exit__(self, *exc):
-                with outer.cond:
-                    outer.used_tokens -= tokens
-                    outer.used_seqs -= seqs
-                    outer.cond.notify_all()
-
-        return _Slot()
+    sock: socket.socket
+    started: bool = False
 
 
 class VLLMServerRollout(RolloutEngine):
@@ -317,6 +335,7 @@ class VLLMServerRollout(RolloutEngine):
         server_args: Sequence[str] = (),
         start_timeout_s: float = 300.0,
         request_timeout_s: float = 900.0,
+        kv_overcommit: float = 1.0,
         weights_dir: str | None = None,
         dtype: str = "float32",
         seed: int = 0,
@@ -332,6 +351,8 @@ class VLLMServerRollout(RolloutEngine):
         self.dtype = getattr(torch, dtype)
         self.proc: subprocess.Popen | None = None
         self.sync_parts: dict[str, float] = {}
+        # a host snapshot (async mode) is cast and fingerprinted on this rank's GPU, where it has one
+        self.stage_device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         rank, world, local = dist.rank(), dist.world_size(), dist.local_rank()
         self.local = local
         self.node_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -367,21 +388,24 @@ class VLLMServerRollout(RolloutEngine):
             port = port + local if port else _free_port(host)
             self.url = self._start(host, port, gpus, tensor_parallel_size, flags, start_timeout_s)
         described = self._check_model(max_model_len)
-        self.admission = _Admission(described.get("kv_tokens"), int(described.get("max_num_seqs") or 256))
-        self.positional = bool(described.get("positional_draws"))  # seeds of a response's segments: vllm.py's docstring
-        self.pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="bapo-vllm-http")
-        self._streams: set = set()  # the connections of the streams in flight: a stop closes them (the server aborts)
+        seqs = int(described.get("max_num_seqs") or 256)
+        self.admission = Admission(described.get("kv_tokens"), seqs, kv_overcommit)
+        self._streams: set[_Open] = set()  # requests in flight (their sockets: an abort shuts them)
         self._streams_lock = threading.Lock()
-        stop.on_request(self._abandon_streams)
+        self._last_heard = time.monotonic()  # when the server last sent a byte on any stream
+        self.positional = bool(described.get("positional_draws"))  # seeds of a response's segments: vllm.py's docstring
+        # a thread per request in flight or waiting for admission: as many as the server may run (n = 1 segments)
+        self.pool = ThreadPoolExecutor(max_workers=max(64, seqs), thread_name_prefix="bapo-vllm-http")
+        stop.on_request(self._abandon_streams)  # a stop shuts the streams in flight: the server aborts them
         dist.before_teardown(self.close)
 
     def _abandon_streams(self) -> None:
         """Close every stream in flight (a stop request): the server aborts their requests, the readers give up."""
         with self._streams_lock:
-            conns = list(self._streams)
-        for conn in conns:
+            streams = list(self._streams)
+        for stream in streams:
             with contextlib.suppress(OSError):
-                conn.sock.shutdown(socket.SHUT_RDWR) if conn.sock is not None else None
+                stream.sock.shutdown(socket.SHUT_RDWR)
 
     # ------------------------------------------------------------------ the server process
 
@@ -479,51 +503,109 @@ class VLLMServerRollout(RolloutEngine):
         except OSError as e:
             raise ServerError(f"rollout=vllm_server: POST {self.url}{path} failed: {self._died(e)}") from None
 
-    def _stream(self, path: str, body: dict) -> list[dict]:
-        """``POST path`` with ``"stream": true``: every server-sent ``data:`` event, in order. The socket's timeout
-        counts silence only (any byte, a keep-alive comment included, restarts it)."""
+    def _stream(self, path: str, body: dict) -> Iterator[dict]:
+        """``POST path`` with ``"stream": true``: every server-sent ``data:`` event, in order, as it comes. Until its
+        first event the request may wait in the server's queue, silent (:meth:`_collect` bounds how long the server
+        as a whole may stay silent); from then on the socket's timeout bounds this stream's silence (any byte, a
+        keep-alive comment included, restarts it)."""
         u = urllib.parse.urlsplit(self.url)
         conn_cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
         conn = conn_cls(u.hostname, u.port, timeout=self.timeout)
-        events = []
-        with self._streams_lock:
-            self._streams.add(conn)
+        stream, done = None, False
         try:
             stop.check()  # a stop request: no new stream
             conn.request("POST", path, json.dumps(body | {"stream": True}), {"Content-Type": "application/json"})
+            stream = _Open(conn.sock)  # the response reads this socket (the connection may hand it over)
+            with self._streams_lock:
+                self._streams.add(stream)
+                self._last_heard = time.monotonic()
             resp = conn.getresponse()
             if resp.status != 200:
                 detail = resp.read()[:400].decode(errors="replace").replace("\n", " ")
                 raise ServerError(f"rollout=vllm_server: POST {self.url}{path}: HTTP {resp.status}: {detail}")
+            stream.sock.settimeout(None)  # queued: silent until the scheduler runs it
             for raw in resp:
                 if stop.requested():
                     raise stop.Interrupted  # closing the connection (below) makes the server abort the request
+                self._last_heard = time.monotonic()
                 line = raw.decode(errors="replace").strip()
                 if not line.startswith("data:"):
                     continue  # blank separators and ": keep-alive" comments
                 data = line[5:].strip()
                 if data == "[DONE]":
+                    done = True
                     break
+                if not stream.started:  # running now: from here on, silence means a stuck server
+                    stream.started = True
+                    stream.sock.settimeout(self.timeout)
                 event = json.loads(data)
                 if "error" in event:
                     raise ServerError(f"rollout=vllm_server: {self.url}{path}: {str(event['error'])[:400]}")
-                events.append(event)
-        except (TimeoutError, OSError, http.client.HTTPException, ValueError) as e:
-            if stop.requested():  # the stop closed the stream: the batch is given up, not failed
+                yield event
+        except (TimeoutError, OSError, http.client.HTTPException) as e:
+            if stop.requested():  # the stop shut the stream: the batch is given up, not failed
                 raise stop.Interrupted from None
             if isinstance(e, TimeoutError):
                 raise ServerError(
                     f"rollout.request_timeout_s: the server at {self.url} sent nothing for {self.timeout:g} s on a "
                     "running request (stuck or overloaded); raise rollout.request_timeout_s if it is only slow"
                 ) from None
-            if isinstance(e, OSError):
-                raise ServerError(f"rollout=vllm_server: POST {self.url}{path} failed: {self._died(e)}") from None
-            raise
+            raise ServerError(f"rollout=vllm_server: POST {self.url}{path} failed: {self._died(e)}") from None
         finally:
-            with self._streams_lock:
-                self._streams.discard(conn)
+            if stream is not None:
+                with self._streams_lock:
+                    self._streams.discard(stream)
             conn.close()
-        return events
+        if not done:
+            raise ServerError(f"rollout=vllm_server: POST {self.url}{path}: the stream ended before [DONE]")
+
+    def _silent(self) -> ServerError | None:
+        """The error of a server that sent nothing on any stream for ``rollout.request_timeout_s`` while requests
+        were in flight and none of them had started (a started one times out on its own socket)."""
+        with self._streams_lock:
+            waiting = [s for s in self._streams if not s.started]
+            if not waiting or len(waiting) < len(self._streams):
+                return None
+            quiet = time.monotonic() - self._last_heard
+        if quiet < self.timeout:
+            return None
+        return ServerError(
+            f"rollout.request_timeout_s: the server at {self.url} sent nothing for {self.timeout:g} s on any of "
+            f"{len(waiting)} request(s) in flight, none of them started (stuck); raise rollout.request_timeout_s "
+            "if it is only slow"
+        )
+
+    def _collect(self, jobs: list[Future]) -> list:
+        """The jobs' results, in order. At the first failure, or a server silent on every stream while none has
+        started (:meth:`_silent`), every request in flight is stopped (its socket shut, a request waiting for
+        admission refused) and that error is raised."""
+        pending = set(jobs)
+        while pending:
+            _, pending = wait(pending, timeout=min(1.0, self.timeout / 4), return_when=FIRST_EXCEPTION)
+            failed = next((j for j in jobs if j.done() and not j.cancelled() and j.exception() is not None), None)
+            err = failed.exception() if failed is not None else self._silent()
+            if err is not None:
+                self._abort(pending)
+                raise err
+        return [j.result() for j in jobs]
+
+    def _abort(self, pending: set[Future]) -> None:
+        """Stop the requests of ``pending``: queued ones cancelled, those waiting for admission refused, those in
+        flight cut off (a shut socket ends its read at once, and one opened meanwhile is shut at the next look);
+        returns when none is left running."""
+        for j in pending:
+            j.cancel()
+        self.admission.abort()
+        try:
+            while pending:
+                with self._streams_lock:
+                    streams = list(self._streams)
+                for stream in streams:
+                    with contextlib.suppress(OSError):
+                        stream.sock.shutdown(socket.SHUT_RDWR)
+                _, pending = wait(pending, timeout=0.5)
+        finally:
+            self.admission.reopen()
 
     def _rpc(self, method: str, **kwargs):
         out = self._post("/collective_rpc", {"method": method, "kwargs": kwargs})
@@ -594,7 +676,9 @@ class VLLMServerRollout(RolloutEngine):
         staged = None
         try:
             # shared: the node's first rank writes; the others read the stream (a collective) and check the reply
-            staged = save_weights(weights, folder, self.dtype, write=not shared or self.local == 0)
+            staged = save_weights(
+                weights, folder, self.dtype, write=not shared or self.local == 0, device=self.stage_device
+            )
         except BaseException as e:  # noqa: BLE001 (re-raised below, on every rank together when shared)
             err = e
         t_write = time.perf_counter()
@@ -671,13 +755,15 @@ class VLLMServerRollout(RolloutEngine):
         }
         toks: dict[int, list[int]] = {i: [] for i in range(n)}
         lps: dict[int, list[float]] = {i: [] for i in range(n)}
-        with self.admission(n * (len(ids) + max_tokens), n):
-            events = self._stream("/v1/completions", body)
-        for event in events:
-            for c in event.get("choices", []):
-                toks[c["index"]] += list(c.get("token_ids") or [])
-                if self.logprobs and c.get("logprobs"):
-                    lps[c["index"]] += list(c["logprobs"]["token_logprobs"])
+        with self.admission.request(len(ids), n, max_tokens, learn=max_tokens == self.max_new_tokens) as ticket:
+            for event in self._stream("/v1/completions", body):
+                for c in event.get("choices", []):
+                    i = c["index"]
+                    toks[i] += list(c.get("token_ids") or [])
+                    if self.logprobs and c.get("logprobs"):
+                        lps[i] += list(c["logprobs"]["token_logprobs"])
+                    if c.get("finish_reason") is not None:  # this child's part of the KV cache is free
+                        ticket.finish(i, len(toks[i]))
         out = []
         for i in range(n):
             if self.logprobs and len(lps[i]) != len(toks[i]):
@@ -696,8 +782,8 @@ class VLLMServerRollout(RolloutEngine):
             for i, p in enumerate(prompts)
         ]  # fmt: skip
         samples = []
-        for i, job in enumerate(jobs):
-            for toks, lp in job.result():
+        for i, result in enumerate(self._collect(jobs)):
+            for toks, lp in result:
                 samples.append(make_sample(prompts[i], i, toks, lp, self.stop_ids, self.version, self.tokenizer))
         return samples
 
@@ -711,8 +797,7 @@ class VLLMServerRollout(RolloutEngine):
             for r, cap, s, o in zip(rows, caps, seeds, offsets, strict=True)
         ]
         out = []
-        for job in jobs:
-            ((toks, lp),) = job.result()
+        for ((toks, lp),) in self._collect(jobs):
             out.append((torch.tensor(toks, dtype=torch.long), torch.tensor(lp, dtype=torch.float32)))
         return out
 

@@ -6,7 +6,12 @@
 #   bash scripts/build/build_wheelhouse.sh                              # for the H200 image's Python 3.12, x86_64
 #   PYTHON_VERSION=3.11 bash scripts/build/build_wheelhouse.sh /tmp/wh   # another target Python, another folder
 # Left out: torch and what torch itself requires (the machine has them), numpy (every torch stack has it, and its
-# 16 MiB do not fit), datasets and wandb (no section imports them; pyarrow and wandb's binary are large).
+# 16 MiB do not fit), datasets and wandb (no section imports them; pyarrow and wandb's binary are large), and what
+# the check never imports though a dependency requires it (UNUSED below: about 9 MiB): hf-xet (hub downloads through
+# Xet storage; the check downloads nothing), typer and click with what only they need (pydantic, rich, pygments, ...:
+# transformers' and huggingface_hub's command lines; transformers' from_pretrained does import kernels). So the
+# wheels are installed as the lock file lists them, with --no-deps (requirements.lock: every wheel kept, pinned), and
+# scripts/gpu/gpu_check.py then imports every module the sections use before it runs one.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:-wheelhouse}
@@ -28,33 +33,52 @@ fi
 TORCH_NEEDS=$([ -x .venv/bin/python ] && .venv/bin/python -c \
     "import importlib.metadata as m; print(' '.join(r.split(';')[0] for r in m.requires('torch') if 'extra' not in r))" \
     || echo "filelock typing-extensions setuptools sympy networkx jinja2 fsspec")
-python3 - "$OUT" numpy $TORCH_NEEDS <<'PY'
+UNUSED="hf-xet typer click"
+python3 - "$OUT" "$PYV" "$UNUSED" numpy $TORCH_NEEDS <<'PY'
 import re, sys, zipfile
 from pathlib import Path
 
-out, roots = Path(sys.argv[1]), sys.argv[2:]
+try:
+    from packaging.requirements import Requirement
+except ImportError:
+    from pip._vendor.packaging.requirements import Requirement
+
+out, pyv, unused, roots = Path(sys.argv[1]), sys.argv[2], sys.argv[3].split(), sys.argv[4:]
+target = {"python_version": pyv, "python_full_version": f"{pyv}.0", "sys_platform": "linux", "os_name": "posix",
+          "platform_system": "Linux", "platform_machine": "x86_64", "implementation_name": "cpython",
+          "platform_python_implementation": "CPython", "extra": ""}  # the GPU machine's, for the markers
 norm = lambda s: re.sub(r"[-_.]+", "-", re.split(r"[<>=!~ ;\[(]", s.strip(), maxsplit=1)[0]).lower()
-wheels, needs = {}, {}
+wheels, needs, versions = {}, {}, {}
 for w in out.glob("*.whl"):
     meta = next(n for n in zipfile.ZipFile(w).namelist() if n.endswith(".dist-info/METADATA"))
     text = zipfile.ZipFile(w).read(meta).decode()
     name = norm(re.search(r"^Name: (.+)$", text, re.M).group(1))
-    wheels[name] = w
-    needs[name] = [norm(r) for r in re.findall(r"^Requires-Dist: (.+)$", text, re.M) if "extra ==" not in r]
+    wheels[name], versions[name] = w, re.search(r"^Version: (.+)$", text, re.M).group(1).strip()
+    reqs = [Requirement(r) for r in re.findall(r"^Requires-Dist: (.+)$", text, re.M)]
+    needs[name] = [norm(r.name) for r in reqs if r.marker is None or r.marker.evaluate(target)]
 kept_roots = {norm(r) for r in (out / "requirements.txt").read_text().split()}
-drop, todo = set(), [norm(r) for r in roots]
+provided, todo = set(), [norm(r) for r in roots]  # torch's own requirements and theirs: on the machine
 while todo:
     n = todo.pop()
-    if n in drop or n in kept_roots:
+    if n in provided or n in kept_roots:
         continue
-    drop.add(n)
+    provided.add(n)
     todo += needs.get(n, [])
-gone = sorted(n for n in drop if n in wheels)
+keep, todo = set(), sorted(kept_roots)  # what the project's requirements need, less the provided and the unused
+while todo:
+    n = todo.pop()
+    if n in keep or n in provided or n in unused:
+        continue
+    keep.add(n)
+    todo += needs.get(n, [])
+gone = sorted(n for n in wheels if n not in keep)
 for n in gone:
     wheels[n].unlink()
 (out / "PROVIDED.txt").write_text("# on the GPU machine already (torch's own requirements, numpy): not carried\n"
-                                  + "\n".join(sorted(drop)) + "\n")
-print(f"left out (the machine has them with torch): {', '.join(gone) or 'nothing'}")
+                                  + "\n".join(sorted(provided)) + "\n")
+(out / "requirements.lock").write_text("".join(f"{n}=={versions[n]}\n" for n in sorted(keep) if n in wheels))
+print(f"left out (the machine has them with torch): {', '.join(n for n in gone if n in provided) or 'nothing'}")
+print(f"left out (never imported by the check): {', '.join(n for n in gone if n not in provided) or 'nothing'}")
 PY
 mib() { du -sb "$@" | awk '{s += $1} END {printf "%.1f", s / 1048576}'; }
 tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb 2>/dev/null | awk 'END {printf "%.1f", $1 / 1048576}')

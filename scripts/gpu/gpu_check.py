@@ -6,9 +6,9 @@
 
 Two modes (each section in this order, each in a process of its own with its own timeout):
 
-torch   a GPU machine with torch (older than the pin is fine) and no network, about 3 minutes on an H200:
-        env, host, metaload, budget, mask, qwen7b.
-full    a node with vLLM, about 7 minutes: env, host, server, logprobs, budget, mask, metaload, qwen7b.
+torch   a GPU machine with torch (older than the pin is fine) and no network, about 4 minutes on an H200:
+        env, host, metaload, staging, budget, mask, qwen7b.
+full    a node with vLLM, about 8 minutes: env, host, server, logprobs, budget, mask, metaload, staging, qwen7b.
 
 Each section prints one JSON line on stdout, ``{"section", "verdict": "ok" | "fail" | "skip", "reason", "seconds",
 ...figures}``, and appends it to ``--out`` (JSONL; written as it goes, so a failed or killed section leaves the
@@ -53,17 +53,22 @@ SECTIONS = {
     "budget": (120, 300, False),
     "mask": (60, 180, False),
     "metaload": (120, 300, False),
+    "staging": (120, 300, False),
     "qwen7b": (60, 180, False),
 }
 MODES = {
-    "torch": ("env", "host", "metaload", "budget", "mask", "qwen7b"),
-    "full": ("env", "host", "server", "logprobs", "budget", "mask", "metaload", "qwen7b"),
+    "torch": ("env", "host", "metaload", "staging", "budget", "mask", "qwen7b"),
+    "full": ("env", "host", "server", "logprobs", "budget", "mask", "metaload", "staging", "qwen7b"),
 }
-TIME_LIMIT = {"torch": 300.0, "full": 480.0}  # the whole check's cap on a GPU; --dry-run: an hour
+TIME_LIMIT = {"torch": 360.0, "full": 540.0}  # the whole check's cap on a GPU; --dry-run: an hour
 MIN_SECTION_S = 10.0  # a section is skipped, and says so, when less than this is left before the cap
 # The project's dependencies the check does not import: torch is the machine's own, datasets (pyarrow) and wandb
 # are large binaries that no section needs (the sections write their data as JSON lines and log nowhere).
 NOT_CARRIED = ("torch", "datasets", "wandb")
+# What the sections import besides torch and the standard library (a venv from the wheelhouse must import them all;
+# transformers' from_pretrained imports kernels).
+IMPORTS = ("transformers", "huggingface_hub", "tokenizers", "safetensors", "hydra", "omegaconf", "math_verify",
+           "yaml", "tqdm", "kernels")  # fmt: skip
 
 
 class UsageError(Exception):
@@ -83,7 +88,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--only", nargs="+", choices=list(SECTIONS), help="run only these sections of the mode")
     p.add_argument("--out", type=Path, help="append each section's JSON line here (JSONL; truncated first)")
     p.add_argument("--wheelhouse", type=Path, default=WHEELHOUSE, help="wheels to fill a venv from, offline")
-    p.add_argument("--time-limit", type=float, help="seconds for the whole check (default: 300 torch, 480 full)")
+    p.add_argument("--time-limit", type=float, help="seconds for the whole check (default: 360 torch, 540 full)")
     p.add_argument("--standin-layers", type=int, default=2, help="decoder layers of the 7B-wide stand-in")
     p.add_argument("--budgets", type=int, nargs="+",
                    help="tokens per micro-batch of the budget section (default: gpu_node's 16384 and gpu_node_h200's "
@@ -167,12 +172,23 @@ def venv_from_wheelhouse(base: str, wheelhouse: Path) -> tuple[str, list[str]]:
     adds = [f"import site; site.addsitedir({d!r})" for d in sites.splitlines() if d.strip()]
     (Path(own) / "_gpu_check_base.pth").write_text("\n".join(adds) + "\n")
     pip = [python, "-m", "pip", "install", "--no-index", "--find-links", str(wheelhouse), "--disable-pip-version-check"]
-    p = subprocess.run([*pip, "-r", str(wheelhouse / "requirements.txt")], **run)
+    lock = wheelhouse / "requirements.lock"  # every wheel pinned, some dependencies left out: installed as listed
+    reqs = ["--no-deps", "-r", str(lock)] if lock.is_file() else ["-r", str(wheelhouse / "requirements.txt")]
+    p = subprocess.run([*pip, *reqs], **run)
     if p.returncode:
         last = [ln for ln in p.stderr.splitlines() if ln.strip()] or ["no output"]
         raise UsageError(f"installing from {wheelhouse} failed (offline, --no-index): {last[-1].strip()}")
     installed = re.findall(r"Successfully installed (.*)", p.stdout)
     return python, (installed[0].split() if installed else [])
+
+
+def cannot_import(python: str) -> str | None:
+    """Why ``python`` cannot import what the sections use (:data:`IMPORTS`), in one line; None: it can."""
+    p = subprocess.run([python, "-c", "; ".join(f"import {m}" for m in IMPORTS)], capture_output=True, text=True,
+                       timeout=300)  # fmt: skip
+    if p.returncode == 0:
+        return None
+    return ([ln.strip() for ln in p.stderr.splitlines() if ln.strip()] or ["no output"])[-1]
 
 
 def choose_python(args, mode: str) -> tuple[str, dict]:
@@ -194,6 +210,9 @@ def choose_python(args, mode: str) -> tuple[str, dict]:
         found = probe(python)
         if found["missing"]:
             raise UsageError(f"the venv from {args.wheelhouse} still lacks {', '.join(found['missing'])}")
+        why = cannot_import(python)  # a dependency the lock file left out that a section does need
+        if why is not None:
+            raise UsageError(f"the venv from {args.wheelhouse} cannot import what the sections use: {why}")
         how |= {"python": python, "venv": str(Path(python).parents[1]), "installed_from_wheelhouse": installed,
                 "venv_setup_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
     if mode == "full" and not args.dry_run and not found["vllm"]:

@@ -2,16 +2,19 @@
 process of its own through gpu_check_worker.py).
 
 ``env``: torch, CUDA and cuDNN versions against the project's pin, the GPU (name, capability, memory total and
-free, the driver), a bf16 matrix product (TFLOP/s, and its agreement with fp32). Without a CUDA device and
-without ``--dry-run`` it fails with ``no_gpu``, and the driver stops there with exit status 2.
+free, the NVIDIA driver), a bf16 matrix product (TFLOP/s, and its agreement with fp32). Without a CUDA device and
+without ``--dry-run`` it fails with ``no_gpu``, and the driver stops there with exit status 2. An NVIDIA driver
+older than :data:`MIN_DRIVER` fails it in one line: the pinned vLLM is built for CUDA 13.
 
 ``host``: ``/dev/shm`` (where ``rollout=vllm_server`` stages each weight sync: one bf16 copy of the model at
 the peak, the new one written before the old is removed) and host memory (which holds vLLM's weights while it
 sleeps at level 1) against paper_7b's model; the toy stand-in in a dry run.
 
-``qwen7b``: what ``python train.py algo=bapo model=qwen7b --plan --nproc 1 --gpu-memory 141`` says (the one-GPU
-command's memory plan on an H200), and the same with ``learner.cpu_offload=true``: one rank planned, no
-traceback, the verdict line and its advice.
+``qwen7b``: what ``python train.py algo=bapo model=qwen7b`` would do on this machine: the memory plan of the GPUs
+it sees (``--plan --nproc <GPUs> --gpu-memory <GiB of one>``), the same with ``learner.cpu_offload=true``, and the
+launch's own decision (``bapo.entry.launch.decide``: the ranks it would start, with or without the learner's state
+on the host, or its one-line refusal). A dry run plans one 141 GiB GPU (an H200), which the launch is shown through
+its test hook ``$BAPO_FAKE_DEVICES``.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 GiB = 2**30
 QWEN7B = ["algo=bapo", "model=qwen7b"]  # python train.py algo=bapo model=qwen7b
-PLAN_ARGS = ["--plan", "--nproc", "1", "--gpu-memory", "141"]  # one H200
+DRY_GPUS = (1, 141)  # what a dry run plans: one H200
+MIN_DRIVER = 580  # vllm==0.32.0's wheel links libcudart.so.13: CUDA 13 needs an NVIDIA driver of at least 580
+FAKE_DRIVER = "GPU_CHECK_DRIVER"  # test hook: the driver version the env section reads instead of the machine's
 PAPER_MODEL = "r1_distill_qwen_7b"  # experiment=paper_7b's
 STAGED_COPIES = 1  # a version is removed once its server has loaded it: one copy at the peak (bapo/engines/staging.py)
 
@@ -54,11 +59,36 @@ def versions() -> dict:
 
 
 def driver() -> str | None:
-    if shutil.which("nvidia-smi") is None:
+    """The NVIDIA driver's version: ``nvidia-smi``'s, else the kernel module's (/proc/driver/nvidia/version); None
+    where neither says. ``$GPU_CHECK_DRIVER`` (test hook) stands in for both."""
+    if os.environ.get(FAKE_DRIVER):
+        return os.environ[FAKE_DRIVER]
+    if shutil.which("nvidia-smi") is not None:
+        p = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                           text=True, timeout=30)  # fmt: skip
+        if p.returncode == 0 and p.stdout.strip():
+            return p.stdout.strip().splitlines()[0].strip()
+    try:
+        found = re.search(r"Kernel Module\s+([0-9][0-9.]*)", Path("/proc/driver/nvidia/version").read_text())
+    except OSError:
         return None
-    p = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
-                       text=True, timeout=30)  # fmt: skip
-    return p.stdout.strip().splitlines()[0] if p.returncode == 0 and p.stdout.strip() else None
+    return found.group(1) if found else None
+
+
+def driver_problem(version: str | None) -> str | None:
+    """Why an NVIDIA driver of ``version`` cannot run the pinned vLLM, in one line (None: it can, or is unknown)."""
+    if version is None:
+        return None
+    major = re.match(r"\s*(\d+)", version)
+    if major is None:
+        return f"the NVIDIA driver's version {version!r} cannot be read"
+    if int(major.group(1)) >= MIN_DRIVER:
+        return None
+    return (
+        f"the NVIDIA driver {version} is older than {MIN_DRIVER}: vllm==0.32.0 (the pin) is built for CUDA 13 "
+        f"(libcudart.so.13), which needs a driver >= {MIN_DRIVER}; pip installs it anyway and nothing runs: "
+        "update the driver"
+    )
 
 
 def matmul(device, n: int) -> dict:
@@ -117,15 +147,17 @@ def env(ctx) -> dict:
             "gpu_memory_gib": gib(total),
             "gpu_free_gib": gib(free),
             "bf16_supported": torch.cuda.is_bf16_supported(),
-            "driver": driver(),
         }
     else:
         out |= {"gpu": None, "gpus": 0, "device": "cpu (--dry-run)"}
+    out["driver"] = driver() if device.type == "cuda" or os.environ.get(FAKE_DRIVER) else None
+    out["driver_min"] = MIN_DRIVER
     out |= matmul(device, 256 if ctx.dry else 8192)
     checks = {"bf16_matmul_matches_fp32": out["bf16_rel_error"] < 0.02, "bf16_matmul_ran": out["bf16_tflops"] > 0}
     if device.type == "cuda":
         checks["bf16_supported"] = out["bf16_supported"]
-    return out | {"checks": checks}
+    why = driver_problem(out["driver"])
+    return out | {"checks": checks} | ({"fail": why} if why else {})
 
 
 def meminfo() -> dict[str, int]:
@@ -179,9 +211,20 @@ def host(ctx) -> dict:
     return out | {"checks": checks}
 
 
-def plan_command(extra: list[str], env: dict) -> dict:
-    """``python train.py algo=bapo model=qwen7b <extra> --plan ...``: exit status, the verdict line, its advice."""
-    cmd = [sys.executable, "train.py", *QWEN7B, *extra, *PLAN_ARGS]
+def seen_gpus(ctx) -> tuple[int, float]:
+    """(GPUs, GiB of one) this machine gives a run: every CUDA device this process sees; :data:`DRY_GPUS` in a
+    dry run."""
+    import torch
+
+    if ctx.dry or not torch.cuda.is_available():
+        return DRY_GPUS
+    return torch.cuda.device_count(), torch.cuda.get_device_properties(0).total_memory / GiB
+
+
+def plan_command(extra: list[str], env: dict, gpus: int, gib: float) -> dict:
+    """``python train.py algo=bapo model=qwen7b <extra> --plan ...`` on ``gpus`` GPUs of ``gib``: exit status, the
+    ranks planned, the verdict line and its advice."""
+    cmd = [sys.executable, "train.py", *QWEN7B, *extra, "--plan", "--nproc", str(gpus), "--gpu-memory", f"{gib:.0f}"]
     t0 = time.perf_counter()
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
     text = p.stdout + p.stderr
@@ -200,15 +243,43 @@ def plan_command(extra: list[str], env: dict) -> dict:
     }
 
 
+def launch_decision(env: dict) -> dict:
+    """What ``bapo.entry.launch.decide`` chooses for ``python train.py algo=bapo model=qwen7b`` here (in this process,
+    ``env`` applied): the ranks, the plan's changes and why, or the refusal's one line."""
+    from bapo.entry.launch import decide
+    from bapo.infra.checks import ConfigError
+    from bapo.plan import compose
+
+    saved = dict(os.environ)
+    os.environ.update(env)
+    os.environ.pop("WORLD_SIZE", None)
+    try:
+        how = decide(compose(QWEN7B), QWEN7B)
+    except ConfigError as e:
+        return {"refused": str(e), "one_line": "\n" not in str(e)}
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return {"nproc": how.nproc, "chosen": how.chosen, "reason": how.reason, "changes": dict(how.changes)}
+
+
 def qwen7b(ctx) -> dict:
+    from bapo.entry.launch import FAKE_DEVICES
+
+    gpus, gib = seen_gpus(ctx)
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
     env.pop("WORLD_SIZE", None)
-    plain = plan_command([], env)
-    offload = plan_command(["learner.cpu_offload=true"], env)
+    if ctx.dry:
+        env[FAKE_DEVICES] = f"{gpus}x{gib:g}"  # the launch sees the planned GPUs (its test hook)
+    plain = plan_command([], env, gpus, gib)
+    offload = plan_command(["learner.cpu_offload=true"], env, gpus, gib)
+    launch = launch_decision({k: v for k, v in env.items() if k == FAKE_DEVICES})
     names_offload = any("learner.cpu_offload=true" in a for a in plain["advice"])
-    out = {"plan": plain, "plan_cpu_offload": offload, "refusal_names_cpu_offload": names_offload}
+    out = {"gpus_seen": gpus, "gpu_memory_gib": round(gib, 1), "plan": plain, "plan_cpu_offload": offload,
+           "launch": launch, "refusal_names_cpu_offload": names_offload}  # fmt: skip
     checks = {}
     for key, p in (("plan", plain), ("plan_cpu_offload", offload)):
         checks[f"{key}_ran"] = p["rc"] in (0, 1) and not p["traceback"] and p["fits"] is not None
-        checks[f"{key}_one_rank"] = p["ranks"] == 1
+        checks[f"{key}_planned_the_gpus_seen"] = p["ranks"] == gpus
+    checks["launch_decided"] = launch.get("nproc", 0) >= 1 or launch.get("one_line", False)
     return {"fits": plain["fits"], "cpu_offload_fits": offload["fits"]} | out | {"checks": checks}

@@ -6,7 +6,7 @@ at the section's timeout); it writes the section's figures and verdict to FILE a
 A section is a function of a :class:`Ctx` returning its figures with ``checks`` (name -> passed), or ``skip`` or
 ``fail`` (why): the verdict is ``skip`` or ``fail`` with that reason, ``ok`` when every check passed, else ``fail``
 naming the checks that did not. The sections live in gpu_check_commands.py (env, host, qwen7b), gpu_check_scale.py
-(metaload, budget, mask) and gpu_check_vllm.py (server, logprobs).
+(metaload, budget, mask), gpu_check_staging.py (staging) and gpu_check_vllm.py (server, logprobs).
 """
 
 from __future__ import annotations
@@ -43,10 +43,12 @@ class Ctx:
 def sections() -> dict:
     from scripts.gpu import gpu_check_commands as commands
     from scripts.gpu import gpu_check_scale as scale
+    from scripts.gpu import gpu_check_staging as staging
     from scripts.gpu import gpu_check_vllm as vllm
 
     return {"env": commands.env, "host": commands.host, "qwen7b": commands.qwen7b, "metaload": scale.metaload,
-            "budget": scale.budget, "mask": scale.mask, "server": vllm.server, "logprobs": vllm.logprobs}  # fmt: skip
+            "staging": staging.staging, "budget": scale.budget, "mask": scale.mask, "server": vllm.server,
+            "logprobs": vllm.logprobs}  # fmt: skip
 
 
 def verdict(out: dict) -> dict:

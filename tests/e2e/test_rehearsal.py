@@ -425,7 +425,8 @@ if os.environ.get("LOCAL_RANK") is not None:  # a learner rank (a server's envir
         (reply,) = self.fingerprint()
         line = {"version": version, "want": digest(want), "tensors": len(want), "server": reply,
                 "shared": bool(getattr(weights, "collective", False)), "parts": self.sync_parts,
-                "dirs": [str(d) for d in (self.dir, self.node_dir) if d is not None]}
+                "dirs": [str(d) for d in (self.dir, self.node_dir) if d is not None],
+                "server_group": self.proc.pid if self.proc is not None else None}
         out = os.path.join(os.environ["BAPO_SYNC_PROBE"], f"rank{os.environ['RANK']}.jsonl")
         with open(out, "a") as f:
             f.write(json.dumps(line) + "\\n")
@@ -451,6 +452,16 @@ def with_sync_probe(env: dict, folder: Path) -> dict:
     probe.mkdir(parents=True, exist_ok=True)
     (probe / "sitecustomize.py").write_text(SYNC_PROBE)
     return env | {"PYTHONPATH": f"{probe}:{env['PYTHONPATH']}", "BAPO_SYNC_PROBE": str(probe)}
+
+
+def assert_no_server_left(probe: Path) -> None:
+    """No process of the servers the runs so far started (each its own process group, named by the sync probe) is
+    alive: a run returns only after its servers have exited. Other tests' servers are none of its business."""
+    groups = {json.loads(x)["server_group"] for f in probe.glob("rank*.jsonl") for x in f.read_text().splitlines()}
+    assert groups and None not in groups, groups
+    ps = subprocess.run(["ps", "-eo", "pgid=,stat=,args="], capture_output=True, text=True).stdout.splitlines()
+    left = [p for p in ps if int(p.split()[0]) in groups and not p.split()[1].startswith("Z")]
+    assert not left, f"the run returned before its servers exited: {left}"
 
 
 def assert_every_sync_checked(probe: Path, *, async_mode: bool) -> int:
@@ -482,12 +493,12 @@ def test_paper_7b_split_trains_ahead_through_vllm_servers_and_resumes_exactly(wo
     full = base / "full"
     py, train = train_as_the_user(world | {"env": env}, "vllm", PAPER_7B_SPLIT, PAPER_7B_SIZES, full, torchrun=True)
     got = assert_ran_as_composed(full, train[1:], env, steps=4, version=16)
+    assert_no_server_left(base / "probe")
     cfg = yaml.safe_load((full / "config.yaml").read_text())
     assert cfg["rollout"]["engine"] == "vllm_server" and cfg["train"]["async_rollout"] is True
     assert_engine_matches_learner(got)
     resumed_after_step_3(full, base, py, train, env)
-    ps = subprocess.run(["ps", "-eo", "stat,args"], capture_output=True, text=True).stdout.splitlines()
-    assert not [p for p in ps if "bapo.engines.vllm_server" in p and not p.startswith("Z")]
+    assert_no_server_left(base / "probe")
     assert assert_every_sync_checked(base / "probe", async_mode=True) >= 8  # every batch's version, both ranks
 
 
@@ -500,6 +511,7 @@ def test_paper_7b_split_in_sync_mode_stages_once_a_node_and_syncs_exact_weights(
     run = base / "run"
     _, train = train_as_the_user(world | {"env": env}, "vllm", PAPER_7B_SPLIT_SYNC, PAPER_7B_SIZES, run, torchrun=True)
     got = assert_ran_as_composed(run, train[1:], env, steps=4, version=16)
+    assert_no_server_left(base / "probe")
     assert yaml.safe_load((run / "config.yaml").read_text())["train"]["async_rollout"] is False
     assert_engine_matches_learner(got)
     assert assert_every_sync_checked(base / "probe", async_mode=False) >= 8

@@ -46,6 +46,9 @@ ADDED: dict[str, object] = {
     "checkpoint.every_minutes": 0,
     # The grace the plain launch gives its ranks after a stop (bapo/entry/launch.py start): torch's was 30 s.
     "launcher.grace_s": 120,
+    # rollout=vllm_server's admission (bapo/engines/admission.py): requests in flight fill the server's KV cache at
+    # their expected length; before, each request reserved its whole budget, with no key (generation speed only).
+    "rollout.kv_overcommit": 1.0,
 }
 # Per composition, where an added key's value differs from ADDED's.
 ADDED_IN: dict[str, dict[str, object]] = {"algo=eps_feedback": {"algo.objective": "eps_feedback"}}

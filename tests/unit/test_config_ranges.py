@@ -57,3 +57,9 @@ def test_prompt_limit_names_the_value_the_exporting_run_used(tmp_path):
     export = export_with_config(tmp_path / "b", "${model.max_new_tokens}")  # an unresolved interpolation
     with pytest.raises(ConfigError, match=r"model\.max_new_tokens=48 "):
         prompt_limit(1024, 512, 256, model_dir=export)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "5"])
+def test_kv_overcommit_is_a_share_of_the_cache(value, tmp_path):
+    with pytest.raises(ConfigError, match=r"^rollout\.kv_overcommit: must be in \(0, 4\] .*got "):
+        run_config("rollout=vllm_server", f"rollout.kv_overcommit={value}", run_dir=tmp_path)

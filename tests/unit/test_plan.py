@@ -16,6 +16,8 @@ from tests.helpers.config import compose  # noqa: E402
 from tests.helpers.paths import ROOT  # noqa: E402
 from tests.helpers.plan import GiB
 
+MiB = 2**20
+
 MODELS = sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml") if "override /placement" in p.read_text())
 
 
@@ -212,12 +214,18 @@ def test_the_split_plans_learner_ranks_server_gpus_and_staging_by_hand():
     assert p.startup_free == 80 * GiB and p.startup_ok
     host = {i.what.split(":")[0]: i.bytes for i in p.host}
     assert host["servers' staged weights in /dev/shm"] == 2 * N  # sync: one copy a node
+    assert host["weight staging"] == 32 * MiB  # the node's writer streams a 32 MiB chunk at a time
+    assert not any("staging" in i.what for m in p.update for i in m.items)  # sync: staging waits for the update
     assert p.fits and p.peak == p.generation.total
 
     asynchronous = P.plan_for(["experiment=paper_7b", "placement=gpu_node_split", "train.async_rollout=true"])
     host = {i.what.split(":")[0]: i.bytes for i in asynchronous.host}
     assert host["servers' staged weights in /dev/shm"] == 4 * 2 * N  # one copy a server
     assert host["weight snapshots"] == 2 * 4 * 4 * N  # 4 // 4 + 1 = 2 versions x 4 ranks, fp32 (paper_7b recomputes)
+    assert host["weight staging"] == 4 * 32 * MiB  # every rank stages its own snapshot, a chunk at a time
+    # beside the update, a snapshot's chunk on the learner's GPU: the fp32 chunk, its bf16 cast, its words' squares
+    staging = [i.bytes for m in asynchronous.update for i in m.items if i.what.startswith("weight staging")]
+    assert staging == [96 * MiB] * len(asynchronous.update)
     # servers given by URL live elsewhere: all 8 GPUs train, nothing staged on this node's tmpfs by servers here
     remote = P.plan_for(["experiment=paper_7b", "placement=gpu_node_split", "rollout.url='http://a:1'"], nproc=1)
     assert remote.setup.server_gpus == 0 and not any("staged" in i.what for i in remote.host)

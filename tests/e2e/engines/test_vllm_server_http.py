@@ -1,115 +1,19 @@
-"""``rollout=vllm_server`` against a loopback stand-in for vLLM's server (no vLLM needed): the HTTP side of the
-engine under the behaviour a GPU server has and a CPU one never shows (a generation longer than the request
-timeout, a KV cache that holds few sequences, a server started with other flags, a prefix cache that refuses to
-reset, a server given by URL that holds other weights).
+"""``rollout=vllm_server`` against a loopback stand-in for vLLM's server (tests/helpers/vllm_standin.py, no vLLM
+needed): the HTTP side of the engine under the behaviour a GPU server has and a CPU one never shows (a generation
+longer than the request timeout, a KV cache that holds few sequences, requests queued or preempted by the server's
+scheduler, a server started with other flags, a prefix cache that refuses to reset, a server given by URL that holds
+other weights)."""
 
-The stand-in answers the routes the engine uses: ``/v1/models``, ``/collective_rpc`` (``bapo_describe`` and
-``bapo_reload``: it reads the staged folder with the real :class:`bapo.engines.staging.Reader`), ``/v1/completions``
-(streamed, token ids and log-probs in vLLM's chunk format) and ``/reset_prefix_cache``."""
-
-import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
 import pytest
 
-from bapo.engines.staging import Reader
 from bapo.engines.vllm_server import UNSYNCED, ServerError, VLLMServerRollout, server_devices
 from bapo.infra.checks import ConfigError
 from tests.helpers.paths import TINY
-
-IDENTITY = json.loads((TINY / "config.json").read_text())
-
-
-class Fake:
-    """The stand-in's behaviour, set per test."""
-
-    def __init__(self, **kw):
-        self.describe = {
-            "max_model_len": 256,
-            "logprobs_mode": "processed_logprobs",
-            "generation_config": "vllm",
-            "kv_tokens": None,
-            "max_num_seqs": 256,
-        } | {k: IDENTITY.get(k) for k in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers",
-                                          "num_attention_heads", "intermediate_size")}  # fmt: skip
-        self.tokens = 6  # per response
-        self.gap_s = 0.0  # between streamed chunks
-        self.keepalive_s = None  # send ": keep-alive" comments this often while waiting
-        self.silent = False  # never answer a completion
-        self.reset_ok = True
-        self.bodies: list[dict] = []
-        self.reloads: list[str] = []
-        self.in_flight = self.most_in_flight = 0
-        self.lock = threading.Lock()
-        self.__dict__.update(kw)
-
-
-def _handler(fake: Fake):
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *a):
-            pass
-
-        def _json(self, obj, code=200):
-            data = json.dumps(obj).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self):
-            self._json({"data": [{"id": "bapo-policy"}]})
-
-        def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
-            if self.path == "/collective_rpc":
-                if body["method"] == "bapo_describe":
-                    return self._json({"results": [fake.describe]})
-                reader = Reader(body["kwargs"]["path"])
-                for _ in reader:
-                    pass
-                fake.reloads.append(body["kwargs"]["path"])
-                return self._json({"results": [reader.check()]})
-            if self.path == "/reset_prefix_cache":
-                return self._json({"success": fake.reset_ok})
-            fake.bodies.append(body)
-            with fake.lock:
-                fake.in_flight += 1
-                fake.most_in_flight = max(fake.most_in_flight, fake.in_flight)
-            try:
-                self._complete(body)
-            finally:
-                with fake.lock:
-                    fake.in_flight -= 1
-
-        def _complete(self, body):
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.end_headers()
-            if fake.silent:
-                time.sleep(30)
-                return
-            for k in range(fake.tokens):
-                waited = 0.0
-                while waited < fake.gap_s:  # a long first token (queueing, prefill) or a slow decode
-                    step = min(fake.keepalive_s or fake.gap_s, fake.gap_s - waited)
-                    time.sleep(step)
-                    waited += step
-                    if fake.keepalive_s:
-                        self.wfile.write(b": keep-alive\n\n")
-                        self.wfile.flush()
-                for i in range(body["n"]):
-                    last = k == fake.tokens - 1
-                    choice = {"index": i, "token_ids": [10 + k], "finish_reason": "length" if last else None,
-                              "logprobs": {"token_logprobs": [-0.5]}}  # fmt: skip
-                    self.wfile.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
-                    self.wfile.flush()
-            self.wfile.write(b"data: [DONE]\n\n")
-
-    return Handler
+from tests.helpers.vllm_standin import Fake, KVScheduler, serve
 
 
 @pytest.fixture()
@@ -118,15 +22,15 @@ def fake_server():
 
     def start(**kw):
         fake = Fake(**kw)
-        httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(fake))
-        httpd.daemon_threads = True
-        threading.Thread(target=httpd.serve_forever, daemon=True).start()
-        servers.append(httpd)
-        return fake, f"http://127.0.0.1:{httpd.server_address[1]}"
+        httpd, url = serve(fake)
+        servers.append((httpd, fake))
+        return fake, url
 
     yield start
-    for s in servers:
-        s.shutdown()
+    for httpd, fake in servers:
+        httpd.shutdown()
+        if fake.scheduler is not None:
+            fake.scheduler.close()
 
 
 def _engine(url, tiny_tok, **kw):
@@ -165,16 +69,69 @@ def test_a_silent_server_is_named_in_one_line(fake_server, tiny_tok):
 
 
 def test_requests_in_flight_fit_the_servers_kv_cache(fake_server, tiny_tok):
-    """kv_tokens 300: one request of n=2 x (prompt + 6) tokens fits twice at most, so no more are sent at once."""
+    """kv_tokens 2.5 requests' worth: one request of n=2 x (prompt + 6) tokens fits twice at most (no response has
+    finished yet, so each child is expected to run to max_tokens), so no more run at once."""
     prompt_len = len(_prompts(tiny_tok, 1)[0].ids)
     per = 2 * (prompt_len + 6)
     fake, url = fake_server(gap_s=0.05)
     fake.describe["kv_tokens"] = 2 * per + per // 2
-    e = _engine(url, tiny_tok)
-    assert _most_in_flight(e, 8, tiny_tok) == 2 and len(fake.bodies) == 8
+    _engine(url, tiny_tok).generate(_prompts(tiny_tok, 8))
+    assert fake.most_in_flight == 2 and len(fake.bodies) == 8
     fake.describe["kv_tokens"] = None
     fake.describe["max_num_seqs"] = 4  # 2 requests of n = 2
-    assert _most_in_flight(_engine(url, tiny_tok), 8, tiny_tok) == 2
+    fake.most_in_flight = 0
+    _engine(url, tiny_tok).generate(_prompts(tiny_tok, 8))
+    assert fake.most_in_flight == 2
+
+
+def _scheduled(fake_server, capacity, max_num_seqs, length, **describe):
+    """A stand-in whose completions run under a :class:`KVScheduler` (one token a tick of 20 ms); ``describe``: what
+    it tells the engine it holds."""
+    fake, url = fake_server()
+    fake.scheduler = KVScheduler(capacity, max_num_seqs, length, per_tick=1, tick_s=0.02)
+    fake.describe |= describe
+    return fake, url
+
+
+def test_a_childs_share_of_the_cache_is_free_at_its_finish_reason(fake_server, tiny_tok):
+    """Room for 3 children of (prompt + 6 tokens); requests of n = 2 whose child 0 ends after 1 token and child 1
+    after 6: the second request starts once the first one's short child has finished, beside its long child (3
+    running at once). Released only when a whole request ended, 2 ran at most."""
+    prompt_len = len(_prompts(tiny_tok, 1)[0].ids)
+    kv = 3 * (prompt_len + 6)
+    fake, url = _scheduled(fake_server, 10 * kv, 64, lambda seed, i: 1 if i == 0 else 6, kv_tokens=kv)
+    samples = _engine(url, tiny_tok).generate(_prompts(tiny_tok, 2))
+    assert [len(s.response_ids) for s in samples] == [1, 6, 1, 6]
+    assert fake.scheduler.most_running == 3
+
+
+def test_a_request_queued_by_the_server_outlives_the_timeout_while_the_server_streams(fake_server, tiny_tok):
+    """The server runs 2 sequences at once (its scheduler queues the rest), but says it holds 256: 6 requests of
+    n = 2 wait up to 3 x 0.12 s for their first token, against a 0.1 s timeout. A queued request is silent because
+    it waits, not because the server is stuck: only a request that has started is held to the timeout."""
+    fake, url = _scheduled(fake_server, 10**6, 2, lambda seed, i: 6)
+    samples = _engine(url, tiny_tok, request_timeout_s=0.1).generate(_prompts(tiny_tok, 6))
+    assert len(samples) == 12 and all(len(s.response_ids) == 6 for s in samples)
+    assert fake.scheduler.most_running == 2 and len(fake.bodies) == 6
+
+
+def test_a_failed_request_stops_the_others_at_once(fake_server, tiny_tok):
+    """The second of 4 requests fails at once, the others would stream for 20 x 0.3 s: the batch fails with that
+    request's error without waiting for them, and leaves none of them open."""
+    fake, url = fake_server(gap_s=0.3, tokens=20, fail_request=1)
+    e = _engine(url, tiny_tok)
+    t0 = time.monotonic()
+    with pytest.raises(ServerError, match="the stand-in fails this request"):
+        e.generate(_prompts(tiny_tok, 4))
+    assert time.monotonic() - t0 < 5.0  # well before the others' 6 s
+    assert not e._streams and e.admission.used_seqs == 0
+
+
+def test_a_request_that_stalls_after_it_started_is_named_in_one_line(fake_server, tiny_tok):
+    fake, url = fake_server(stall_after=2)
+    e = _engine(url, tiny_tok, request_timeout_s=0.5)
+    with pytest.raises(ServerError, match=r"^rollout.request_timeout_s: .* for 0.5 s on a running request"):
+        e.generate(_prompts(tiny_tok, 3))
 
 
 def _most_in_flight(engine, prompts: int, tiny_tok) -> int:
@@ -188,7 +145,7 @@ def _most_in_flight(engine, prompts: int, tiny_tok) -> int:
             now[0] += 1
             most[0] = max(most[0], now[0])
         try:
-            return inner(path, body)
+            yield from inner(path, body)
         finally:
             with lock:
                 now[0] -= 1

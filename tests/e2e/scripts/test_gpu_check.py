@@ -54,6 +54,21 @@ def test_bad_usage_is_one_error_line_and_exit_2(tmp_path, args):
     assert rc == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.parametrize("version, ok", [("575.57.08", False), ("580.65.06", True), ("590.44.01", True)])
+def test_a_driver_older_than_cuda_13s_fails_the_env_section_in_one_line(tmp_path, version, ok):
+    """vllm==0.32.0's wheel links libcudart.so.13: a driver below 580 installs it and runs nothing. The version
+    comes from the test hook in place of nvidia-smi's."""
+    rc, lines, err = check(tmp_path, "--dry-run", "--mode", "torch", "--only", "env", GPU_CHECK_DRIVER=version)
+    env = lines[0]
+    assert env["driver"] == version and env["driver_min"] == 580
+    if ok:
+        assert rc == 0 and env["verdict"] == "ok", err
+        return
+    assert rc == 1 and env["verdict"] == "fail" and "\n" not in env["reason"]
+    assert env["reason"].startswith(f"the NVIDIA driver {version} is older than 580: vllm==0.32.0 (the pin) is "
+                                    "built for CUDA 13 (libcudart.so.13)")  # fmt: skip
+
+
 def test_an_unwritable_out_is_bad_usage(tmp_path):
     p = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--out", "/proc/none/x.jsonl"],
                        env=ENV, capture_output=True, text=True, timeout=60)  # fmt: skip
@@ -116,10 +131,10 @@ def test_a_sections_verdict_names_what_failed():
 
 
 def test_the_modes_run_the_sections_in_the_documented_order():
-    assert gpu_check.MODES["torch"] == ("env", "host", "metaload", "budget", "mask", "qwen7b")
+    assert gpu_check.MODES["torch"] == ("env", "host", "metaload", "staging", "budget", "mask", "qwen7b")
     full = gpu_check.MODES["full"]
-    assert [s for s in full if s in ("env", "server", "logprobs", "budget", "metaload", "qwen7b")] == [
-        "env", "server", "logprobs", "budget", "metaload", "qwen7b"]  # fmt: skip
+    assert [s for s in full if s in ("env", "server", "logprobs", "budget", "metaload", "staging", "qwen7b")] == [
+        "env", "server", "logprobs", "budget", "metaload", "staging", "qwen7b"]  # fmt: skip
     assert set(full) == set(gpu_check.SECTIONS) and set(worker.sections()) == set(gpu_check.SECTIONS)
     for mode, names in gpu_check.MODES.items():  # no one section may take the whole cap
         assert all(gpu_check.SECTIONS[s][0] < gpu_check.TIME_LIMIT[mode] / 2 for s in names), mode
@@ -180,6 +195,47 @@ def test_a_venv_over_a_venvs_torch_installs_offline_from_the_wheelhouse(tmp_path
     (house / "requirements.txt").write_text("not-in-the-wheelhouse==1.0\n")
     with pytest.raises(gpu_check.UsageError, match="installing from .* failed .*not-in-the-wheelhouse"):
         gpu_check.venv_from_wheelhouse(base, house)
+    # a lock file lists the wheels to install as they are: a dependency left out of the wheelhouse (one the check
+    # never imports, as hf-xet) is not looked for
+    (pkg / "pyproject.toml").write_text('[project]\nname = "gpucheckdemo"\nversion = "2.0"\n'
+                                        'dependencies = ["left-out-of-the-wheelhouse"]\n')  # fmt: skip
+    subprocess.run([*pip, str(house), str(pkg)], check=True, capture_output=True, timeout=300)
+    (house / "requirements.txt").write_text("gpucheckdemo==2.0\n")
+    with pytest.raises(gpu_check.UsageError, match="installing from .* failed .*left-out-of-the-wheelhouse"):
+        gpu_check.venv_from_wheelhouse(base, house)
+    (house / "requirements.lock").write_text("gpucheckdemo==2.0\n")
+    python, installed = gpu_check.venv_from_wheelhouse(base, house)
+    assert installed == ["gpucheckdemo-2.0"]
+
+
+def test_the_gpu_bundle_needs_a_wheelhouse(tmp_path):
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "build" / "gpu_bundle.sh"), str(tmp_path / "b"),
+                        str(tmp_path / "none")], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert p.returncode == 2 and p.stderr.strip() == f"error: no wheelhouse at {tmp_path / 'none'} (its " \
+        "requirements.txt): make wheelhouse first"  # fmt: skip
+
+
+@pytest.mark.slow  # the bundle made, then three dry-run sections from inside it: about 1.5 minutes
+def test_the_gpu_bundle_is_a_slim_tree_that_runs_the_check(tmp_path):
+    """What is copied to a GPU machine without network: no studies, tests, assets or benchmarks, and, with a
+    wheelhouse of its real size (about 23 MiB), under half of the device tool's 64 MiB; the check runs from it."""
+    house = tmp_path / "wheelhouse"
+    house.mkdir()
+    (house / "requirements.txt").write_text("\n".join(gpu_check.requirements()) + "\n")
+    (house / "padding.whl").write_bytes(b"\0" * (23 << 20))  # the wheels' size, made up
+    bundle = tmp_path / "bundle"
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "build" / "gpu_bundle.sh"), str(bundle), str(house)],
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    files = [f for f in bundle.rglob("*") if f.is_file()]
+    assert sum(f.stat().st_size for f in files) < 32 << 20
+    assert not {"tests", "assets"} & {f.relative_to(bundle).parts[0] for f in files}
+    assert not [f for f in files if "study" in f.relative_to(bundle).parts or "bench" in f.relative_to(bundle).parts]
+    out = tmp_path / "check.jsonl"
+    cmd = ["bash", "scripts/gpu_check.sh", "--dry-run", "--mode", "torch", "--only", "env", "staging", "qwen7b"]
+    p = subprocess.run([*cmd, "--out", str(out)], cwd=bundle, env=ENV, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert [json.loads(x)["verdict"] for x in out.read_text().splitlines()] == ["ok"] * 4
 
 
 # ----------------------------------------------------------------------------- the dry runs
@@ -200,9 +256,14 @@ def test_the_torch_only_dry_run_reports_every_section_ok(tmp_path):
         assert row["micro_batch_tokens"] == [int(tokens)] * 2
         assert row["within_plan"] and 0 < row["measured_over_plan"] <= 1.0, row  # fixed items weigh at toy width
     assert by["mask"]["mask_device"] == "cpu" and by["mask"]["seconds_per_mask"] > 0
-    q = by["qwen7b"]
+    st = by["staging"]  # the streamed FSDP2 weights and the fp32 snapshot staged, read back by the workers' reader
+    assert st["reply"] == {"tensors": st["tensors"], "digest": st["digest"]} and all(st["checks"].values())
+    assert set(st["sync_7b_estimate_s"]) == {"write", "write_async_snapshot", "read", "fingerprint_device",
+                                             "fingerprint_host"}  # fmt: skip
+    q = by["qwen7b"]  # a dry run plans one H200, and the launch sees it through its test hook
     assert q["plan"]["cmd"] == "python train.py algo=bapo model=qwen7b --plan --nproc 1 --gpu-memory 141"
     assert q["plan"]["ranks"] == 1 and q["fits"] is False and q["cpu_offload_fits"] is True
+    assert q["launch"] == q["launch"] | {"nproc": 1, "changes": {"learner.cpu_offload": True}}
     assert f"torch mode ok in {lines[-1]['seconds']} s" in err
 
 
