@@ -345,16 +345,16 @@ class VLLMRollout(RolloutEngine):
         """``LLM.generate(requests, params)``, stepping the engine here so that a stop request gives the batch up
         between two engine steps (its requests aborted; :class:`bapo.infra.stop.Interrupted`). The outputs come
         back in the order of ``requests``."""
-        ids = self.llm.enqueue(requests, params, use_tqdm=False)
-        engine, done = self.llm.llm_engine, {}
+        internal = self.llm.enqueue(requests, params, use_tqdm=False)  # vLLM's own ids: the outputs carry the LLM's
+        engine, done = self.llm.llm_engine, []
         while engine.has_unfinished_requests():
             if stop.requested():
-                engine.abort_request([i for i in ids if i not in done])
+                engine.abort_request(list(internal), internal=True)
                 raise stop.Interrupted
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-        return [done[i] for i in ids]
+            done += [out for out in engine.step() if out.finished]
+        if len(done) != len(requests):
+            raise RuntimeError(f"vLLM returned {len(done)} finished requests for {len(requests)}")
+        return sorted(done, key=lambda out: int(out.request_id))  # the LLM numbers its requests in order, as generate
 
     def _ready(self) -> None:
         if self.version == DISCARDED:

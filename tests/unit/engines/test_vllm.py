@@ -124,6 +124,32 @@ def test_greedy_matches_hf(engine, ref_model, tiny_tok):
     assert learner_logp_diff(ref_model, got, 1.0, engine.pad_id) < 1e-5
 
 
+def test_a_stop_gives_the_generation_up_between_engine_steps_and_aborts_its_requests(engine, tiny_tok, monkeypatch):
+    """A stop request during a generation: the engine's requests are aborted at its next step (none is left
+    unfinished), Interrupted is raised, and the engine generates as before once the stop is cleared."""
+    from bapo.infra import stop
+
+    prompts = arith_prompts(tiny_tok, 4)
+    want = engine.generate(prompts, seed=11)
+    core, steps = engine.llm.llm_engine, []
+    real = type(core).step
+
+    def step(self):
+        steps.append(1)
+        if len(steps) == 3:
+            stop.request()
+        return real(self)
+
+    monkeypatch.setattr(type(core), "step", step)
+    with pytest.raises(stop.Interrupted):
+        engine.generate(prompts, seed=11)
+    assert len(steps) == 3 and not core.has_unfinished_requests()
+    stop.clear()
+    monkeypatch.undo()
+    again = engine.generate(prompts, seed=11)
+    assert [s.response_ids.tolist() for s in again] == [s.response_ids.tolist() for s in want]
+
+
 def test_tied_embeddings_sync(tiny_tok, tmp_path):
     """A tied output layer is refreshed after a reload (on CPU vLLM keeps a stale packed copy)."""
     pytest.importorskip("vllm")
