@@ -145,6 +145,8 @@ def decide(cfg, overrides: Sequence[str], entry: str = "train", run_dir: str | P
     lc = typed("launcher", dict(node) if node is not None else {}, LauncherConfig)
     nnodes, endpoint, run_id = _nodes(lc)
     devices = usable_devices()
+    if devices and entry == "train":
+        _check_server_gpus(cfg, devices)
     keys = {o.split("=", 1)[0].lstrip("+~").split(".")[0].split("/")[0] for o in overrides}
     if lc.nproc_per_node != "auto":
         n = int(lc.nproc_per_node)
@@ -175,6 +177,19 @@ def decide(cfg, overrides: Sequence[str], entry: str = "train", run_dir: str | P
     return _plan_choice(
         cfg, devices, nnodes, endpoint, run_id, explicit=bool(keys & set(LAYOUT_GROUPS)), run_dir=run_dir
     )
+
+
+def _check_server_gpus(cfg, devices: list[float]) -> None:
+    """The launched vLLM servers' ``rollout.gpus`` (indices into this process's GPUs) are GPUs of this node: a
+    ConfigError naming the key before any rank starts, not a server that fails to start in every rank."""
+    r = cfg.rollout
+    if r.get("url") is not None or engine_traits(r.engine).gpu_memory != "vllm_own_gpus":
+        return
+    ids = [g.strip() for g in str(r.get("gpus") or "").split(",") if g.strip()]
+    bad = [g for g in ids if not g.isdigit() or int(g) >= len(devices)]
+    require(not bad, "rollout.gpus",
+            f"{','.join(ids)!r} names GPU(s) {','.join(bad)} for the vLLM servers, but this node has "
+            f"{_gpus(devices)} (indices 0-{len(devices) - 1} of the GPUs this process sees)")  # fmt: skip
 
 
 def _plan_choice(cfg, devices, nnodes, endpoint, run_id, *, explicit: bool, run_dir) -> Launch:

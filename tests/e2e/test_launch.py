@@ -119,15 +119,40 @@ def test_bad_launcher_keys_are_refused_naming_the_key(gpus, override):
         launch.decide(compose(override), [override])
 
 
-def test_a_refused_launch_is_one_line_exit_2_and_leaves_no_folder(tmp_path):
+def test_server_gpus_the_node_lacks_are_refused_naming_rollout_gpus(gpus):
+    """Before: on 4 GPUs the split placement's servers on GPUs 4-7 left 1 learner rank ("3 for vLLM servers"), and
+    each server then failed to start on devices that are not there."""
+    split = ["experiment=paper_7b", "placement=gpu_node_split"]
+    gpus(4)
+    for over in (split, [*split, "launcher.nproc_per_node=2"]):
+        lacks = r"^rollout.gpus: '4,5,6,7' names GPU\(s\) 4,5,6,7 for the vLLM servers, but this node has 4 GPUs"
+        with pytest.raises(ConfigError, match=lacks):
+            launch.decide(compose(*over), over)
+    with pytest.raises(ConfigError, match=r"^rollout.gpus: '2,5' names GPU\(s\) 5 "):
+        launch.decide(compose(*split, "rollout.gpus='2,5'"), [*split, "rollout.gpus='2,5'"])
+    assert launch.decide(compose(*split, "rollout.gpus='2,3'"), split).nproc == 2  # the other 2 train
+    gpus(8)
+    assert launch.decide(compose(*split), split).nproc == 4
+
+
+REFUSED = {  # the command line's overrides, the reported GPUs: the one line
+    "learner=single": (TWO, None, "error: ConfigError: launcher.nproc_per_node: 2 ranks, but learner=single trains in "
+                       "one process: use learner=fsdp"),
+    "server gpus": (["experiment=paper_7b", "placement=gpu_node_split"], "4", "error: ConfigError: rollout.gpus: "
+                    "'4,5,6,7' names GPU(s) 4,5,6,7 for the vLLM servers, but this node has 4 GPUs of 80 GiB (indices "
+                    "0-3 of the GPUs this process sees)"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_a_refused_launch_is_one_line_exit_2_and_leaves_no_folder(tmp_path, case):
     """Before any rank starts (the parent's refusal): as any bad input, one line and no run folder."""
+    over, devices, line = REFUSED[case]
     run = tmp_path / "run"
-    p = subprocess.run([sys.executable, "train.py", *TWO, f"hydra.run.dir={run}"], cwd=ROOT, env=ENV,
+    env = ENV | ({launch.FAKE_DEVICES: devices} if devices else {})
+    p = subprocess.run([sys.executable, "train.py", *over, f"hydra.run.dir={run}"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert p.returncode == 2 and p.stderr.splitlines() == [
-        "error: ConfigError: launcher.nproc_per_node: 2 ranks, but learner=single trains in one process: use "
-        "learner=fsdp"
-    ], p.stderr[-2000:]
+    assert p.returncode == 2 and p.stderr.splitlines() == [line], p.stderr[-2000:]
     assert not run.exists()
 
 
