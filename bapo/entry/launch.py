@@ -37,6 +37,7 @@ import copy
 import logging
 import math
 import os
+import re
 import signal
 import sys
 import uuid
@@ -228,17 +229,22 @@ def _plan_choice(cfg, devices, nnodes, endpoint, run_id, *, explicit: bool, run_
         why = f"{verdict}; with the learner's state on the host {_gib(off.peak)} GiB"
         return Launch(**how, chosen=f"{where}, learner.cpu_offload=true", reason=why,
                       changes=(("learner.cpu_offload", True),))  # fmt: skip
+    offloaded = ""
+    if off is not None:
+        offloaded = f"; {_gib(off.peak)} GiB a GPU with learner.cpu_offload=true"
+        if off.host_limit is not None and off.host_total > off.host_limit:
+            offloaded += f", which needs {_gib(off.host_total)} GiB of host, this node has {host:.0f}"
     raise ConfigError(
-        f"launcher.nproc_per_node: {rc.model.name_or_path} does not fit {where} ({verdict}"
-        + (f"; {_gib(off.peak)} GiB a GPU with learner.cpu_offload=true" if off is not None else "")
-        + f"); the smallest change that fits: {smallest_change(rc, world, gib, len(devices), p, host)} "
+        f"launcher.nproc_per_node: {rc.model.name_or_path} does not fit {where} ({verdict}{offloaded}); the smallest "
+        f"change that fits: {smallest_change(rc, world, gib, len(devices), p, host, tried=off)} "
         f"(python train.py ... --plan --nproc {world} --gpu-memory {gib:.0f} prints the plan)"
     )
 
 
-def smallest_change(rc, world: int, gib: float, per_node: int, p, host: float | None = None) -> str:
+def smallest_change(rc, world: int, gib: float, per_node: int, p, host: float | None = None, tried=None) -> str:
     """The fewest GPUs of ``gib`` on which ``rc`` fits (with the learner's state on the host if need be), else the
-    plan's own advice for these GPUs (``p``)."""
+    first of the plan's own advice for these GPUs (``p``; and ``tried``'s, the plan with the learner's state on the
+    host, together with that change) that makes it fit once applied: never a change that was tried and fails."""
     import dataclasses
 
     from bapo import plan
@@ -267,8 +273,44 @@ def smallest_change(rc, world: int, gib: float, per_node: int, p, host: float | 
                 nodes = math.ceil(w / per_node)
                 more = f"{nodes} nodes of {per_node}: launcher.nnodes={nodes}" if nodes > 1 else f"a node of {w}"
                 return f"{w} GPUs of {gib:.0f} GiB ({more})" + (", with learner.cpu_offload=true" if offload else "")
-    advice = [a.strip() for a in p.advice() if "=" in a]
-    return advice[0] if advice else "a smaller model (no GPU count up to 512 fits)"
+    offload = "learner.cpu_offload=true"
+    candidates = _changes(p.advice())
+    candidates += [f"{offload} {a}" for a in _changes(tried.advice()) if offload not in a] if tried is not None else []
+    for change in candidates:
+        if _fits_with(rc, change, world, gib, host):
+            return change
+    for q, what in ((tried, offload), (p, "the run")):
+        gpus_hold = q is not None and q.peak <= q.limit and q.startup_ok and not world % tp
+        if gpus_hold and not q.fits:  # the GPUs hold it, the host does not
+            return f"more host memory ({what} needs {_gib(q.host_total)} GiB of host a node, this node has {host:.0f})"
+    return "a smaller model (no GPU count up to 512 fits)"
+
+
+ASSIGNMENT = re.compile(r"\b([a-z_]+(?:\.[a-z_]+)+)=([^\s,;:()]+)")  # key=value in the plan's advice
+
+
+def _changes(advice: list[str]) -> list[str]:
+    """The plan's advice lines that name a change (``key=value``), as the change and the advice's words."""
+    return [a.strip().removeprefix("host: ") for a in advice if ASSIGNMENT.search(a)]
+
+
+def _fits_with(rc, change: str, world: int, gib: float, host: float | None) -> bool:
+    """Whether ``rc`` with every ``key=value`` of ``change`` fits ``world`` GPUs of ``gib`` (and this node's host)."""
+    import dataclasses
+
+    import yaml
+
+    from bapo import plan
+
+    try:
+        for key, value in ASSIGNMENT.findall(change):
+            group, _, name = key.partition(".")
+            node = getattr(rc, group)
+            rc = dataclasses.replace(rc, **{group: dataclasses.replace(node, **{name: yaml.safe_load(value)})})
+        q = plan.make_plan(rc, world=world, gpu_memory_gib=gib, host_memory_gib=host)
+    except (ConfigError, TypeError, ValueError, AttributeError):  # not a key of that group, or not a value it takes
+        return False
+    return _fits(q) and not world % _engine_ranks(rc)
 
 
 def _fits(p) -> bool:

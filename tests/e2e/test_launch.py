@@ -103,6 +103,29 @@ def test_what_else_the_launch_decides(gpus, monkeypatch):
     assert (h.nproc, h.chosen, h.changes, h.spawns) == (1, None, (), False)
 
 
+def test_the_refusals_smallest_change_is_never_the_change_that_just_failed(gpus, monkeypatch):
+    """One 80 GB GPU and 125 GiB of host: the learner's state on the host needs 142 GiB of it. Before: the refusal
+    offered learner.cpu_offload=true, the change the launch had just tried; an offered change is now one the plan
+    finds fits once applied."""
+    gpus(1)
+    monkeypatch.setattr(launch, "host_memory", lambda: 125.0)
+    with pytest.raises(ConfigError) as info:
+        launch.decide(compose("model=qwen7b"), ["model=qwen7b"])
+    why = str(info.value)
+    assert "57.5 GiB a GPU with learner.cpu_offload=true, which needs 141.9 GiB of host, this node has 125)" in why
+    offered = why.split("the smallest change that fits: ")[1]
+    assert offered.startswith("more host memory (learner.cpu_offload=true needs 141.9 GiB of host a node, this node "
+                              "has 125)")  # fmt: skip
+    gpus(8)  # 8 ranks fit the GPUs, not 125 GiB of host; the offered change is checked against the plan
+    with pytest.raises(ConfigError, match="the smallest change that fits: rollout.sleep_level=2 ") as info:
+        launch.decide(compose("model=qwen7b"), ["model=qwen7b"])
+    monkeypatch.setattr(launch, "host_memory", lambda: 150.0)  # room for it: the launch takes it
+    h = launch.decide(compose("model=qwen7b"), ["model=qwen7b"])
+    assert h.changes == () and "fits" not in h.reason
+    gpus(1)
+    assert launch.decide(compose("model=qwen7b"), ["model=qwen7b"]).changes == (("learner.cpu_offload", True),)
+
+
 BAD = {
     "launcher.nproc_per_node=0": r"launcher.nproc_per_node: auto or N >= 1, got '0'",
     "launcher.nnodes=two": r"launcher.nnodes: auto or N >= 1, got 'two'",
