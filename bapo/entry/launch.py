@@ -15,8 +15,9 @@ the GPUs it may use (:func:`usable_devices`):
 
 More than one rank, or node: the job starts this node's ranks through torch.distributed's elastic launcher
 (:func:`start`: ``elastic_launch``, what torchrun runs: a c10d rendezvous, torchrun's environment in every rank, a
-failed rank stops the others, SIGINT / SIGTERM / SIGHUP passed on to every rank) with the same overrides, its run
-folder pinned (``hydra.run.dir``) and its choice passed on, and waits. It holds no lock (rank 0 holds the folder, as
+failed rank stops the others, SIGINT / SIGTERM / SIGHUP passed on to every rank; the ranks write to this process's
+streams, and the agent keeps no log folder of its own) with the same overrides, its run folder pinned
+(``hydra.run.dir``) and its choice passed on, and waits. It holds no lock (rank 0 holds the folder, as
 under torchrun). One rank: the run goes on in this process. Either way what was chosen and why is one log line and
 ``launcher.chosen`` in the run's config.yaml (null where nothing was chosen: under a launcher, or on a machine
 without a GPU with ``nproc_per_node=auto``).
@@ -435,7 +436,7 @@ def start(
     """Start this node's ranks of ``how`` running ``python -u script args`` through torch's elastic launcher (module
     docstring), with ``env`` added to their environment (a None value: that variable removed), and wait for them.
     ``after``: what the line of a killed rank adds (how to resume)."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -447,6 +448,7 @@ def start(
         rdzv_backend="c10d",
         rdzv_endpoint=how.rdzv_endpoint or "localhost:0",
         max_restarts=0,
+        logs_specs=DefaultLogsSpecs(log_dir=os.devnull),  # the ranks write to our streams: no torchelastic_* folder
     )
     ranks_env = dict(env or {}) | {"TORCHELASTIC_SIGNALS_TO_HANDLE": None}
     if how.nproc > 1 and "OMP_NUM_THREADS" not in os.environ:

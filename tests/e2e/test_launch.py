@@ -305,8 +305,8 @@ def untimed(rs: list[dict]) -> list[dict]:
     return drop_timings(rs)
 
 
-def train(*args: str, launcher=(sys.executable,), **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([*launcher, "train.py", *args], cwd=ROOT, env=ENV, capture_output=True, text=True,
+def train(*args: str, launcher=(sys.executable,), env=ENV, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([*launcher, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=900, **kw)  # fmt: skip
 
 
@@ -364,9 +364,12 @@ def wait_for(path: Path, p: subprocess.Popen, timeout: float = 600) -> None:
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory) -> Path:
-    """``python train.py learner=fsdp launcher.nproc_per_node=2 ...``, run to the end."""
-    run = tmp_path_factory.mktemp("launched") / "run"
-    p = train(*ARGS, *TWO, f"hydra.run.dir={run}")
+    """``python train.py learner=fsdp launcher.nproc_per_node=2 ...``, run to the end, with a temporary folder of its
+    own (``$TMPDIR``: ``<run>/../tmp``)."""
+    base = tmp_path_factory.mktemp("launched")
+    run, tmp = base / "run", base / "tmp"
+    tmp.mkdir()
+    p = train(*ARGS, *TWO, f"hydra.run.dir={run}", env=ENV | {"TMPDIR": str(tmp)})
     assert p.returncode == 0, p.stderr[-3000:]
     return run
 
@@ -387,6 +390,14 @@ def test_two_launched_ranks_equal_torchrun_metric_for_metric(launched, tmp_path_
     }  # fmt: skip
     log = (launched / "train.log").read_text()
     assert log.count("launch: 2 ranks (launcher.nproc_per_node=2)") == 1
+
+
+@pytest.mark.slow
+def test_a_launched_run_leaves_no_folder_of_the_elastic_agent_in_the_temporary_folder(launched):
+    """Before: torch's elastic agent made a ``torchelastic_*`` folder of (empty) rank logs in $TMPDIR for every
+    launch, and nothing removed it."""
+    left = [p.name for p in (launched.parent / "tmp").iterdir() if p.name.startswith("torchelastic_")]
+    assert not left, left
 
 
 @pytest.mark.slow
