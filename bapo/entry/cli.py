@@ -183,7 +183,8 @@ def launch_here(cfg: Any, hc: Any, script: str | Path, run_dir: Path, cell: Cell
     began, run_dir = time.time(), Path(run_dir)
     fresh = not run_dir.exists() or only_hydra_files(run_dir)
     try:
-        how = launch.decide(cfg, hc.overrides.task, entry, run_dir)
+        stamped = None if cell is not None else launch.stamped_folder(hc)  # a sweep's cells: the sweep's folder
+        how = launch.decide(cfg, hc.overrides.task, entry, run_dir, stamped=stamped)
     except user_errors() as e:
         line = error_line(e)
         if cell is None:

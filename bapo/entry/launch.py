@@ -24,7 +24,8 @@ without a GPU with ``nproc_per_node=auto``).
 
 Several nodes: ``launcher.nnodes`` and ``launcher.rdzv_endpoint`` (``host:port`` of the first node) on every node,
 or under SLURM with one task per node (``srun --ntasks-per-node=1``, ``hydra/launcher=slurm``) both come from SLURM's
-variables (the step's node count, its first node, port 29400).
+variables (the step's node count, its first node, port 29400). Every node gives the same ``hydra.run.dir`` (a folder
+they all see): a run folder named by the time each node started (Hydra's default) is refused before any rank starts.
 
 Test hook: ``$BAPO_FAKE_DEVICES`` (``N`` or ``NxGiB``; 80 GiB by default) makes :func:`usable_devices` report N GPUs
 on a machine without them, and the ranks then run on the CPU with gloo; in-process tests monkeypatch
@@ -135,10 +136,13 @@ def announce(cfg) -> None:
         log.info("launch: %s", chosen)
 
 
-def decide(cfg, overrides: Sequence[str], entry: str = "train", run_dir: str | Path = "launch") -> Launch:
+def decide(
+    cfg, overrides: Sequence[str], entry: str = "train", run_dir: str | Path = "launch", *, stamped: str | None = None
+) -> Launch:
     """How this job starts (module docstring). ``overrides``: the command line's (Hydra's task overrides); ``entry``:
-    train or eval. Raises ConfigError (one line, before any rank starts) for a config that cannot start, and for a
-    run the memory plan finds no way to fit."""
+    train or eval; ``stamped``: the run folder's pattern where the time this process started names it
+    (:func:`stamped_folder`), which several nodes cannot share. Raises ConfigError (one line, before any rank
+    starts) for a config that cannot start, and for a run the memory plan finds no way to fit."""
     if under_launcher() is not None:
         return Launch(nproc=1)  # torchrun or SLURM started this rank: nothing changes
     from bapo.infra.checks import typed
@@ -146,6 +150,10 @@ def decide(cfg, overrides: Sequence[str], entry: str = "train", run_dir: str | P
     node = cfg.get("launcher")
     lc = typed("launcher", dict(node) if node is not None else {}, LauncherConfig)
     nnodes, endpoint, run_id = _nodes(lc)
+    require(nnodes == 1 or stamped is None, "hydra.run.dir",
+            f"{nnodes} nodes (launcher.nnodes) write one run folder, but {stamped!r} is named by the time each node "
+            "started, so each would make its own: give every node the same hydra.run.dir=<a folder every node "
+            "sees>")  # fmt: skip
     devices = usable_devices()
     if devices and entry == "train":
         _check_server_gpus(cfg, devices)
@@ -179,6 +187,15 @@ def decide(cfg, overrides: Sequence[str], entry: str = "train", run_dir: str | P
     return _plan_choice(
         cfg, devices, nnodes, endpoint, run_id, explicit=bool(keys & set(LAYOUT_GROUPS)), run_dir=run_dir
     )
+
+
+def stamped_folder(hc) -> str | None:
+    """The job's run folder as configured (``hydra.run.dir``, unresolved) where the time names it (Hydra's default
+    ``outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}``), else None."""
+    from omegaconf import OmegaConf
+
+    pattern = str(OmegaConf.to_container(hc.run, resolve=False).get("dir"))
+    return pattern if "${now:" in pattern else None
 
 
 def _check_server_gpus(cfg, devices: list[float]) -> None:

@@ -179,6 +179,26 @@ def test_a_refused_launch_is_one_line_exit_2_and_leaves_no_folder(tmp_path, case
     assert not run.exists()
 
 
+def test_several_nodes_need_one_run_folder_every_node_names(gpus, tmp_path):
+    """Before: each node's launch made its own time-stamped folder (Hydra's default run folder); here, on one
+    machine, the launch waited for the second node's rendezvous instead of refusing."""
+    gpus(0)
+    over = ["learner=fsdp", "launcher.nnodes=2", "launcher.rdzv_endpoint=localhost:29400"]
+    refusal = r"^hydra.run.dir: 2 nodes \(launcher.nnodes\) write one run folder, but 'outputs/\$\{now:%H\}' is named"
+    with pytest.raises(ConfigError, match=refusal):
+        launch.decide(compose(*over), over, stamped="outputs/${now:%H}")
+    assert launch.decide(compose(*over), over).nnodes == 2  # a folder named on the command line: every node's
+    stamped = f"{tmp_path}/runs/${{now:%H-%M-%S}}"
+    p = subprocess.run([sys.executable, "train.py", *over, f"hydra.run.dir={stamped}"], cwd=ROOT, env=ENV,
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert p.returncode == 2 and p.stderr.splitlines() == [
+        f"error: ConfigError: hydra.run.dir: 2 nodes (launcher.nnodes) write one run folder, but {stamped!r} is named "
+        "by the time each node started, so each would make its own: give every node the same hydra.run.dir=<a folder "
+        "every node sees>"
+    ], p.stderr[-2000:]
+    assert not list((tmp_path / "runs").iterdir())  # no run folder left
+
+
 def test_the_test_hook_reports_fake_devices(monkeypatch):
     monkeypatch.setenv(launch.FAKE_DEVICES, "4x141")
     assert launch.usable_devices() == [141.0] * 4 and launch.host_memory() is None
