@@ -303,6 +303,7 @@ class VLLMServerRollout(RolloutEngine):
         spans_ranks=False,
         continues=True,
         gpu_memory="vllm_own_gpus",
+        eval_engine="vllm",  # eval.py checkpoint=<run>: vLLM in each eval rank, on its own GPU
     )
     config = VLLMServerConfig
 
