@@ -141,9 +141,10 @@ def main(cfg: DictConfig) -> None:
     import os
 
     from bapo.entry.cli import guarded, hydra_files, launch_here
-    from bapo.entry.launch import announce
+    from bapo.entry.launch import announce, watch_launcher
     from bapo.infra.dist import from_slurm
 
+    watch_launcher()  # a rank this command's launch started ends with its launcher (bapo.entry.launch)
     from_slurm()  # SLURM with one task per rank: torchrun's variables
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)

@@ -200,6 +200,7 @@ def launch_here(cfg: Any, hc: Any, script: str | Path, run_dir: Path, cell: Cell
         return False
     handoff = outcome_file(cell) if cell is not None else None
     env = {k: None for k in own_env()} | ({} if cell is None else cell.handoff(handoff))  # None: not passed on
+    env[launch.LAUNCHER_ENV] = str(os.getpid())  # the ranks die with this process (launch.watch_launcher)
     after = (
         ""
         if entry != "train"

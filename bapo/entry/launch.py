@@ -27,6 +27,10 @@ or under SLURM with one task per node (``srun --ntasks-per-node=1``, ``hydra/lau
 variables (the step's node count, its first node, port 29400). Every node gives the same ``hydra.run.dir`` (a folder
 they all see): a run folder named by the time each node started (Hydra's default) is refused before any rank starts.
 
+A rank this launch started dies with the launching process (:func:`watch_launcher`, from ``$BAPO_LAUNCHER_PID``): a
+launcher or sweep killed by SIGKILL leaves no rank behind holding the run folder, finishing the run on its own or
+waiting in a collective, so that ``resume=auto`` and a relaunched sweep find the folder free.
+
 Test hook: ``$BAPO_FAKE_DEVICES`` (``N`` or ``NxGiB``; 80 GiB by default) makes :func:`usable_devices` report N GPUs
 on a machine without them, and the ranks then run on the CPU with gloo; in-process tests monkeypatch
 :func:`usable_devices` instead. Never set it for a real run: the plan would be of GPUs that are not there.
@@ -55,6 +59,7 @@ from bapo.infra.dist import LauncherConfig
 log = logging.getLogger(__name__)
 
 FAKE_DEVICES = "BAPO_FAKE_DEVICES"  # test hook (module docstring)
+LAUNCHER_ENV = "BAPO_LAUNCHER_PID"  # in the ranks a launch starts: the launching process's pid (watch_launcher)
 RDZV_PORT = 29400  # the first node's rendezvous port under SLURM (torchrun's default)
 LAYOUT_GROUPS = ("placement", "learner", "launcher")  # on the command line, the plan changes none of them
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)  # what the elastic agent passes on
@@ -420,6 +425,34 @@ def _put_env(values: dict[str, str | None]) -> None:
 
 # ----------------------------------------------------------------------------- starting the ranks
 
+
+def watch_launcher(period_s: float = 0.2) -> None:
+    """In a rank a launch started (``$BAPO_LAUNCHER_PID``; taken out of the environment, so the rank's own children
+    do not inherit it): end this process, with one line, once the launching process is gone, whatever the rank is
+    doing (a step, a collective whose other ranks died too). The rank's children follow it as they follow any
+    learner that dies: rollout workers and vLLM servers watch their parent, reward workers read their end of a
+    pipe. A no-op in any other process (torchrun, SLURM or a plain run)."""
+    import threading
+    import time
+
+    value = os.environ.pop(LAUNCHER_ENV, None)
+    if not value or not value.isdigit():
+        return
+    launcher = int(value)
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(period_s)
+        try:
+            rank = os.environ.get("RANK", "?")
+            print(f"error: LauncherGone: the launching process (pid {launcher}) is gone: rank {rank} stops with it",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        finally:  # its stream may have gone with it
+            os._exit(1)
+
+    threading.Thread(target=watch, name="bapo-launcher-watch", daemon=True).start()
+
+
 DROPPED_HYDRA = ("hydra.run.dir", "hydra.sweep", "hydra.mode", "hydra/launcher", "hydra.launcher", "hydra/sweeper",
                  "hydra.sweeper", "hydra.job.num", "hydra.job.id", "hydra.runtime")  # fmt: skip
 
@@ -494,4 +527,4 @@ def start(
             signal.signal(s, h)
 
 
-__all__ = ["Launch", "LauncherConfig", "Outcome", "announce", "decide", "start", "usable_devices"]
+__all__ = ["Launch", "LauncherConfig", "Outcome", "announce", "decide", "start", "usable_devices", "watch_launcher"]

@@ -8,6 +8,7 @@ metric, a killed rank ends the run with one line and a resume continues exactly,
 leaves no process, a sweep of launched cells relaunched after a kill resumes its killed cell exactly, and eval.py on
 2 launched ranks writes the results.json of one process."""
 
+import contextlib
 import json
 import os
 import signal
@@ -439,6 +440,48 @@ def test_a_killed_rank_ends_the_run_with_one_line_and_a_resume_continues_exactly
         ]
     )
     assert "ChildFailedError" not in err and (run / "train.log").read_text().endswith(mine[0] + "\n")
+    p = train(*ARGS, *TWO, f"hydra.run.dir={run}", "resume=auto")
+    assert p.returncode == 0 and "resumed from" in p.stdout + p.stderr, p.stderr[-3000:]
+    assert untimed(rows(run)) == untimed(rows(launched))
+
+
+def gone_within(pids, seconds: float) -> list[int]:
+    """The processes of ``pids`` still alive after up to ``seconds`` of waiting for them to end."""
+    end = time.time() + seconds
+    while (left := [q for q in pids if alive(q)]) and time.time() < end:
+        time.sleep(0.1)
+    return left
+
+
+def killed_launcher(p: subprocess.Popen, ranks: dict[int, int]) -> str:
+    """SIGKILL the launching process ``p``; its ``ranks`` must end on their own within seconds. Its stderr."""
+    os.kill(p.pid, signal.SIGKILL)
+    try:
+        left = gone_within(ranks.values(), 20)
+        assert not left, f"ranks outlived their launcher: {left}"
+        return p.communicate(timeout=60)[1]  # the ranks held its pipes
+    finally:
+        for q in ranks.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(q, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_ranks_die_with_their_launcher_and_a_resume_continues_exactly(launched, tmp_path):
+    """SIGKILL of ``python train.py ...`` (a closed terminal's session, an OOM killer). Before: its ranks ran on,
+    orphaned, holding the run folder's lock, and finished the run on their own; ``resume=auto`` was refused meanwhile.
+    Now each rank's watch ends it with its launcher: no step after the kill, the lock free, and the resume equals
+    the uninterrupted run."""
+    run = tmp_path / "run"
+    p = popen(*ARGS, *TWO, f"hydra.run.dir={run}")
+    wait_for(run / "checkpoints" / "step_000002", p)
+    ranks = children(p.pid)
+    assert sorted(ranks) == [0, 1]
+    err = killed_launcher(p, ranks)
+    assert not (run / "final_metrics.json").exists() and not (run / "export").exists()  # they did not finish it
+    assert sorted(x for x in err.splitlines() if x.startswith("error: LauncherGone")) == [
+        f"error: LauncherGone: the launching process (pid {p.pid}) is gone: rank {r} stops with it" for r in (0, 1)
+    ]
     p = train(*ARGS, *TWO, f"hydra.run.dir={run}", "resume=auto")
     assert p.returncode == 0 and "resumed from" in p.stdout + p.stderr, p.stderr[-3000:]
     assert untimed(rows(run)) == untimed(rows(launched))
