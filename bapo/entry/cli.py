@@ -117,8 +117,10 @@ def guarded(
     text: Hydra's record of the job, :func:`hydra_files`), and on a failure put the folder back as it was found
     (or keep the run's files if it wrote any). ``cell``: this job is a cell of a sweep; a failure is recorded in
     the sweep's summary and returns None instead of exiting, and so does a bug (with its traceback), so that the
-    sweep goes on. Without ``hold`` (a torchrun rank other than 0): the folder is removed when it holds nothing but
-    Hydra's files, never when it holds a lock file (rank 0's folder, or another run's)."""
+    sweep goes on (in the rank 0 of a launched cell, the row is handed to the cell's job and the rank exits with
+    the failure's status: :func:`_cell_failed`). Without ``hold`` (a torchrun rank other than 0): the folder is
+    removed when it holds nothing but Hydra's files, never when it holds a lock file (rank 0's folder, or another
+    run's)."""
     run_dir = Path(run_dir)
     if not hold:
         return _guarded_unheld(fn, run_dir)
@@ -135,7 +137,7 @@ def guarded(
             fail(e, status)
         print(line, file=sys.stderr)
         cell.record("failed", status, line, began)
-        return None
+        return _cell_failed(cell, status)
     except Exception as e:  # a bug: in a sweep, recorded with its traceback, and the next cell runs
         if cell is None:
             raise
@@ -144,7 +146,7 @@ def guarded(
         if start is not None:
             start.leave(text.rstrip("\n"), keep_log=True)
         cell.record("failed", 1, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", began)
-        return None
+        return _cell_failed(cell, 1)
     except BaseException:  # a signal's exit, Ctrl-C: the run saved what it could; the lock goes with the process
         if start is not None:
             start.folder.close()
@@ -155,6 +157,15 @@ def guarded(
         code = 128 + int(result["stopped_by_signal"]) if stopped else 0
         cell.record("stopped" if stopped else "complete", code, None, began)
     return result
+
+
+def _cell_failed(cell: Cell, status: int) -> None:
+    """After a failed cell's row is recorded: the next cell runs (None), or, in the rank 0 a cell's job launched
+    (the row handed to the job), the rank exits with ``status``, so that the launcher stops the cell's other ranks
+    (waiting for this one in the process group) and the job records the row."""
+    if cell.handoff_to is not None:
+        sys.exit(status)
+    return None
 
 
 def _guarded_unheld(fn: Callable[[], T], run_dir: Path) -> T:

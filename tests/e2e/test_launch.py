@@ -556,6 +556,48 @@ def test_a_sweep_of_launched_cells_relaunched_after_a_kill_resumes_the_killed_ce
         assert json.loads((cell / "checkpoints" / "step_000004" / "meta.json").read_text())["world_size"] == 2
 
 
+HOLD = """import fcntl, os, sys, time
+os.makedirs(sys.argv[1], exist_ok=True)
+fd = os.open(os.path.join(sys.argv[1], sys.argv[2]), os.O_RDWR | os.O_CREAT, 0o644)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+time.sleep(3600)
+"""  # another process holding a run folder's lock
+
+
+@pytest.mark.slow
+def test_a_killed_sweep_takes_its_ranks_and_a_busy_cell_fails_as_a_row(launched, tmp_path):
+    """``python train.py -m <the launched run's overrides> seed=1,2``, SIGKILLed in its first cell: the cell's ranks
+    end with it (before: they ran on, holding the cell's folder, and a relaunch was refused). Relaunched while
+    another process holds the second cell's folder: the first cell resumes to the uninterrupted launched run's
+    metrics, and the second fails at once as a row (RunFolderBusy, exit 2). Before: that cell's rank 0 handed its
+    row to the job and returned, its rank 1 waited for it in the process group, and the sweep stood still (194 s
+    here before the store gave up; Ctrl-C did not end it)."""
+    from bapo.rundir import LOCK_NAME
+
+    cut = tmp_path / "cut"
+    args = ["-m", *ARGS, *TWO, "seed=1,2", f"hydra.sweep.dir={cut}"]
+    p = popen(*args)
+    first = wait_for_cell(cut, 1, p)
+    killed_launcher(p, children(p.pid))
+    assert not (first / "final_metrics.json").exists()  # the ranks did not finish the cell on their own
+    second = cut / first.name.replace("seed=1", "seed=2")
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(second), LOCK_NAME], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        p = train(*args)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert p.returncode == 2, p.stderr[-3000:]  # every failed cell was bad input
+    summary = [json.loads(x) for x in (cut / "sweep_summary.jsonl").read_text().splitlines()]
+    assert [(r["job"], r["status"], r["exit"]) for r in summary] == [(0, "complete", 0), (1, "failed", 2)]
+    assert summary[1]["error"].startswith(f"error: RunFolderBusy: {second} is in use by another run")
+    assert summary[1]["wall_s"] < 120  # a refusal at start: the cell's start-up, not a wait for a timeout
+    assert untimed(rows(first)) == untimed(rows(launched))
+    assert not list(cut.glob(".cell-*"))
+
+
 @pytest.mark.slow
 def test_eval_on_two_launched_ranks_writes_the_results_of_one_process(tmp_path):
     common = ["eval=arith", "eval.limit=6", "k=1", "temperature=0"]
