@@ -27,7 +27,8 @@ In a sweep (``train.py -m``) a failed cell does not end the sweep: its error lin
 the cell's log (the cell's folder keeps its ``.hydra/`` and log, so the failure stays visible), and to
 the sweep's ``sweep_summary.jsonl`` (``bapo.entry.sweep``), and the next cell runs. ``eval.py`` holds its
 folder the same way. A torchrun rank other than 0 holds nothing: its folder is removed when it holds
-nothing but Hydra's files, and never when it holds a lock file.
+nothing but Hydra's files, and never when it holds a lock file. An error every rank raised at once (a full disk
+while the ranks write a checkpoint together) is rank 0's line alone: the run ends in one line, as in one process.
 """
 
 from __future__ import annotations
@@ -169,6 +170,8 @@ def _cell_failed(cell: Cell, status: int) -> None:
 
 
 def _guarded_unheld(fn: Callable[[], T], run_dir: Path) -> T:
+    from bapo.infra.checks import raised_by_every_rank
+
     fresh = not run_dir.exists() or only_hydra_files(run_dir)
     user, failed = user_errors(), run_errors()
     try:
@@ -176,7 +179,22 @@ def _guarded_unheld(fn: Callable[[], T], run_dir: Path) -> T:
     except user + failed as e:
         if fresh and only_hydra_files(run_dir):  # a start-up error leaves no run folder behind
             remove_run_folder(run_dir)
-        fail(e, 2 if isinstance(e, user) else 1)
+        status = 2 if isinstance(e, user) else 1
+        if raised_by_every_rank(e):
+            _leave_the_line_to_rank_0()
+        fail(e, status)
+
+
+def _leave_the_line_to_rank_0(wait_s: float = 60.0) -> None:
+    """An error every rank raised at once (a collective's failure, ``bapo.infra.checks.every_rank``): rank 0 prints
+    the run's one line and exits with it, and its launcher (the plain launch, torchrun) then stops this rank with
+    SIGTERM, whose default action ends it at once, without a second line. Where nothing stops it (SLURM's one task
+    per rank), it says the line itself after ``wait_s``."""
+    import signal
+
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(s, signal.SIG_DFL)
+    time.sleep(wait_s)
 
 
 # ----------------------------------------------------------------------------- the launch, as the job's first step

@@ -1,5 +1,5 @@
 """A full disk while a checkpoint is written: one line, "no space left on device while writing <folder>
-(removed the partial write)", and nothing left behind on the full disk.
+(removed the partial write)", and nothing left behind on the full disk; in one process and on launched ranks.
 
 ``torch.save``'s zip writer turns the ENOSPC of a write into ``RuntimeError: [enforce fail at
 inline_container.cc...] unexpected pos`` (the OSError is only its ``__context__``): the injected failure here
@@ -95,14 +95,23 @@ def small_tmpfs(tmp_path):
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+# one process, and 2 ranks the launch starts (FSDP2: DCP's sharded checkpoint). Before, the launched run ended in
+# about 250 lines of both ranks' tracebacks and no error: line: DCP gathers each rank's failure as a pickled copy,
+# which lost the full disk's OSError (torch.save's zip writer raises a RuntimeError whose context it is).
+LAYOUTS = {"one process": [], "2 launched ranks": ["learner=fsdp", "launcher.nproc_per_node=2"]}
+
+
 @pytest.mark.slow
-def test_train_py_on_a_full_tmpfs_prints_one_line_and_leaves_no_partial_checkpoint(small_tmpfs):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_train_py_on_a_full_tmpfs_prints_one_line_and_leaves_no_partial_checkpoint(small_tmpfs, layout):
     run_dir = small_tmpfs / "run"
-    cmd = [sys.executable, "train.py", "debug=smoke", "train.steps=1", "eval.every=0", f"hydra.run.dir={run_dir}"]
+    cmd = [sys.executable, "train.py", "debug=smoke", "train.steps=1", "eval.every=0", *LAYOUTS[layout],
+           f"hydra.run.dir={run_dir}"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
+    assert [x for x in proc.stderr.splitlines() if x.startswith("error:")] == [last]  # one line, the run's
     folder = re.escape(str(run_dir / "checkpoints" / "step_000001"))
     assert re.fullmatch(
         f"error: CheckpointError: no space left on device while writing {folder} " + r"\(removed the partial write\)",
