@@ -49,13 +49,13 @@ from bapo.config import (
     EvalConfig,
     ModelConfig,
     RewardConfig,
+    engine_traits,
     prompt_limit,
     resolve_path,
 )
 from bapo.data.config import ANSWER_FORMATS, check_arith
 from bapo.data.loading import DataFileError, LoadReport, gsm8k_answer, load_hub, load_jsonl, render_prompts
 from bapo.data.tasks import ArithSpec, arith_heldout
-from bapo.engines.registry import engine_traits
 from bapo.eval import passk as M
 from bapo.infra import dist
 from bapo.infra.checks import choice, require, to_plain, typed
