@@ -16,7 +16,9 @@ given on the command line wins (``checkpoint=<run> max_new_tokens=1024``); every
 every override, is logged in one block and recorded in results.json's config. A bare HF folder,
 or no checkpoint, is evaluated with the settings composed here (conf/eval_config.yaml, ``model=``).
 ``model.trust_remote_code`` is never taken from a run or an export (a shared folder must not decide to
-run its own code): only ``model.trust_remote_code=true`` on the command line turns it on.
+run its own code): only ``model.trust_remote_code=true`` on the command line turns it on. A run folder or
+export is read as data (``bapo/infra/artifacts.py``: bounded, never interpolated), its model folder checked
+before anything loads it and its chat template rendered within bounds (``bapo/infra/chat_template.py``).
 
 Prompts longer than the model leaves room for (its context minus ``max_new_tokens``, and at most
 ``max_prompt_tokens``) are skipped and counted as in training; the reports say how many per set.
@@ -30,7 +32,8 @@ and rank 0 writes the reports. Every sample row records its generate call's seed
 
 Writes results.json, results.md and samples_<set>.jsonl to the run folder
 (outputs/eval/<date>/<time>), which it holds as train.py holds its own (a second eval.py on the same
-folder is refused at once). Bad input is one line, ``error: ConfigError: <key>: ...``, exit
+folder is refused at once; so is a training run's folder, whose ``.hydra/`` is the run's record: evaluate
+beside it with ``hydra.run.dir=<run>/eval``). Bad input is one line, ``error: ConfigError: <key>: ...``, exit
 status 2, and leaves no run folder behind (bapo/entry/cli.py). This is evaluation's composition root,
 as bapo/loop.py is training's: it alone builds the engines (the rollout engine and the training
 verifier) and hands them to bapo/eval/evaluate.py.
@@ -74,6 +77,7 @@ def _evaluate(cfg: DictConfig, run_dir, job, source, problems: dict, log) -> dic
     from bapo.engines import build_rollout, engine_traits
     from bapo.eval import evaluate as ev
     from bapo.infra import dist
+    from bapo.infra.artifacts import check_model_folder
     from bapo.modeling import attention_kernel, load_model, load_tokenizer, model_path, pick_device
     from bapo.reward import MathVerifier
 
@@ -85,7 +89,7 @@ def _evaluate(cfg: DictConfig, run_dir, job, source, problems: dict, log) -> dic
         if source
         else model_path(m.name_or_path, m.gguf.package if m.gguf else None, m.gguf.file if m.gguf else None)
     )
-    ev.check_model_folder(path, key)
+    check_model_folder(path, key, trust_remote_code=m.trust_remote_code)  # a damaged or hostile one: one line
     try:
         tok = load_tokenizer(path, trust_remote_code=m.trust_remote_code)
         context = ev.model_context(path, trust_remote_code=m.trust_remote_code)
@@ -141,7 +145,7 @@ def _evaluate(cfg: DictConfig, run_dir, job, source, problems: dict, log) -> dic
 def main(cfg: DictConfig) -> None:
     import os
 
-    from bapo.entry.cli import guarded, hydra_files, launch_here
+    from bapo.entry.cli import guarded, hydra_files, launch_here, refuse_training_run
     from bapo.entry.launch import announce, watch_launcher
     from bapo.infra.dist import from_slurm
 
@@ -149,6 +153,7 @@ def main(cfg: DictConfig) -> None:
     from_slurm()  # SLURM with one task per rank: torchrun's variables
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
+    refuse_training_run(run_dir, "eval.py")  # a training run's folder holds its record: never written over
     if launch_here(cfg, hc, __file__, run_dir, None, "eval"):  # the node's ranks evaluated (bapo.entry.launch)
         return
     files = hydra_files(cfg)  # .hydra/, written once the folder is held (conf/eval_config.yaml: output_subdir null)

@@ -14,6 +14,7 @@ The generic folder's names that callers use are importable from here too.
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,12 +138,14 @@ def save_run(
     keep: int,
     lineage: str,
     loop_rng: random.Random,
+    pending: dict | None = None,
     **shared: Any,
 ) -> Path:
     """Checkpoint a run at ``step`` (a collective under torchrun: every rank calls it). The layout:
 
     - ``state.pt`` (rank 0): the step, every object of ``shared`` by name (their ``state_dict()``: the buffer,
-      the monitor) and the RNG states (:func:`capture_rng`);
+      the monitor), the RNG states (:func:`capture_rng`) and, for a run stopped inside step ``step + 1``,
+      ``pending``: what the rest of that step needs (``bapo.loop.StepProgress``: its samples, the updates made);
     - ``producer_rank<r>.pt`` (each rank): the rollout source's state (``bapo.rollout.source``: its queue and data
       cursor); rank 0's also holds its weight snapshots (full copies, the same on every rank that holds that
       version: written once, read by every rank), without the snapshot of the learner's current version (restored
@@ -170,12 +173,18 @@ def save_run(
         if dist.is_main():
             state = {"step": step} | {k: v.state_dict() for k, v in shared.items()} | {"rng": capture_rng(loop_rng)}
             meta = {"version": learner.version, "world_size": dist.world_size()}
+            if pending is not None:
+                state["pending"] = pending
+                meta["pending_updates"] = len(pending.get("updates", ()))
             ckpt_folder.save(ckpt_dir, step, to_plain(state), keep=keep, meta=meta, tmp=tmp, lineage=lineage)
     return path
 
 
-def restore_run(path: Path, *, learner: Any, source: Any, loop_rng: random.Random, **shared: Any) -> int:
-    """Restore what :func:`save_run` wrote; returns the checkpoint's step (a collective under torchrun).
+def restore_run(
+    path: Path, *, learner: Any, source: Any, loop_rng: random.Random, **shared: Any
+) -> tuple[int, dict | None]:
+    """Restore what :func:`save_run` wrote; returns the checkpoint's step and its ``pending`` (None for a
+    checkpoint at a step's end). A collective under torchrun.
 
     Rank 0 verifies every file against the manifest first; every rank gets the verdict."""
     path = Path(path)
@@ -188,7 +197,7 @@ def restore_run(path: Path, *, learner: Any, source: Any, loop_rng: random.Rando
     for k, obj in shared.items():
         obj.load_state_dict(state[k])
     restore_rng(state["rng"], loop_rng)
-    return int(state["step"])
+    return int(state["step"]), state.get("pending")
 
 
 def _producer_state(ckpt: Path, rank: int) -> dict:
@@ -217,9 +226,15 @@ def _producer_state(ckpt: Path, rank: int) -> dict:
 
 @dataclass
 class CheckpointConfig:
-    every: int = resumable()  # steps; 0 = only on SIGTERM / Ctrl-C and at the end
+    every: int = resumable()  # steps; 0 = only on a stop and at the end
+    every_minutes: float = resumable()  # also once this long has passed since the last checkpoint; 0 = off
     keep: int = resumable()  # newest checkpoints of this run kept
 
     def __post_init__(self) -> None:
         require(self.every >= 0, "checkpoint.every", "must be >= 0")
+        require(
+            math.isfinite(self.every_minutes) and self.every_minutes >= 0,
+            "checkpoint.every_minutes",
+            f"must be >= 0 (0: off), got {self.every_minutes}",
+        )
         require(self.keep >= 1, "checkpoint.keep", "must be >= 1")

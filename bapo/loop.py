@@ -26,7 +26,6 @@ import dataclasses
 import json
 import logging
 import signal
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -43,13 +42,12 @@ from bapo.data.loading import check_files
 from bapo.engines import check_engine
 from bapo.eval.evaluate import evaluate, evaluate_sets
 from bapo.experience import scoring
-from bapo.infra import dist
+from bapo.infra import dist, stop
 from bapo.infra.paths import EXPORT_CONFIG
 from bapo.infra.seeding import derive_seed, seed_everything
 from bapo.infra.tracking import MetricsLogger, NullLogger, check_wandb, truncate_metrics
 from bapo.learner import TokenVersionWeights, TrainingDiverged
 from bapo.plan import check_one_gpu
-from bapo.rollout.source import Interrupted
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +78,14 @@ def train(rc: RunConfig, cfg: DictConfig) -> dict:
             return json.loads((rc.run_dir / "final_metrics.json").read_text())
         seed_everything(rc.seed)
         s = build_stages(rc, cfg)
-        start, metrics = 0, {}
+        start, metrics, pending = 0, {}, None
         if plan.kind == "resume":
-            start = checkpoint.restore_run(plan.checkpoint, learner=s.learner, source=s.source, **shared_state(s))
-            log.info("resumed from %s at step %d (policy version %d)", plan.checkpoint, start, s.learner.version)
+            start, pending = checkpoint.restore_run(plan.checkpoint, learner=s.learner, source=s.source,
+                                                    **shared_state(s))  # fmt: skip
+            pending = None if pending is None else StepProgress.from_state(pending)
+            inside = f", inside step {start + 1} ({len(pending.updates)} updates made)" if pending else ""
+            log.info("resumed from %s at step %d%s (policy version %d)", plan.checkpoint, start, inside,
+                     s.learner.version)  # fmt: skip
         if dist.is_main():
             if plan.clear:
                 folder.clear()
@@ -94,52 +96,41 @@ def train(rc: RunConfig, cfg: DictConfig) -> dict:
             (rc.run_dir / "final_metrics.json").unlink(missing_ok=True)  # written again when this run completes
             (rc.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         dist.barrier()
-        lineage, step = lineage_id(rc.run_dir), start
+        lineage = lineage_id(rc.run_dir)
         logger = make_logger(rc, cfg, lineage)
+        clock = SaveClock(rc.checkpoint.every, rc.checkpoint.every_minutes)
         try:
-            with StopRequested(s.interrupt) as stop:
+            with stop.handling(s.interrupt.set), stop.shared():
                 s.source.offer_weights(s.learner)
-                if start == 0:
+                if start == 0 and plan.kind != "resume":
                     metrics = {"data/skipped_rows": float(s.report.skipped)} | evaluate_now(rc, s, 0)
                     logger.log(metrics, step=0)
                 s.source.start()
                 for step in progress(rc, start):
-                    t_step = time.perf_counter()
-                    # 1-2. rollout + reward: the source's batch (made inline, or ahead of the learner)
-                    batch, waited = s.source.take()
-                    # 3. advantages (and recompute) -> 4. the buffer; drop mode refills what went stale
-                    samples, rows, more_wait = fill(rc, s, batch)
-                    # 5. learner: U updates, version +1 each, new weights offered back to the source
-                    t0 = time.perf_counter()
-                    updates = learn(rc, s, samples)
-                    t_learn = time.perf_counter() - t0
-                    s.source.release(s.learner.version, keep_window=rc.learner.old_logp == "recompute")
-                    metrics = step_metrics(updates, rows, rc.buffer.max_staleness)
-                    metrics |= {
-                        "learner/updates": float(len(updates)),
-                        "policy/version": float(s.learner.version),
-                        "time/learner_s": t_learn,
-                        "buffer/consumer_wait_s": waited + more_wait,
-                        "buffer/producer_wait_s": s.source.take_wait_s(),
-                    } | s.buffer.metrics()
-                    metrics |= s.monitor.observe(metrics, updates)
-                    if step == rc.train.steps or (rc.eval.every and step % rc.eval.every == 0):
-                        metrics |= evaluate_now(rc, s, step)
-                    metrics["time/step_s"] = time.perf_counter() - t_step
+                    mark = StepMark.take(s)
+                    carried, pending = (pending, None) if pending is not None and pending.step == step else (None, None)
+                    try:
+                        metrics = one_step(rc, s, step, carried)
+                    except Stopped as e:  # inside the updates or the evaluation: the step's rest is saved with it
+                        mark.restore_monitor(s)
+                        save(rc, s, step - 1, lineage, logger, pending=e.progress.state_dict())
+                        return stopped(rc, metrics)
+                    except stop.Interrupted:  # before the first update: the step's start is saved
+                        mark.rewind(s)
+                        save(rc, s, step - 1, lineage, logger)
+                        return stopped(rc, metrics)
                     logger.log(metrics, step=step)
                     log_line(rc, step, metrics)
-                    stop.agree()
-                    if (rc.checkpoint.every and step % rc.checkpoint.every == 0) or stop or step == rc.train.steps:
+                    asked, due = clock.votes(step, final=step == rc.train.steps)
+                    if due or asked:
                         save(rc, s, step, lineage, logger)
-                    if stop:
-                        return stopped(rc, metrics, stop.signum)
+                        clock.saved()
+                    if asked:
+                        return stopped(rc, metrics)
                 config = {EXPORT_CONFIG: OmegaConf.to_yaml(cfg, resolve=True)}  # eval.py reads the run's settings
                 s.learner.export_hf(rc.run_dir / "export", s.tokenizer, extra=config)
-        except Interrupted:  # a stop request woke a wait inside a step: the last finished step is saved
-            done = step - 1
-            if done > start and not (rc.checkpoint.every and done % rc.checkpoint.every == 0):
-                save(rc, s, done, lineage, logger)
-            return stopped(rc, metrics, stop.signum)
+        except stop.Interrupted:  # step 0's evaluation: nothing trained yet, nothing to save
+            return stopped(rc, metrics)
         except TrainingDiverged as e:
             raise TrainingDiverged(f"{e}; {resume_point(rc)}") from None
         finally:
@@ -259,21 +250,63 @@ def put(rc: RunConfig, s: Stages, batch) -> dict:
     return stats | check
 
 
-def learn(rc: RunConfig, s: Stages, samples: list) -> list[dict]:
-    """``ppo_epochs`` passes over the step's samples in ``mini_batches_per_rollout`` shuffled mini-batches."""
+def one_step(rc: RunConfig, s: Stages, step: int, p: StepProgress | None) -> dict:
+    """Step ``step`` (or the rest of it: ``p`` from a checkpoint written inside it): its metrics row.
+
+    A stop request raises :class:`bapo.infra.stop.Interrupted` before the first update (nothing of the step is
+    kept: the caller rewinds it) and :class:`Stopped` once an update was made (what the step's rest needs)."""
+    t_step = time.perf_counter()
+    if p is None:
+        # 1-2. rollout + reward: the source's batch (made inline, or ahead of the learner)
+        batch, waited = s.source.take()
+        # 3. advantages (and recompute) -> 4. the buffer; drop mode refills what went stale
+        samples, rows, more_wait = fill(rc, s, batch)
+        p = StepProgress(step, samples, rows, waited + more_wait)
+    try:
+        # 5. learner: U updates, version +1 each, new weights offered back to the source
+        t0 = time.perf_counter()
+        updates = learn(rc, s, p)
+        p.t_learn += time.perf_counter() - t0
+        s.source.release(s.learner.version, keep_window=rc.learner.old_logp == "recompute")
+        metrics = step_metrics(updates, p.rows, rc.buffer.max_staleness)
+        metrics |= {
+            "learner/updates": float(len(updates)),
+            "policy/version": float(s.learner.version),
+            "time/learner_s": p.t_learn,
+            "buffer/consumer_wait_s": p.waited,
+            "buffer/producer_wait_s": s.source.take_wait_s(),
+        } | s.buffer.metrics()
+        metrics |= s.monitor.observe(metrics, updates)
+        if step == rc.train.steps or (rc.eval.every and step % rc.eval.every == 0):
+            metrics |= evaluate_now(rc, s, step)
+    except stop.Interrupted:
+        if not p.updates:
+            raise
+        raise Stopped(p) from None
+    metrics["time/step_s"] = time.perf_counter() - t_step
+    return metrics
+
+
+def learn(rc: RunConfig, s: Stages, p: StepProgress) -> list[dict]:
+    """``ppo_epochs`` passes over the step's samples in ``mini_batches_per_rollout`` shuffled mini-batches, from
+    where ``p`` stands (a resumed step continues at its next update); returns every update's row."""
     s.source.before_updates()  # an engine on this device may free its memory for the updates (vLLM on a GPU)
-    updates, size = [], rc.sizes.mini_batch_size
-    for _ in range(rc.learner.ppo_epochs):
-        order = list(range(len(samples)))
-        s.rng.shuffle(order)
-        for i in range(0, len(order), size):
-            mb = [samples[j] for j in order[i : i + size]]
+    size = rc.sizes.mini_batch_size
+    while p.epoch < rc.learner.ppo_epochs:
+        if not p.order:
+            p.order = list(range(len(p.samples)))
+            s.rng.shuffle(p.order)
+        while p.at < len(p.order):
+            mb = [p.samples[j] for j in p.order[p.at : p.at + size]]
             stale = s.buffer.check(mb, s.learner.version)
             if rc.rollout.segment_budget is not None:
                 stale |= token_staleness(mb, s.learner.version)
-            updates.append(s.learner.learn(mb) | stale)
+            p.updates.append(s.learner.learn(mb) | stale)  # a stop raises before its update, which is not made
+            p.at += size
             s.source.offer_weights(s.learner)  # the one backward edge
-    return updates
+        p.epoch, p.order, p.at = p.epoch + 1, [], 0
+    p.samples = []  # every update made: the rest of the step needs only the rows
+    return p.updates
 
 
 def evaluate_now(rc: RunConfig, s: Stages, step: int) -> dict:
@@ -294,10 +327,12 @@ def evaluate_now(rc: RunConfig, s: Stages, step: int) -> dict:
         return out
 
 
-def save(rc: RunConfig, s: Stages, step: int, lineage: str, logger) -> None:
-    """Checkpoint ``step`` (the source quiesced between two batches, so its queue and data cursor agree).
-    The metrics rows it covers go to disk first: a checkpoint never outlives the rows before it."""
+def save(rc: RunConfig, s: Stages, step: int, lineage: str, logger, pending: dict | None = None) -> None:
+    """Checkpoint ``step`` (the source quiesced between two batches, so its queue and data cursor agree), with
+    ``pending``, the rest of step ``step + 1`` when a stop came inside it. The metrics rows it covers go to disk
+    first: a checkpoint never outlives the rows before it."""
     logger.sync()
+    t0 = time.perf_counter()
     with s.source.paused():
         path = checkpoint.save_run(
             rc.run_dir / "checkpoints",
@@ -306,9 +341,11 @@ def save(rc: RunConfig, s: Stages, step: int, lineage: str, logger) -> None:
             source=s.source,
             keep=rc.checkpoint.keep,
             lineage=lineage,
+            pending=pending,
             **shared_state(s),
         )
-    log.info("checkpoint %s", path)
+    inside = f" (with {len(pending['updates'])} updates of step {step + 1})" if pending else ""
+    log.info("checkpoint %s%s in %.1f s", path, inside, time.perf_counter() - t0)
 
 
 # ----------------------------------------------------------------------------- metrics and signals
@@ -377,42 +414,89 @@ def resume_point(rc: RunConfig) -> str:
     )
 
 
-def stopped(rc: RunConfig, metrics: dict, signum: int | None) -> dict:
+def stopped(rc: RunConfig, metrics: dict) -> dict:
     log.warning("stopped; continue with resume=auto hydra.run.dir=%s", rc.run_dir)
-    return metrics | {"stopped_by_signal": float(signum or signal.SIGTERM)}
+    return metrics | {"stopped_by_signal": float(stop.signum() or signal.SIGTERM)}
 
 
-class StopRequested:
-    """SIGTERM and Ctrl-C: finish the step, save a checkpoint, exit cleanly. A second Ctrl-C aborts.
+# ----------------------------------------------------------------------------- a step stopped inside
 
-    The request also sets ``interrupt``, which wakes any blocking wait (the source's ``take``)."""
 
-    def __init__(self, interrupt: threading.Event) -> None:
-        self.signum: int | None = None
-        self.interrupt = interrupt
-        self._old: dict[int, object] = {}
+@dataclasses.dataclass
+class StepProgress:
+    """How far step ``step`` got: its scored samples, its rollout batches' stats, the updates made (their rows) and
+    where the next one starts (``epoch``, its shuffled ``order``, ``at``). A checkpoint written inside the step
+    holds it (``pending``: tensors and plain values), and a resumed run makes the rest of the step from it."""
 
-    def __enter__(self) -> StopRequested:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._old[sig] = signal.signal(sig, self._handle)
-        return self
+    step: int
+    samples: list
+    rows: list[dict]
+    waited: float
+    updates: list[dict] = dataclasses.field(default_factory=list)
+    epoch: int = 0
+    order: list[int] = dataclasses.field(default_factory=list)
+    at: int = 0
+    t_learn: float = 0.0
 
-    def _handle(self, signum, frame) -> None:
-        if self.signum is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.signum = signum
-        self.interrupt.set()
-        log.warning("%s: saving a checkpoint after this step, then stopping", signal.Signals(signum).name)
+    def state_dict(self) -> dict:
+        return dataclasses.asdict(self) | {"samples": list(self.samples)}
 
-    def __exit__(self, *exc) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
+    @classmethod
+    def from_state(cls, state: dict) -> StepProgress:
+        return cls(**state)
 
-    def __bool__(self) -> bool:
-        return self.signum is not None
 
-    def agree(self) -> None:
-        """Under torchrun: stop when any rank was signalled (a collective; every rank calls it every step)."""
-        if dist.world_size() > 1 and bool(dist.reduce_max(torch.tensor(float(bool(self)))).item()) and not self:
-            self.signum = signal.SIGTERM
+class Stopped(Exception):
+    """A stop request inside a step once an update was made: ``progress`` is what the rest of the step needs."""
+
+    def __init__(self, progress: StepProgress):
+        super().__init__(f"stopped inside step {progress.step}")
+        self.progress = progress
+
+
+@dataclasses.dataclass
+class StepMark:
+    """What a step changes before its first update, as it was at the step's start: the RNGs, the buffer and the
+    monitor. A stop before the first update puts them back and gives the step's batches back to the source
+    (:meth:`rewind`): the checkpoint then is the step's start, with those batches still to train on."""
+
+    rng: dict
+    buffer: dict
+    monitor: dict
+
+    @classmethod
+    def take(cls, s: Stages) -> StepMark:
+        return cls(checkpoint.capture_rng(s.rng), s.buffer.state_dict(), s.monitor.state_dict())
+
+    def rewind(self, s: Stages) -> None:
+        s.source.requeue()
+        checkpoint.restore_rng(self.rng, s.rng)
+        s.buffer.load_state_dict(self.buffer)
+        self.restore_monitor(s)
+
+    def restore_monitor(self, s: Stages) -> None:
+        """The monitor as before this step (it sees a step once, when the step's updates are done)."""
+        s.monitor.load_state_dict(self.monitor)
+
+
+class SaveClock:
+    """When a step ends in a checkpoint: every ``every`` steps, once ``every_minutes`` have passed since the last
+    one (a checkpoint or the start of this process), at the last step, and when any rank was asked to stop."""
+
+    def __init__(self, every: int, every_minutes: float):
+        self.every, self.every_s = every, 60.0 * every_minutes
+        self.last = time.monotonic()
+
+    def votes(self, step: int, *, final: bool) -> tuple[bool, bool]:
+        """(stop asked on some rank, a checkpoint due): one collective under torchrun, the same on every rank."""
+        due_time = bool(self.every_s) and time.monotonic() - self.last >= self.every_s
+        flags = torch.tensor([float(stop.requested()), float(due_time)])
+        if dist.world_size() > 1:
+            flags = dist.reduce_max(flags)
+        asked, due_time = bool(flags[0]), bool(flags[1])
+        if asked and not stop.requested():
+            stop.request(signal.SIGTERM)
+        return asked, final or due_time or bool(self.every and step % self.every == 0)
+
+    def saved(self) -> None:
+        self.last = time.monotonic()

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from omegaconf import MISSING
 
+from bapo.infra.artifacts import check_model_folder
 from bapo.infra.checks import ConfigError, choice, require, resumable
 from bapo.infra.paths import resolve_path
 
@@ -284,6 +285,7 @@ def load_model(
         raise ValueError(f"model.init: must be 'pretrained' or 'random', got {init!r}")
     kw = dict(trust_remote_code=trust_remote_code, attn_implementation=attn_implementation)
     _verify_local(path)
+    check_model_folder(path, "model.name_or_path", trust_remote_code=trust_remote_code)  # before any allocation
     if torch.device(device).type == "meta":
         return empty_model(path, dtype=dtype, **kw)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], **kw)

@@ -73,6 +73,10 @@ VLLM_NON_TORCH_GIB = 0.5  # inside the share: what vLLM's profile counts as non-
 VLLM_BATCHED_TOKENS, VLLM_MAX_SEQS = 16384, 1024
 GPUS_PER_NODE = 8
 DEFAULT_GPU_GIB = 80.0  # H100 / A100 80GB
+# A checkpoint's write rate per node, for the stop's save estimate: a shared file system's sustained write (NFS,
+# Lustre, GPFS give 0.5-5 GB/s a client node); measure yours with dd and scale the printed time.
+SAVE_GBPS_PER_NODE = 1.0
+SLURM_KILL_WAIT_S = 30  # SLURM's default KillWait: SIGTERM, then SIGKILL this much later
 
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -608,6 +612,43 @@ class Plan:
                 out.append("host: train.async_rollout=false (no weight snapshots)")
         return out
 
+    def save_bytes(self) -> tuple[int, int]:
+        """(bytes a rank writes, bytes a node writes) for one checkpoint: the learner's weights and AdamW moments
+        (DCP shards under FSDP, the whole state in one process) and, on rank 0, the weight snapshots the producer
+        holds. The stop's save, and every periodic one."""
+        u, n = self.setup, self.setup.shape.params
+        learner = 3 * u.master * n // u.shard  # masters and the two moments
+        snapshots = held_snapshots(u.rc) * u.master * n
+        ranks = min(u.world, GPUS_PER_NODE)
+        return learner + snapshots, learner * ranks + snapshots
+
+    def save_lines(self) -> list[str]:
+        """The stop's save against the launcher's grace and SLURM's default KillWait (``render``)."""
+        rank, node = self.save_bytes()
+        seconds = node / (SAVE_GBPS_PER_NODE * 1e9)
+        launcher = getattr(self.setup.rc, "launcher", None)
+        grace = float(launcher.grace_s) if launcher is not None else None
+        out = [
+            "",
+            "stop and save (a signal saves a checkpoint: docs/gpu.md, Stopping)",
+            f"  a checkpoint: {rank / GiB:.1f} GiB a rank, {node / GiB:.1f} GiB a node; about {seconds:.0f} s at "
+            f"{SAVE_GBPS_PER_NODE:g} GB/s a node (an assumed shared file system: scale by yours)",
+        ]
+        for name, limit in (("launcher.grace_s", grace), ("SLURM's default KillWait", SLURM_KILL_WAIT_S)):
+            if limit is None:
+                continue
+            ok = seconds + 5 < limit  # a stop reaches its save within seconds
+            verdict = "enough" if ok else "TOO SHORT: the save would be SIGKILLed"
+            out.append(f"  {name} = {limit:g} s: {verdict}")
+        if not all(seconds + 5 < limit for limit in (grace, SLURM_KILL_WAIT_S) if limit is not None):
+            need = int(seconds * 2 + 30)
+            out.append(
+                f"  give the save time: launcher.grace_s={need} (torchrun --shutdown-timeout={need}); under SLURM "
+                f"#SBATCH --signal=B:TERM@{need} (or USR1) and a KillWait over {need} s; and bound what a SIGKILL "
+                "loses with checkpoint.every_minutes"
+            )
+        return out
+
     def render(self, label: str = "") -> str:
         u, s, r, ln = self.setup, self.setup.shape, self.setup.rc.rollout, self.setup.rc.learner
         gib = lambda n: f"{n / GiB:8.2f}"  # noqa: E731
@@ -652,6 +693,7 @@ class Plan:
         if self.host_limit is not None:
             out[-1] += f"; host {self.host_total / GiB:.1f} of {self.host_limit / GiB:.1f} GiB a node"
         out += [f"  {a}" for a in self.advice()]
+        out += self.save_lines()
         return "\n".join(out)
 
 

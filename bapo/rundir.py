@@ -34,10 +34,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
 from bapo.config import resumable_keys
+from bapo.infra.artifacts import load_config, load_yaml
 from bapo.infra.checks import ConfigError, UserError
 
 log = logging.getLogger(__name__)
@@ -269,6 +267,22 @@ def _previous_run(run_dir: Path) -> list[str]:
     return found
 
 
+def training_run_files(run_dir: str | Path) -> list[str]:
+    """What in ``run_dir`` says a training run is there (:data:`EVIDENCE`, its ``config.yaml``, or Hydra's record of a
+    training job: a ``.hydra/config.yaml`` with a ``train`` group); empty for anything else (eval.py's folders)."""
+    run_dir = Path(run_dir)
+    found = _previous_run(run_dir) + (["config.yaml"] if (run_dir / "config.yaml").is_file() else [])
+    hydra = run_dir / ".hydra" / "config.yaml"
+    if not found and hydra.is_file():
+        try:
+            record = load_yaml(hydra)
+        except ConfigError:
+            record = None
+        if isinstance(record, dict) and "train" in record:
+            found.append(".hydra/ (a training job's)")
+    return found
+
+
 def _refuse_reuse(run_dir: Path, found: list[str], why: str) -> ConfigError:
     return ConfigError(
         f"{why}, but {run_dir} holds another run ({', '.join(found)}). Continue that run with resume=auto "
@@ -416,21 +430,12 @@ def resume_changes(saved_cfg: dict, new_cfg: dict) -> list[Change]:
 
 
 def saved_config(run_dir: str | Path) -> dict | None:
-    """A run's config.yaml as a plain dict; None if the run has none."""
+    """A run's config.yaml as a plain dict (``bapo.infra.artifacts``: read as data, never resolved, an interpolation
+    in it refused naming the key); None if the run has none."""
     f = Path(run_dir) / "config.yaml"
     if not f.is_file():
         return None
-    try:
-        cfg = OmegaConf.to_container(OmegaConf.load(f), resolve=True)
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"{f}: cannot be read ({type(e).__name__}: {str(e).splitlines()[0]})") from None
-    except RecursionError:
-        raise ConfigError(f"{f}: cannot be read (nested too deeply to parse)") from None
-    except Exception as e:  # a YAML syntax error
-        raise ConfigError(f"{f}: cannot be read ({type(e).__name__}: {e})") from None
-    if not isinstance(cfg, dict):
-        raise ConfigError(f"{f}: not a mapping of config groups")
-    return cfg
+    return load_config(f)
 
 
 def record_changes(run_dir: str | Path, changes: list[Change], step: int) -> None:

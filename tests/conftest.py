@@ -37,6 +37,15 @@ memoise_compositions()
 
 
 @pytest.fixture(autouse=True)
+def _no_stop_request():
+    """A stop request is the process's (bapo.infra.stop): a test that makes one does not leave it to the next."""
+    from bapo.infra import stop
+
+    yield
+    stop.clear()
+
+
+@pytest.fixture(autouse=True)
 def _seed():
     random.seed(0)
     np.random.seed(0)

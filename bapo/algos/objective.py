@@ -50,7 +50,7 @@ from bapo.algos.bounds import ADAPTIVE, ReduceSum, _reduce, make_bound_fn, posit
 from bapo.algos.correction import check_correction, correction_weights, loglinear_proximal
 from bapo.algos.eps_feedback import EpsFeedbackState, eps_feedback_g, eps_feedback_loss, eps_feedback_sums
 from bapo.algos.surrogate import MAX_RATIO, check_surrogate_options, policy_loss, second_moment_cutoff
-from bapo.infra.checks import ConfigError, delegated, imported, require
+from bapo.infra.checks import ConfigError, delegated, lacks_factory, plugin, require
 
 ChooseFn = Callable[..., tuple[dict[str, float], dict[str, float]]]
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
@@ -231,7 +231,8 @@ def register_objective(name: str) -> Callable[[ObjectiveFactory], ObjectiveFacto
 
 
 def objective_factory(name: str) -> ObjectiveFactory:
-    """The factory ``algo.objective`` names: a registered name, or ``package.module:function`` imported."""
+    """The factory ``algo.objective`` names: a registered name, or ``package.module:function`` imported and checked to
+    be a function of one argument (``bapo.infra.checks.plugin``: ``os:system`` is no loss)."""
     if name in OBJECTIVES:
         return OBJECTIVES[name]
     require(
@@ -239,9 +240,8 @@ def objective_factory(name: str) -> ObjectiveFactory:
         "algo.objective",
         f"unknown objective {name!r}; choose from {sorted(OBJECTIVES)} or give an import path package.module:factory",
     )
-    factory = imported(name, "algo.objective")
-    require(callable(factory), "algo.objective", f"{name!r} is not a function (got {type(factory).__name__})")
-    return factory
+    signature = "build(algo) -> Objective (docs/extending.md, a loss outside the repository)"
+    return plugin(name, OBJECTIVES, "algo.objective", kind="a loss factory", lacks=lacks_factory(signature))
 
 
 def build_objective(algo: Any) -> Objective:

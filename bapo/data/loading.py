@@ -7,7 +7,8 @@ Three sources, one interface (an iterable of :class:`Problem`):
   is read as bytes and each line decoded on its own, so one bad row never sinks
   the load: a malformed row (invalid UTF-8, invalid JSON, a missing or empty
   field, an answer that is not a finite number or a string, a row nested too
-  deeply to parse, an integer too long to convert) is logged with its
+  deeply to parse, an integer too long to convert, a lone surrogate such as JSON's ``"\\ud800"``, a
+  line over :data:`MAX_ROW_BYTES`, which is never held whole) is logged with its
   ``file:line``, skipped and counted in :class:`LoadReport`; past the first
   :data:`ROWS_LOGGED` of a file the rest are logged as one count, and a file with
   no valid row (a binary file) logs none: its one error gives the count and the first. A UTF-8
@@ -18,7 +19,8 @@ Three sources, one interface (an iterable of :class:`Problem`):
   :class:`DataFileError` naming the file (use ``jsonl`` to skip bad rows one by one);
   rows that parse but lack a field are skipped and counted as above.
 
-Prompts go through the tokenizer's chat template with an instruction to put the
+Prompts go through the tokenizer's chat template (rendered in Jinja's sandbox with bounds on
+time, size and output: :mod:`bapo.infra.chat_template`) with an instruction to put the
 final answer in ``\\boxed{}``. A prompt longer than ``max_prompt_tokens`` tokens
 is skipped like a malformed row (counted in ``skipped`` and in ``too_long``,
 logged once with its problem id): :func:`render_prompts` for fixed sets,
@@ -48,6 +50,8 @@ from pathlib import Path
 from typing import Any
 
 from bapo.data.tasks import ArithSource, ArithSpec, arith_heldout, is_heldout
+from bapo.infra.artifacts import line_too_long, read_lines
+from bapo.infra.chat_template import render_chat
 from bapo.infra.checks import ConfigError
 from bapo.infra.paths import ROOT, resolve_path
 from bapo.samples import Problem, Prompt
@@ -63,6 +67,10 @@ DEFAULT_INSTRUCTION = "Put the final answer in \\boxed{}."
 # characters per token on English and LaTeX, so a row this long is over the limit by a
 # wide margin; the cap keeps a 1 MB row from reaching the tokenizer (and the rollout).
 MAX_CHARS_PER_TOKEN = 64
+# A JSONL row longer than this is skipped unread (counted like any malformed row): a problem a thousand times longer
+# than any real one, and a file of one 2 GB line is read in bounded pieces. A data file has no bound in all: it is
+# the run's own choice, and every row of it is kept.
+MAX_ROW_BYTES = 8 << 20
 # What the prompt limit is, for the error when nothing fits under it.
 LIMIT_NOTE = (
     " (the limit is data.max_prompt_tokens, or less: the model's context minus rollout.max_new_tokens; "
@@ -186,7 +194,22 @@ def _row_to_problem(row: object, where: str, problem_key: str, answer_key: str, 
         raise ValueError(f"{where}: field {answer_key!r} is {ans!r}, which no answer can equal")
     if isinstance(ans, str) and not ans.strip():
         raise ValueError(f"{where}: field {answer_key!r} is an empty string")
+    for key in (problem_key, answer_key, "id", "source"):
+        if isinstance(row.get(key), str):
+            _check_text(row[key], where, key)
     return Problem(id=str(row.get("id", idx)), problem=prob, answer=str(ans), source=str(row.get("source", "")))
+
+
+def _check_text(text: str, where: str, key: str) -> None:
+    """Refuse a string that is not text: JSON's ``"\\ud800"`` decodes to a lone surrogate, which no tokenizer,
+    file or log can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"{where}: field {key!r} holds a lone surrogate ({text[e.start : e.end]!a} at character {e.start + 1}), "
+            "which is not text"
+        ) from None
 
 
 def _short(value: object, n: int = 60) -> str:
@@ -237,12 +260,18 @@ def load_jsonl(
     report = report if report is not None else LoadReport()
     out, whys, skipped = [], [], 0
     with path.open("rb") as f:
-        for lineno, raw in enumerate(f, 1):
+        for lineno, raw in read_lines(f, path, max_line=MAX_ROW_BYTES, max_total=None):
+            where = f"{path}:{lineno}"
+            if raw is None:  # never held whole: a bounded read
+                report.skipped += 1
+                skipped += 1
+                if len(whys) < ROWS_LOGGED:
+                    whys.append(line_too_long(where, MAX_ROW_BYTES))
+                continue
             if lineno == 1 and raw.startswith(codecs.BOM_UTF8):
                 raw = raw[len(codecs.BOM_UTF8) :]
             if not raw.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 line = raw.decode("utf-8")
                 out.append(_row_to_problem(_parse_row(line), where, problem_key, answer_key, lineno))
@@ -364,7 +393,7 @@ def render_prompt(problem: Problem, tokenizer, *, instruction: str = DEFAULT_INS
     """Render a problem through the chat template and tokenize it."""
     content = f"{problem.problem}\n{instruction}" if instruction else problem.problem
     messages = [{"role": "user", "content": content}]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = render_chat(tokenizer, messages)  # the sandbox, bounded: a model folder's template is code
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return Prompt(problem=problem, text=text, ids=tuple(ids))
 

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
+from bapo.infra import stop
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -179,7 +181,8 @@ def lean_decode(
     model, ids: torch.Tensor, attn: torch.Tensor, sampling: Sampling, segments: Segments | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample ``n`` continuations of each left-padded prompt row (``ids``, ``attn``: [B, P]); with ``segments``
-    (n = 1) a row is a prompt and its response so far, continued for at most its cap."""
+    (n = 1) a row is a prompt and its response so far, continued for at most its cap. A stop request raises
+    :class:`bapo.infra.stop.Interrupted` between two tokens."""
     n, temperature, top_p = sampling.n, sampling.temperature, sampling.top_p
     stop_ids, pad_id = sampling.stop_ids, sampling.pad_id
     max_new_tokens = sampling.max_new_tokens if segments is None else int(segments.caps.max())
@@ -207,6 +210,7 @@ def lean_decode(
     if segments is not None:
         caps, seeds, offsets = (x.to(dev) for x in (segments.caps, segments.seeds, segments.offsets))
     for t in range(max_new_tokens):
+        stop.check()  # a stop request gives the batch up between two tokens (bapo.infra.stop)
         if temperature <= 0:
             u = None
         elif segments is None:
@@ -300,8 +304,13 @@ def generate_decode(
     model, ids: torch.Tensor, attn: torch.Tensor, sampling: Sampling, segments: Segments | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``model.generate`` with :func:`sampling_config`; the same contract as :func:`lean_decode`, without
-    ``segments`` (``generate`` draws from the process's RNG)."""
-    from transformers import LogitsProcessorList
+    ``segments`` (``generate`` draws from the process's RNG). A stop request ends ``generate`` at its next token
+    (a stopping criterion) and raises :class:`bapo.infra.stop.Interrupted`."""
+    from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+
+    class OnStop(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
+            return torch.full((input_ids.shape[0],), stop.requested(), dtype=torch.bool, device=input_ids.device)
 
     if segments is not None:
         raise ValueError("decode=generate cannot continue responses in segments: use decode=lean")
@@ -309,7 +318,12 @@ def generate_decode(
     record = _StepLogp(sampling.temperature if sampling.temperature > 0 else 1.0)
     with _no_checkpoint_defaults(model):
         seq = model.generate(
-            input_ids=ids, attention_mask=attn, generation_config=gc, logits_processor=LogitsProcessorList([record])
+            input_ids=ids,
+            attention_mask=attn,
+            generation_config=gc,
+            logits_processor=LogitsProcessorList([record]),
+            stopping_criteria=StoppingCriteriaList([OnStop()]),
         )
+    stop.check()
     new = seq[:, ids.shape[1] :]  # [B*n, T'], T' <= max_new_tokens
     return new, record.finish(new)

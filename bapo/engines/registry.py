@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
-from bapo.infra.checks import Schemas, registered, require
+from bapo.infra.checks import Schemas, plugin
 
 ENGINES: dict[str, str] = {
     "hf": "bapo.engines.hf:HFRollout",
@@ -76,15 +77,14 @@ class EngineTraits:
 def engine_class(name: str) -> type:
     """The class registered as ``name``, or that the import path ``package.module:Class`` names (an engine
     outside this repository), imported now; a ConfigError names the choices or what the class lacks."""
-    cls = registered(name, ENGINES, "rollout.engine")
+    return plugin(name, ENGINES, "rollout.engine", kind="an engine class", lacks=_lacks_engine)
+
+
+def _lacks_engine(cls: Any) -> str | None:
     lacks = [a for a in ("traits", "config", "from_config") if not hasattr(cls, a)]
-    require(
-        not lacks and isinstance(cls.traits, EngineTraits),
-        "rollout.engine",
-        f"{name!r} is not an engine class: it needs {lacks or ['traits = EngineTraits(...)']} "
-        f"(docs/extending.md, a new rollout engine)",
-    )
-    return cls
+    if isinstance(cls, type) and not lacks and isinstance(cls.traits, EngineTraits):
+        return None
+    return f"it needs {lacks or ['traits = EngineTraits(...)']} (docs/extending.md, a new rollout engine)"
 
 
 def engine_traits(name: str) -> EngineTraits:

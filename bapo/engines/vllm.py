@@ -70,7 +70,7 @@ from bapo.engines.base import RolloutEngine, SamplingDefaults, make_sample
 from bapo.engines.config import RolloutCommon
 from bapo.engines.registry import EngineTraits
 from bapo.engines.staging import check_reply, save_weights
-from bapo.infra import dist
+from bapo.infra import dist, stop
 from bapo.infra.checks import ConfigError, choice, require, resumable
 from bapo.samples import Prompt, Sample
 
@@ -333,13 +333,28 @@ class VLLMRollout(RolloutEngine):
             torch.manual_seed(hash(tuple(keyed)) % (1 << 63))
         per_request = [None] * len(keyed) if self.on_cpu else keyed
         params = [self._params(self.temperature, cap, k) for cap, k in zip(caps, per_request, strict=True)]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], params, use_tqdm=False)
+        outputs = self._run([TokensPrompt(prompt_token_ids=r) for r in rows], params)
         out = []
         for o in outputs:
             comp = o.outputs[0]
             logp = [pos[t].logprob for t, pos in zip(comp.token_ids, comp.logprobs, strict=True)]
             out.append((torch.tensor(list(comp.token_ids), dtype=torch.long), torch.tensor(logp, dtype=torch.float32)))
         return out
+
+    def _run(self, requests: list, params: list) -> list:
+        """``LLM.generate(requests, params)``, stepping the engine here so that a stop request gives the batch up
+        between two engine steps (its requests aborted; :class:`bapo.infra.stop.Interrupted`). The outputs come
+        back in the order of ``requests``."""
+        ids = self.llm.enqueue(requests, params, use_tqdm=False)
+        engine, done = self.llm.llm_engine, {}
+        while engine.has_unfinished_requests():
+            if stop.requested():
+                engine.abort_request([i for i in ids if i not in done])
+                raise stop.Interrupted
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]
 
     def _ready(self) -> None:
         if self.version == DISCARDED:
@@ -383,7 +398,7 @@ class VLLMRollout(RolloutEngine):
             params.append(
                 self._params(temperature, self.max_new_tokens, request_seed(seed, i) if request_seeds else None)
             )
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        outputs = self._run(requests, params)
         samples = []
         for i, out in enumerate(outputs):
             comp = out.outputs[0]

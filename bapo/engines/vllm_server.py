@@ -44,6 +44,7 @@ staged weights) down too.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -80,7 +81,7 @@ from bapo.engines.staging import (
     save_weights,
 )
 from bapo.engines.vllm import checkpoint_generation_config, cpu_compile_cache, request_seed, vllm_installed
-from bapo.infra import dist
+from bapo.infra import dist, stop
 from bapo.infra.checks import ConfigError, require, resumable
 from bapo.samples import Prompt, Sample
 
@@ -384,7 +385,18 @@ class VLLMServerRollout(RolloutEngine):
         self.admission = _Admission(described.get("kv_tokens"), int(described.get("max_num_seqs") or 256))
         self.positional = bool(described.get("positional_draws"))  # seeds of a response's segments: vllm.py's docstring
         self.pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="bapo-vllm-http")
+        self._streams: set = set()  # the connections of the streams in flight: a stop closes them (the server aborts)
+        self._streams_lock = threading.Lock()
+        stop.on_request(self._abandon_streams)
         dist.before_teardown(self.close)
+
+    def _abandon_streams(self) -> None:
+        """Close every stream in flight (a stop request): the server aborts their requests, the readers give up."""
+        with self._streams_lock:
+            conns = list(self._streams)
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_RDWR) if conn.sock is not None else None
 
     # ------------------------------------------------------------------ the server process
 
@@ -447,6 +459,7 @@ class VLLMServerRollout(RolloutEngine):
 
     def close(self) -> None:
         """Stop a started server (and its engine process) and remove the weight folders."""
+        stop.forget(self._abandon_streams)
         if getattr(self, "pool", None) is not None:
             self.pool.shutdown(wait=False, cancel_futures=True)
         if self.proc is not None:
@@ -488,13 +501,18 @@ class VLLMServerRollout(RolloutEngine):
         conn_cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
         conn = conn_cls(u.hostname, u.port, timeout=self.timeout)
         events = []
+        with self._streams_lock:
+            self._streams.add(conn)
         try:
+            stop.check()  # a stop request: no new stream
             conn.request("POST", path, json.dumps(body | {"stream": True}), {"Content-Type": "application/json"})
             resp = conn.getresponse()
             if resp.status != 200:
                 detail = resp.read()[:400].decode(errors="replace").replace("\n", " ")
                 raise ServerError(f"rollout=vllm_server: POST {self.url}{path}: HTTP {resp.status}: {detail}")
             for raw in resp:
+                if stop.requested():
+                    raise stop.Interrupted  # closing the connection (below) makes the server abort the request
                 line = raw.decode(errors="replace").strip()
                 if not line.startswith("data:"):
                     continue  # blank separators and ": keep-alive" comments
@@ -505,14 +523,20 @@ class VLLMServerRollout(RolloutEngine):
                 if "error" in event:
                     raise ServerError(f"rollout=vllm_server: {self.url}{path}: {str(event['error'])[:400]}")
                 events.append(event)
-        except TimeoutError:
-            raise ServerError(
-                f"rollout.request_timeout_s: the server at {self.url} sent nothing for {self.timeout:g} s on a "
-                "running request (stuck or overloaded); raise rollout.request_timeout_s if it is only slow"
-            ) from None
-        except OSError as e:
-            raise ServerError(f"rollout=vllm_server: POST {self.url}{path} failed: {self._died(e)}") from None
+        except (TimeoutError, OSError, http.client.HTTPException, ValueError) as e:
+            if stop.requested():  # the stop closed the stream: the batch is given up, not failed
+                raise stop.Interrupted from None
+            if isinstance(e, TimeoutError):
+                raise ServerError(
+                    f"rollout.request_timeout_s: the server at {self.url} sent nothing for {self.timeout:g} s on a "
+                    "running request (stuck or overloaded); raise rollout.request_timeout_s if it is only slow"
+                ) from None
+            if isinstance(e, OSError):
+                raise ServerError(f"rollout=vllm_server: POST {self.url}{path} failed: {self._died(e)}") from None
+            raise
         finally:
+            with self._streams_lock:
+                self._streams.discard(conn)
             conn.close()
         return events
 

@@ -88,6 +88,7 @@ def remove_run_folder(run_dir: Path) -> None:
 
 _OWN_ENV: set[str] = set()  # variables hydra_entry set itself (own_env)
 _NEW_ROOTS: set[Path] = set()  # ./outputs, ./multirun when this process began and they did not exist (hydra_entry)
+_GIVEN_DIRS: dict[Path, tuple[int, int]] = {}  # hydra.run.dir=<existing folder> on the command line: its times before
 
 
 def remove_empty_parents(run_dir: Path) -> None:
@@ -192,9 +193,62 @@ def _leave_the_line_to_rank_0(wait_s: float = 60.0) -> None:
     per rank), it says the line itself after ``wait_s``."""
     import signal
 
-    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    from bapo.infra.stop import STOP_SIGNALS
+
+    for s in STOP_SIGNALS:
         signal.signal(s, signal.SIG_DFL)
     time.sleep(wait_s)
+
+
+def unresolvable(e: BaseException) -> Exception:
+    """OmegaConf's error for an interpolation that does not resolve (a key on itself, a missing key or environment
+    variable, an unknown resolver), as one ConfigError naming the key."""
+    from bapo.infra.checks import ConfigError
+
+    key = getattr(e, "full_key", None) or "config"
+    why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return ConfigError(f"{key}: cannot be resolved ({why})")
+
+
+def check_resolvable(cfg: Any) -> None:
+    """Every interpolation of the composed config resolves (``train.steps=${train.steps}`` on the command line would
+    otherwise be a traceback wherever the key is first read); :func:`unresolvable`'s ConfigError if one does not."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as e:
+        raise unresolvable(e) from None
+
+
+def refuse_training_run(run_dir: Path, script: str) -> None:
+    """``eval.py ... hydra.run.dir=<a training run>``: one line, exit 2, the folder as it was. eval.py writes its own
+    ``.hydra/`` record (and results) into its run folder, and a training run's ``.hydra/`` is the run's record
+    (``scripts/study/pack_study.py`` labels a cell from it): evaluating beside a run is ``hydra.run.dir=<run>/eval``.
+    The empty job log Hydra opened for this job goes, and the folder's times are put back when the command line named
+    it (:func:`hydra_entry` noted them)."""
+    from bapo.infra.checks import ConfigError
+    from bapo.rundir import training_run_files
+
+    found = training_run_files(run_dir)
+    if not found:
+        return
+    for h in _file_handlers(run_dir):
+        h.close()
+        logging.getLogger().removeHandler(h)
+        log = Path(h.baseFilename)
+        if log.is_file() and log.stat().st_size == 0:
+            log.unlink()
+    if (times := _GIVEN_DIRS.get(run_dir.absolute())) is not None:
+        os.utime(run_dir, ns=times)
+    fail(
+        ConfigError(
+            f"hydra.run.dir: {run_dir} holds a training run ({', '.join(found)}), whose record {script} would "
+            f"replace; evaluate it into a folder of its own, e.g. hydra.run.dir={run_dir}/eval"
+        ),
+        2,
+    )
 
 
 # ----------------------------------------------------------------------------- the launch, as the job's first step
@@ -212,6 +266,7 @@ def launch_here(cfg: Any, hc: Any, script: str | Path, run_dir: Path, cell: Cell
     began, run_dir = time.time(), Path(run_dir)
     fresh = not run_dir.exists() or only_hydra_files(run_dir)
     try:
+        check_resolvable(cfg)  # the command line's interpolations, before anything reads the config
         stamped = None if cell is not None else launch.stamped_folder(hc)  # a sweep's cells: the sweep's folder
         how = launch.decide(cfg, hc.overrides.task, entry, run_dir, stamped=stamped)
     except user_errors() as e:
@@ -237,7 +292,8 @@ def launch_here(cfg: Any, hc: Any, script: str | Path, run_dir: Path, cell: Cell
         if cell
         else (f"resume: the same command with resume=auto hydra.run.dir={run_dir}")
     )
-    outcome = launch.start(how, script, launch.rank_args(hc, run_dir, how), env, after=after)
+    grace = float((cfg.get("launcher") or {}).get("grace_s") or 120.0)
+    outcome = launch.start(how, script, launch.rank_args(hc, run_dir, how), env, after=after, grace_s=grace)
     if cell is None:
         if outcome.line and run_dir.is_dir() and not only_hydra_files(run_dir):
             _append_log(run_dir, outcome.line)  # the run's log ends with why it ended
@@ -498,16 +554,23 @@ def hydra_entry(main: Callable[[], Any]) -> Any:
     With ``HYDRA_FULL_ERROR=1`` set by the user, every error keeps its full stack trace.
     """
     _NEW_ROOTS.update(p for p in (Path.cwd().absolute() / r for r in RUN_ROOTS) if not p.exists())
+    for arg in sys.argv[1:]:  # a folder given by name: as it was before Hydra opened its job log in it
+        if arg.startswith("hydra.run.dir=") and (given := Path(arg.split("=", 1)[1]).absolute()).is_dir():
+            st = given.stat()
+            _GIVEN_DIRS[given] = (st.st_atime_ns, st.st_mtime_ns)
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         return main()
     os.environ["HYDRA_FULL_ERROR"] = "1"
     _OWN_ENV.add("HYDRA_FULL_ERROR")
     from hydra.errors import CompactHydraException
+    from omegaconf.errors import OmegaConfBaseException
 
     from bapo.infra.checks import unknown_option
 
     try:
         return main()
+    except OmegaConfBaseException as e:  # an interpolation Hydra resolves itself (hydra.run.dir=${oc.env:NOPE})
+        fail(unresolvable(e), 2)
     except CompactHydraException as e:  # composition, override syntax, a missing group option
         if (unknown := unknown_option(e)) is not None:
             fail(unknown, 2)  # a mistyped option: its closest options

@@ -62,7 +62,9 @@ FAKE_DEVICES = "BAPO_FAKE_DEVICES"  # test hook (module docstring)
 LAUNCHER_ENV = "BAPO_LAUNCHER_PID"  # in the ranks a launch starts: the launching process's pid (watch_launcher)
 RDZV_PORT = 29400  # the first node's rendezvous port under SLURM (torchrun's default)
 LAYOUT_GROUPS = ("placement", "learner", "launcher")  # on the command line, the plan changes none of them
-SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)  # what the elastic agent passes on
+# What the elastic agent passes on to the ranks: the stop signals (bapo.infra.stop.STOP_SIGNALS) and SIGQUIT.
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGQUIT)
+KILLED_AFTER_GRACE = "forcefully exiting"  # what torch's agent logs when a rank outlived the grace (then SIGKILL)
 
 
 # ----------------------------------------------------------------------------- what this machine has
@@ -480,12 +482,51 @@ class Outcome:
     line: str | None = None
 
 
+class _AgentLines(logging.Filter):
+    """Drops the elastic agent's own log lines (this process prints one line of its own instead) and notes whether
+    it had to SIGKILL a rank that outlived the grace."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.killed = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if KILLED_AFTER_GRACE in record.getMessage():
+            self.killed = True
+        return False
+
+
+@contextlib.contextmanager
+def _agent_quiet() -> Iterator[_AgentLines]:
+    """torch.distributed's loggers silenced for the block, the agent's shutdown lines read (:class:`_AgentLines`)."""
+    lines = _AgentLines()
+    quiet = logging.getLogger("torch.distributed")
+    agent = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    levels = (quiet.level, agent.level)
+    quiet.setLevel(logging.CRITICAL + 1)
+    agent.setLevel(logging.WARNING)
+    agent.addFilter(lines)
+    try:
+        yield lines
+    finally:
+        agent.removeFilter(lines)
+        quiet.setLevel(levels[0])
+        agent.setLevel(levels[1])
+
+
 def start(
-    how: Launch, script: str | Path, args: Sequence[str], env: dict[str, str | None] | None = None, after: str = ""
+    how: Launch,
+    script: str | Path,
+    args: Sequence[str],
+    env: dict[str, str | None] | None = None,
+    after: str = "",
+    grace_s: float = 120.0,
 ) -> Outcome:
     """Start this node's ranks of ``how`` running ``python -u script args`` through torch's elastic launcher (module
     docstring), with ``env`` added to their environment (a None value: that variable removed), and wait for them.
-    ``after``: what the line of a killed rank adds (how to resume)."""
+    ``after``: what the line of a killed rank adds (how to resume). A signal of :data:`SIGNALS` is passed on to
+    every rank, which then has ``grace_s`` seconds (``launcher.grace_s``) to save and exit before SIGKILL; when
+    one had to be killed, the outcome's line says so."""
     from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -498,6 +539,8 @@ def start(
         rdzv_backend="c10d",
         rdzv_endpoint=how.rdzv_endpoint or "localhost:0",
         max_restarts=0,
+        signals_to_handle=",".join(s.name for s in SIGNALS),
+        shutdown_timeout=max(1, math.ceil(grace_s)),
         logs_specs=DefaultLogsSpecs(log_dir=os.devnull),  # the ranks write to our streams: no torchelastic_* folder
     )
     ranks_env = dict(env or {}) | {"TORCHELASTIC_SIGNALS_TO_HANDLE": None}
@@ -505,7 +548,9 @@ def start(
         ranks_env["OMP_NUM_THREADS"] = "1"  # torchrun's default for several ranks a node
     handlers = {s: signal.getsignal(s) for s in SIGNALS}
     quiet = logging.root.manager.disable
-    logging.disable(logging.ERROR)  # the agent's own lines (a rank's failure, a signal): one line of ours instead
+    logging.disable(logging.NOTSET)
+    agent = _agent_quiet()
+    lines = agent.__enter__()
     try:
         with _env(ranks_env):
             elastic_launch(config, sys.executable)("-u", str(script), *args)
@@ -520,8 +565,18 @@ def start(
         print(line, file=sys.stderr, flush=True)
         return Outcome(1, line)
     except SignalException as e:  # the agent passed it on to every rank and waited for them
-        return Outcome(128 + int(e.sigval))
+        if not lines.killed:
+            return Outcome(128 + int(e.sigval))
+        line = (
+            f"error: RankKilled: a rank outlived the launcher's grace after {signal.Signals(e.sigval).name} "
+            f"(launcher.grace_s={grace_s:g}) and was killed by SIGKILL: its stop did not finish saving (raise "
+            "launcher.grace_s; python train.py ... --plan prints the estimated save time)"
+        )
+        line += f"; {after}" if after else ""
+        print(line, file=sys.stderr, flush=True)
+        return Outcome(128 + int(e.sigval), line)
     finally:
+        agent.__exit__(None, None, None)
         logging.disable(quiet)
         for s, h in handlers.items():
             signal.signal(s, h)

@@ -57,7 +57,8 @@ from bapo.data.config import ANSWER_FORMATS, check_arith
 from bapo.data.loading import DataFileError, LoadReport, gsm8k_answer, load_hub, load_jsonl, render_prompts
 from bapo.data.tasks import ArithSpec, arith_heldout
 from bapo.eval import passk as M
-from bapo.infra import dist
+from bapo.infra import dist, stop
+from bapo.infra.artifacts import ArtifactError, load_config
 from bapo.infra.checks import choice, require, to_plain, typed
 from bapo.infra.paths import EVAL_DIR, EXPORT_CONFIG, HELDOUT, compose_option, eval_sets
 from bapo.infra.seeding import derive_seed
@@ -90,11 +91,18 @@ def share_seed(seed: int | None, share: int, shares: int) -> int | None:
 def generate_local(
     rollout, prompts: Sequence[Prompt], *, n: int, temperature: float, seed: int | None
 ) -> tuple[list[Sample], int | None]:
-    """This share's samples, ``n`` per prompt of ``prompts[share::shares]``, grouped by prompt, and its call seed."""
+    """This share's samples, ``n`` per prompt of ``prompts[share::shares]``, grouped by prompt, and its call seed.
+
+    A stop request gives the generation up (:class:`bapo.infra.stop.Interrupted`), on every rank together under
+    torchrun (an agreement follows the generation)."""
     share, shares = shares_of(rollout)
     mine = list(prompts[share::shares])
     call_seed = share_seed(seed, share, shares)
-    local = rollout.generate(mine, n=n, temperature=temperature, seed=call_seed) if mine else []
+    try:
+        local = rollout.generate(mine, n=n, temperature=temperature, seed=call_seed) if mine else []
+    except stop.Interrupted:
+        local = None
+    stop.check_agreed(local is None)
     if len(local) != len(mine) * n:
         raise RuntimeError(f"the rollout engine returned {len(local)} samples for {len(mine)} prompts x n={n}")
     return local, call_seed
@@ -706,16 +714,15 @@ def adopt_run(cfg: DictConfig, overrides: Sequence[str] = ()) -> RunSettings | N
 
 
 def _load_run_config(path: Path) -> dict:
-    """A run's resolved config, with the groups evaluation reads; a damaged file is a ConfigError naming it."""
-    import yaml
-
+    """A run's config (bapo.infra.artifacts: read as data, never resolved; an interpolation in it is refused), with
+    the groups evaluation reads; a damaged file is a ConfigError naming it."""
     try:
-        run = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    except (OSError, OmegaConfBaseException, ValueError, yaml.YAMLError) as e:
-        raise ConfigError(f"checkpoint: {path} is not a readable training config ({str(e).splitlines()[0]})") from None
+        run = load_config(path)
+    except ArtifactError as e:
+        raise ConfigError(f"checkpoint: {e}") from None
     need = {"model": ("dtype",), "rollout": ("engine", "max_new_tokens"), "data": ("instruction", "max_prompt_tokens")}
     for group, keys in need.items():
-        node = run.get(group) if isinstance(run, dict) else None
+        node = run.get(group)
         missing = [f"{group}.{k}" for k in keys if not isinstance(node, dict) or k not in node]
         if missing:
             raise ConfigError(f"checkpoint: {path} is not a training run's config: it has no {missing[0]}")
@@ -731,30 +738,6 @@ def _plain(v: Any) -> Any:
 
 def _show(v: Any) -> str:
     return json.dumps(v) if isinstance(v, dict | list) or v is None else str(v)
-
-
-def check_model_folder(path: str, key: str) -> None:
-    """Every safetensors file of a local model folder is whole (its header covers the file): a truncated
-    or damaged export is named here, before any engine reads it. A hub name is left to the loaders."""
-    folder = Path(path)
-    if not folder.is_dir():
-        return
-    from safetensors import SafetensorError, safe_open
-
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            shards = set(json.loads(index.read_text())["weight_map"].values())
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ConfigError(f"{key}: {index} is damaged ({e})") from None
-        missing = sorted(s for s in shards if not (folder / s).is_file())
-        require(not missing, key, f"{folder} lacks the weight files its index names: {missing}")
-    for file in sorted(folder.glob("*.safetensors")):
-        try:
-            with safe_open(str(file), "pt"):
-                pass
-        except (SafetensorError, OSError) as e:
-            raise ConfigError(f"{key}: {file} is damaged or truncated ({e}); export the run again") from None
 
 
 def model_context(path: str, *, trust_remote_code: bool) -> int | None:

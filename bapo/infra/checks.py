@@ -27,6 +27,7 @@ import dataclasses
 import difflib
 import functools
 import importlib
+import inspect
 import math
 import re
 import sys
@@ -101,16 +102,41 @@ def imported(path: str, key: str) -> Any:
         raise ConfigError(f"{key}: cannot import {path!r} ({type(e).__name__}: {e})") from None
 
 
-def registered(name: str, registry: Mapping[str, str], key: str) -> Any:
-    """The object ``registry`` names ``name`` by a dotted path, or that the import path ``package.module:Class``
-    ``name`` is (a user's own, outside this repository), imported now; a ConfigError under ``key`` names the
-    choices."""
-    require(
-        name in registry or ":" in name,
-        key,
-        f"must be one of {sorted(registry)} or an import path package.module:Class, got {name!r}",
-    )
-    return imported(registry.get(name, name), key)
+def plugin(name: str, registry: Mapping[str, Any], key: str, *, kind: str, lacks: Callable[[Any], str | None]) -> Any:
+    """The object ``registry`` registers as ``name`` (itself, or a dotted path ``package.module:Name`` imported now), or
+    the one the import path ``name`` names (a user's own, outside this repository), checked to be of the registry's
+    kind: ``lacks(obj)`` says what it lacks, None when nothing. The one check of every registry (the objectives, the
+    engines, the placements, and the next one), since an import path reaches any object of any module (``os:system``,
+    ``subprocess:Popen``) and only the registry's own kind may go on to be called with the config. Refused in one line
+    naming ``key``: ``'<name>' is not <kind>: <what it lacks>``; an unknown name names the choices."""
+    if name in registry:
+        obj = registry[name]
+        obj = imported(obj, key) if isinstance(obj, str) else obj
+    else:
+        require(
+            ":" in name, key, f"must be one of {sorted(registry)} or an import path package.module:Name, got {name!r}"
+        )
+        obj = imported(name, key)
+    why = lacks(obj)
+    require(why is None, key, f"{name!r} is not {kind}: {why}")
+    return obj
+
+
+def lacks_factory(signature: str) -> Callable[[Any], str | None]:
+    """:func:`plugin`'s ``lacks`` for a registry of factories: a Python function (not a builtin, not a class) of one
+    argument, the config group (``signature``: how the docs write it, e.g. ``build(algo) -> Objective``)."""
+
+    def lacks(obj: Any) -> str | None:
+        if not inspect.isfunction(obj):
+            return f"a {type(obj).__name__} is not a function {signature}"
+        params = list(inspect.signature(obj).parameters.values())
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        required = [p for p in params if p.kind in positional and p.default is inspect.Parameter.empty]
+        if len(required) != 1 or any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+            return f"it takes {inspect.signature(obj)}, not the one argument of a function {signature}"
+        return None
+
+    return lacks
 
 
 class Schemas(Mapping):

@@ -45,6 +45,7 @@ class LauncherConfig:
     nproc_per_node: str = resumable()  # auto | N
     nnodes: str = resumable()  # auto (SLURM's node count, else 1) | N
     rdzv_endpoint: str | None = resumable()  # host:port of the first node; null: SLURM's first node, or this host
+    grace_s: float = resumable()  # after a stop, the seconds the launcher waits for its ranks before SIGKILL
     chosen: str | None = resumable()  # written by the launch: what it started, and why (bapo.entry.launch)
 
     def __post_init__(self) -> None:
@@ -55,8 +56,14 @@ class LauncherConfig:
                 f"launcher.{key}",
                 f"auto or N >= 1, got {value!r}",
             )
+        require(
+            isinstance(self.grace_s, int | float) and 0 < self.grace_s < 1e6,
+            "launcher.grace_s",
+            f"seconds > 0, got {self.grace_s!r}",
+        )
         host, _, port = (self.rdzv_endpoint or "h:1").rpartition(":")
         require(bool(host) and port.isdigit(), "launcher.rdzv_endpoint", f"host:port, got {self.rdzv_endpoint!r}")
+        require(int(port) <= 65535, "launcher.rdzv_endpoint", f"the port must be 0-65535, got {self.rdzv_endpoint!r}")
 
 
 def launched() -> bool:
@@ -187,6 +194,16 @@ def teardown(barrier: bool = True) -> None:
 def barrier() -> None:
     if active():
         dist.barrier()
+
+
+def store():
+    """The process group's key-value store (torchrun's rendezvous store), or None outside a process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, AttributeError, ValueError):
+        return None
 
 
 def _comm_device() -> torch.device:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
 ROOT = Path(__file__).resolve().parents[2]
 EVAL_DIR = ROOT / "conf" / "eval"  # the `eval` group: training's held-out config and eval.py's sets
 HELDOUT = "heldout"  # conf/eval/heldout.yaml, training's held-out evaluation (train.py's `eval: heldout`)
@@ -49,8 +47,10 @@ def exported_max_new_tokens(model_dir: str | Path | None) -> int | None:
     f = Path(model_dir) / EXPORT_CONFIG if model_dir else None
     if f is None or not f.is_file():
         return None
+    from bapo.infra.artifacts import load_yaml
+
     try:
-        saved = OmegaConf.to_container(OmegaConf.load(f), resolve=False)
+        saved = load_yaml(f)  # an export is data: bounded, never resolved
         value = saved["rollout"]["max_new_tokens"]
         if isinstance(value, str):  # an interpolation left in the file: the model's value
             value = saved["model"]["max_new_tokens"]

@@ -94,6 +94,11 @@ class Critic:
                 self._stats[k] = self._stats.get(k, 0.0) + w * float(x)
         self._seen.append((v.detach().cpu(), ret.cpu(), mask.cpu()))
 
+    def discard(self) -> None:
+        """Drop the gradient and the stats accumulated for an update that will not be made (a stop request)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self._seen, self._stats = [], {}
+
     def step(self) -> dict[str, float]:
         """Clip, step (unless the gradient is not finite), and return the update's critic metrics."""
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))

@@ -390,14 +390,21 @@ def _raise_together(err: BaseException | None, doing: str, cleanup: Path | None 
 def save_sharded(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict) -> None:
     """Write ``model`` and ``optimizer`` (sharded: every rank its part, as DCP tensors) and ``extra`` (small
     plain state: numbers, strings, containers, tensors) to the folder ``path``. Optimizer hyper-parameters and
-    ``extra``'s non-tensor values go to ``plain.pt``, rank 0's copy (they are the same on every rank).
+    ``extra``'s non-tensor values go to ``plain.pt``, rank 0's copy (they are the same on every rank). An
+    optimizer that has taken no step yet is saved as such (``optimizer_fresh``): DCP's ``get_state_dict`` fills its
+    moments with a zero-lr step (AdamW's step count 1), which would make a resumed run's first update differ; the
+    placeholder is dropped here and by :func:`load_sharded`.
 
     A collective: every rank calls it with the same ``path``. A failure on any rank (a full disk) raises
     CheckpointError on all of them, after rank 0 removes the partial checkpoint.
     """
     path = Path(path)
+    fresh = not optimizer.state  # no step taken yet (a stop before the first update)
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    if fresh:  # get_state_dict initialised the moments with a zero-lr step (step = 1): the run itself keeps none
+        optimizer.state.clear()
     tensors, plain = _split({"model": model_sd, "optimizer": optim_sd, "learner": extra})
+    plain["optimizer_fresh"] = fresh
     err = None
     try:
         with _single_process_ok():
@@ -463,4 +470,6 @@ def load_sharded(path: str | Path, *, model: nn.Module, optimizer: torch.optim.O
         err = e
     _raise_together(err, f"reading {path}")
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    if plain.get("optimizer_fresh"):  # saved before any step: its moments are DCP's placeholders, not AdamW's
+        optimizer.state.clear()
     return state["learner"]

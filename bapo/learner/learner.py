@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from bapo.algos import Objective, importance_ratio, stats
-from bapo.infra import ckpt_folder
+from bapo.infra import ckpt_folder, stop
 from bapo.infra.checks import RunFailed
 from bapo.learner.batching import collate, response_rows, split, split_by_tokens, without_tokens
 from bapo.learner.critic import Critic
@@ -280,10 +280,11 @@ class Learner:
         with self.strategy.policy_at(self.model, weights, self._scratch_model) as model:
             micro = self.micro_batches(batch, sync=False)
             real = len(micro)
-            rows = [
-                response_rows(self._forward(model, mb, entropy=False)[0].cpu(), mb.mask)
-                for mb in micro + self._padding(batch, real)  # FSDP: every rank runs as many forwards
-            ][:real]
+            rows = []
+            for mb in micro + self._padding(batch, real):  # FSDP: every rank runs as many forwards
+                stop.check_agreed()  # recompute gives up between two micro-batches on a stop (every rank together)
+                rows.append(response_rows(self._forward(model, mb, entropy=False)[0].cpu(), mb.mask))
+            rows = rows[:real]
         width = max(r.shape[1] for r in rows)
         return torch.cat([F.pad(r, (0, width - r.shape[1])) for r in rows])  # [B, T]
 
@@ -311,8 +312,18 @@ class Learner:
         return self.update(collate(self.shard(samples), pad_id=self.pad_id))
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer update on a collated mini-batch; returns its metrics. Raises TrainingDiverged."""
-        out = self.accumulate(batch)
+        """One optimizer update on a collated mini-batch; returns its metrics. Raises TrainingDiverged.
+
+        A stop request between two micro-batches (agreed by every rank: :func:`bapo.infra.stop.check_agreed`)
+        drops the gradient accumulated so far and raises :class:`bapo.infra.stop.Interrupted`: the learner is as
+        it was before the update (its version, weights and optimizer untouched)."""
+        try:
+            out = self.accumulate(batch)
+        except stop.Interrupted:
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.critic is not None:
+                self.critic.discard()
+            raise
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
         applied = math.isfinite(grad_norm) and math.isfinite(out.get("learner/loss", 0.0))
         if applied:
@@ -354,6 +365,7 @@ class Learner:
             with torch.no_grad():
                 parts = []
                 for x in inputs:
+                    stop.check_agreed()
                     logp, _ = self._forward(self.model, x, entropy=False)
                     x.release()
                     old = self._anchor(x.mb, logp.cpu())[0]
@@ -364,6 +376,7 @@ class Learner:
         sums: dict[str, float] = {}
         seen, per_micro = [], []
         for x in inputs:
+            stop.check_agreed()  # a stop gives the update up between two micro-batches (every rank together)
             mb = x.mb
             logp, ent = self._forward(self.model, x)
             old, weight_kw = self._anchor(mb, logp)

@@ -15,6 +15,9 @@ runs twice). It talks to the parent in JSON lines, so nothing is unpickled:
 
 Each pair runs under ``timeout_s`` of ``SIGALRM``, normalisation included. A hang
 the alarm cannot reach (long C code) is the parent's to end: it kills the worker.
+The stop signals (``bapo.infra.stop.STOP_SIGNALS``) are ignored: a launcher's signal to
+the whole process group must not turn the pairs in flight into wrong answers; the
+worker ends at the end of its input (the parent closed it, or died).
 """
 
 from __future__ import annotations
@@ -39,7 +42,10 @@ def main(argv: list[str]) -> None:
     judge_name, timeout_arg = argv
     timeout_s = float(timeout_arg)
     out = _protocol_out()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    # A stop (Ctrl-C, a launcher's or a scheduler's signal to the process group) is the parent's to handle: the pairs
+    # in flight are graded, and the parent ends this process (end of input, or a kill) when it is done with it.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
 
     def send(message) -> None:
         out.write(json.dumps(message) + "\n")

@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from bapo.infra.checks import Schemas, registered, require, resumable
+from bapo.infra.checks import Schemas, plugin, require, resumable
 from bapo.rollout.producer import Producer
 from bapo.rollout.schedule import partial_lag
 from bapo.rollout.source import RolloutSource
@@ -140,15 +140,17 @@ class Colocated(Placement):
 def placement_class(mode: str) -> type[Placement]:
     """The class registered as ``mode``, or that the import path ``package.module:Class`` names, imported now; a
     ConfigError names the choices or what the class lacks."""
-    cls = registered(mode, PLACEMENTS, "placement.mode")
+    return plugin(mode, PLACEMENTS, "placement.mode", kind="a placement", lacks=_lacks_placement)
+
+
+def _lacks_placement(cls: Any) -> str | None:
     ok = isinstance(cls, type) and issubclass(cls, Placement) and issubclass(cls.config, PlacementConfig)
-    require(
-        ok and isinstance(cls.traits, PlacementTraits),
-        "placement.mode",
-        f"{mode!r} is not a placement: it needs to subclass bapo.rollout.placement.Placement, with traits and a "
-        f"config that subclasses PlacementConfig (docs/extending.md, a new placement)",
+    if ok and isinstance(cls.traits, PlacementTraits):
+        return None
+    return (
+        "it needs to subclass bapo.rollout.placement.Placement, with traits and a config that subclasses "
+        "PlacementConfig (docs/extending.md, a new placement)"
     )
-    return cls
 
 
 PLACEMENT_CONFIGS: Mapping[str, type] = Schemas(PLACEMENTS, placement_class)  # placement.mode's schemas

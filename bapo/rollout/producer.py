@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-from bapo.infra import dist
+from bapo.infra import dist, stop
 from bapo.infra.checks import RunFailed, UserError
 from bapo.rollout.schedule import MODES, Schedule, batch_version, min_staleness
 from bapo.rollout.source import Interrupted
@@ -149,6 +149,7 @@ class Producer:
         self._queue: deque = deque()
         self._next = 1  # the next batch to make
         self._consumed = 0  # batches taken
+        self._taken: list = []  # batches taken since the last release (this step's): requeue() puts them back
         self._wait_s = 0.0  # producer time spent waiting (for weights or for room), since last asked
         self._stop = threading.Event()
         self._pause = False
@@ -188,7 +189,8 @@ class Producer:
 
     def release(self, version: int, *, keep_window: bool) -> None:
         """Free snapshots that no batch will be made with any more (past ``last_batch`` too: the run may be
-        extended)."""
+        extended). The step's batches are the learner's from here on (:meth:`requeue` no longer returns them)."""
+        self._taken.clear()
         newest = max(self.mailbox.versions(), default=0)
         self.mailbox.release_below(
             self.schedule.release_floor(self._next, version, newest_held=newest, keep_window=keep_window)
@@ -218,11 +220,16 @@ class Producer:
         t = self._next
         with self._cond:
             while not self.mailbox.ready(self.version_for(t)):
-                if self._stop.is_set() or self.mailbox.closed:
+                if self._stop.is_set() or self.mailbox.closed or stop.requested():
                     raise Interrupted
                 self._cond.wait(0.1)
             version, weights = self.mailbox.newest(self.version_for(t))
-        item = self.maker.make(t, version, weights)
+        before = self.maker.state_dict()
+        try:
+            item = self.maker.make(t, version, weights)
+        except stop.Interrupted:  # a stop gave the batch up: its prompts are drawn again by a resumed run
+            self.maker.load_state_dict(before)
+            raise
         with self._cond:
             self._queue.append(item)
             self._next += 1
@@ -230,7 +237,7 @@ class Producer:
 
     def _run(self) -> None:
         try:
-            while not self._stop.is_set() and not self._done():
+            while not self._stop.is_set() and not self._done() and not stop.requested():
                 with self._cond:
                     t0 = time.perf_counter()
                     while not self._stop.is_set() and not self.mailbox.closed and not self._ready():
@@ -260,8 +267,6 @@ class Producer:
         """Raise what a waiting consumer must not sleep through. Called with the lock held."""
         if self._error is not None:
             self._raise_error()
-        if self.interrupt.is_set():
-            raise Interrupted
         if self.threaded and (self._thread is None or not self._thread.is_alive()):
             raise RuntimeError("the rollout producer stopped before the run ended")
 
@@ -273,38 +278,67 @@ class Producer:
             raise self._error
         raise RuntimeError("the rollout producer failed") from self._error
 
+    def _stopping(self) -> bool:
+        return self.interrupt.is_set() or stop.requested()
+
     def take(self) -> tuple[Any, float]:
-        """The next batch (gathered over ranks), and the seconds the consumer waited for it."""
+        """The next batch (gathered over ranks), and the seconds the consumer waited for it.
+
+        A stop request gives up the batch being made (sync) or the wait (async) and raises :class:`Interrupted`;
+        under torchrun every rank agrees on that first (:func:`bapo.infra.stop.agree`), so that all give up
+        together, and a batch already made stays queued (the checkpoint keeps it)."""
         t0 = time.perf_counter()
         if not self.threaded:
-            if self.interrupt.is_set():
-                raise Interrupted
-            if not self._queue:
+            aborted = False
+            if not self._queue and not self._stopping():
                 v = self.version_for(self._next)
                 if not self.mailbox.has(v):
                     raise RuntimeError(f"sync schedule: batch {self._next} needs version {v}, not published")
-                self._produce_one()
-            item = self._queue.popleft()
-            self._consumed += 1
-            return self.maker.gather(item), 0.0
+                try:
+                    self._produce_one()
+                except Interrupted:
+                    aborted = True
+            if stop.agree(aborted or self._stopping()):
+                raise Interrupted
+            return self.maker.gather(self._pop()), 0.0
         with self._cond:
-            while not self._queue:
+            while not self._queue and not self._stopping():
                 self._check()
                 self._cond.wait(0.1)
-            item = self._queue.popleft()
-            self._consumed += 1
-            self._cond.notify_all()
+        if stop.agree(self._stopping()):
+            raise Interrupted
+        with self._cond:
+            while not self._queue:  # the wait above ended with a batch (no rank is stopping): defensive
+                self._check()
+                self._cond.wait(0.1)
+            item = self._pop()
         return self.maker.gather(item), time.perf_counter() - t0
+
+    def _pop(self) -> Any:
+        """Take the next queued batch (the caller holds the lock, or is the only thread)."""
+        item = self._queue.popleft()
+        self._consumed += 1
+        self._taken.append(item)
+        self._cond.notify_all() if self.threaded else None
+        return item
 
     def try_take(self) -> Any | None:
         """A batch already made, without waiting (drop mode refills); None if there is none."""
         with self._cond:
             if not self._queue:
                 return None
-            item = self._queue.popleft()
-            self._consumed += 1
-            self._cond.notify_all()
+            item = self._pop()
         return self.maker.gather(item)
+
+    def requeue(self) -> None:
+        """Put the batches taken since the last :meth:`release` back at the head of the queue, in order: a step
+        stopped before its first update gives them back, and the checkpoint holds them as made."""
+        with self._cond:
+            for item in reversed(self._taken):
+                self._queue.appendleft(item)
+            self._consumed -= len(self._taken)
+            self._taken.clear()
+            self._cond.notify_all()
 
     def before_updates(self) -> None:
         """The learner is about to update: the engine may free its accelerator memory (a no-op where it has

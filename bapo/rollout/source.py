@@ -20,11 +20,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from bapo.infra.stop import Interrupted  # a blocking wait woken by a stop request (or by the source's stop)
 from bapo.samples import RolloutBatch
 
-
-class Interrupted(Exception):
-    """A blocking wait was woken by a stop request (or the source was stopped while waiting)."""
+__all__ = ["Interrupted", "RolloutSource"]
 
 
 @runtime_checkable

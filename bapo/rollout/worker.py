@@ -19,7 +19,7 @@ While it builds and while it serves a request, a thread of its own sends a heart
 so (``beat``), so the learner tells a slow worker from a frozen or unreachable one: silence past
 ``placement.worker_timeout_s`` is a lost worker, however long a request takes. A request that fails
 replies with a one-line error (the traceback goes to this worker's log), which the learner raises as the
-run's error. The worker ignores SIGINT (the learner stops it after its checkpoint) and exits on its own
+run's error. The worker ignores the stop signals (the learner stops it after its checkpoint) and exits on its own
 within about a second when the learner's process is gone.
 """
 
@@ -40,6 +40,7 @@ from multiprocessing.connection import Client
 
 import torch
 
+from bapo.infra.stop import STOP_SIGNALS
 from bapo.rollout.workers import AUTHKEY_ENV, recv, send
 
 log = logging.getLogger("bapo.rollout.worker")
@@ -211,7 +212,8 @@ def main(argv: list[str] | None, build: Callable[[dict], tuple]) -> int:
     parser.add_argument("--parent", type=int, default=None, help="the learner's pid (default: this process's parent)")
     parser.add_argument("--log", default=None, help="this process's log file, removed if the learner dies")
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's: it stops us after its checkpoint
+    for sig in STOP_SIGNALS:  # a stop is the learner's: it ends us after its checkpoint (a group signal reaches us too)
+        signal.signal(sig, signal.SIG_IGN)
     parent = args.parent or os.getppid()
     watch_parent(parent, own_log=args.log)  # a learner gone before this line is noticed too
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker{args.index} %(levelname)s %(message)s")

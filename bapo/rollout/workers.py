@@ -8,7 +8,9 @@ their share of every rollout batch with the weights the learner pushes. The in-p
 the queue, ``run()`` and the checkpoint format are the colocated run's.
 
 Transport: libraries only. Requests and results (rollout batches, the maker's state) go over an
-authenticated ``multiprocessing.connection`` to each worker; weights go over a two-rank gloo process
+authenticated ``multiprocessing.connection`` to each worker (:class:`bapo.infra.listener.AuthListener`: the key's
+challenge off the accept loop, timed, so a silent local client keeps no worker out; what the key protects and
+what it does not is in its docstring and docs/offpolicy.md); weights go over a two-rank gloo process
 group per worker (``torch.distributed.ProcessGroupGloo`` on a ``TCPStore``), one flat buffer per dtype,
 the way a GPU trainer sends them over NCCL. One pair group per worker, so a worker can be replaced
 without disturbing the others.
@@ -55,18 +57,21 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 import torch.distributed as tdist
 
 from bapo.engines.base import RolloutEngine
+from bapo.infra import stop
 from bapo.infra.checks import ConfigError, RunFailed, require, resumable
+from bapo.infra.listener import AuthListener
 from bapo.rollout.placement import Placement, PlacementConfig, PlacementTraits, RolloutParts
 from bapo.rollout.source import Interrupted
 from bapo.samples import Prompt, RolloutBatch, Sample
 
+GIVE_UP = ("make", "generate")  # waits a stop request abandons (the worker's work is discarded with it)
 log = logging.getLogger(__name__)
 
 AUTHKEY_ENV = "BAPO_WORKER_AUTHKEY"
@@ -194,7 +199,7 @@ class WorkerPool:
         self._closed = False
         atexit.register(self.stop)
 
-    def _listen(self, host: str, port: int) -> Listener:
+    def _listen(self, host: str, port: int) -> AuthListener:
         """The workers' listener on ``host:port``; a bad host or a busy port is one ConfigError naming its key."""
         where = f"placement.host: {host!r} for rollout workers"
         if not host.strip():
@@ -206,7 +211,7 @@ class WorkerPool:
                 f"{where}: cannot resolve it ({e.strerror}); give an address or name of this machine"
             ) from None
         try:
-            return Listener((host, port), authkey=self.authkey)
+            return AuthListener((host, port), self.authkey)  # the key's challenge off the accept loop, timed
         except OSError as e:
             if e.errno in (errno.EADDRINUSE, errno.EACCES):
                 raise ConfigError(
@@ -269,15 +274,9 @@ class WorkerPool:
                 raise WorkerLost(f"{w.ended()} before connecting{w.reason()}")
             if time.monotonic() > deadline:
                 raise WorkerLost(f"did not connect within {self.start_timeout_s:g} s")
-            # Listener.accept blocks; the socket is polled so that a dead worker is noticed.
-            sock = self.listener._listener._socket  # noqa: SLF001 (multiprocessing's listener has no accept timeout)
-            sock.settimeout(0.5)
-            try:
-                conn = self.listener.accept()
+            try:  # a connection that proved the key (any other is refused off this loop); polled for a dead worker
+                conn = self.listener.accept(timeout=0.5)
             except TimeoutError:
-                continue
-            except OSError as e:  # a connection that failed the authkey: not ours
-                log.warning("rollout workers: refused a connection: %s", e)
                 continue
             hello = recv(conn)
             if hello == ("hello", w.index, w.proc.pid):
@@ -323,6 +322,8 @@ class WorkerPool:
         deadline = time.monotonic() + max(timeout_s, 0.0)
         assert w.conn is not None
         while True:
+            if what in GIVE_UP and stop.requested():
+                raise Interrupted  # a stop gives the batch (or evaluation) up: the worker's reply is not awaited
             try:
                 if w.conn.poll(0.2):
                     msg = recv(w.conn)
@@ -503,6 +504,7 @@ class RemoteMaker:
         self.version: int | None = None  # the version of the weights the last batch read (every rank alike)
         self.copy: dict[str, torch.Tensor] | None = None  # rank 0 under torchrun: those weights, gathered
         self.held: int | None = None  # the version worker 0 holds, as every rank knows it (evaluation's)
+        self.abandoned = False  # a stop gave a batch up: the workers still owe its replies, and end with the run
 
     def recover(self, w: Worker) -> None:
         """A replacement's maker state: the one its predecessor had after its last accepted batch."""
@@ -538,7 +540,7 @@ class RemoteMaker:
                 start(w)
             return pool._reply(w, "make")  # noqa: SLF001
 
-        with pool._lock:  # noqa: SLF001
+        with pool._lock, self._abandon_on_stop():  # noqa: SLF001
             t0 = time.perf_counter()
             pool.take_sync_s()  # from here on: this batch's weight pushes
             started = []
@@ -559,6 +561,14 @@ class RemoteMaker:
             stats["rollout/worker_restarts"] = float(pool.restarts)
             stats["time/worker_batch_s"] = time.perf_counter() - t0
             return dataclasses.replace(out, stats=stats)
+
+    @contextlib.contextmanager
+    def _abandon_on_stop(self):
+        try:
+            yield
+        except Interrupted:
+            self.abandoned = True
+            raise
 
     def gather(self, item: RolloutBatch | tuple) -> RolloutBatch:
         """The batch on every rank (rank 0's, broadcast, under torchrun)."""
@@ -581,6 +591,9 @@ class RemoteMaker:
 
     def load_state_dict(self, state: dict) -> None:
         if self.pool is None:
+            return
+        if self.abandoned:  # after a stop: this side's record only (the busy workers end with the run)
+            self.states = [state] * self.pool.count
             return
         if not state:
             raise ValueError(

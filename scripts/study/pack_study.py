@@ -41,18 +41,37 @@ What a run's line keeps, and why:
 
 The same runs give the same bytes: keys sorted, compact separators, runs in folder order, and a gzip header
 with no file name and mtime 0 (for a given zlib; the regenerate test compares reports, not packs).
+
+A sweep folder and a pack are someone else's data, read through ``bapo/infra/artifacts.py``: a run's config is never
+resolved (an interpolation in ``config.yaml`` is one of the run's ``problems``; Hydra's ``.hydra/config.yaml`` has
+its references to its own keys resolved and any resolver kept as written), every file has a bound per line and in
+all (``MAX_*`` below), and a pack is read as a gzip stream, so a bomb is one ``error: PackError`` line naming it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
 import sys
+import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn
 
-from omegaconf import OmegaConf
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # bapo, when this file runs as a script outside an install
+from bapo.infra.artifacts import (  # noqa: E402
+    ArtifactError,
+    line_too_long,
+    load_config,
+    load_yaml,
+    read_json,
+    read_lines,
+    read_tail,
+)
 
 FORMAT, VERSION = "bapo-study", 1
 SKIP_DIRS = {".hydra", ".submitit", "checkpoints", "export", "wandb"}
@@ -63,6 +82,12 @@ SWEEP_SUMMARY = (
 NEVER_STARTED = "run_grid: queued, never started"  # the exception of a queued run with no attempt (an interrupted grid)
 # Metrics of runs written before the clip window moved to clip/*: read under their new names.
 RENAMED = {"bapo/ratio_low": "clip/low", "bapo/ratio_high": "clip/high", "bapo/rho": "clip/rho"}
+# Bounds on what is read (a shared sweep folder or pack is someone else's data: bapo/infra/artifacts.py): a metrics line
+# is about 4 KB and a pack's run line at most 60 KB, a pack about 5 MB unpacked and a log's last failure is at its end.
+MAX_METRICS_LINE, MAX_METRICS = 1 << 20, 1 << 30
+MAX_LOG_LINE, MAX_LOG = 1 << 20, 256 << 20  # grid.jsonl, sweep_summary.jsonl
+MAX_PACK_LINE, MAX_PACK = 64 << 20, 256 << 20
+LOG_TAIL = 1 << 20
 
 
 class UsageParser(argparse.ArgumentParser):
@@ -81,37 +106,49 @@ def usage_error(message: str) -> NoReturn:
 
 def parse_metrics(path: Path, where: str | None = None) -> tuple[dict[int, dict], list[str]]:
     """step -> merged metrics, and one ``<where>:<line>: <problem>`` per line that could not be used
-    (``where`` defaults to the path itself)."""
+    (``where`` defaults to the path itself). Read a line at a time, with bounds (:data:`MAX_METRICS_LINE` a line,
+    :data:`MAX_METRICS` in all: an ArtifactError naming the file)."""
     where = str(path) if where is None else where
     steps: dict[int, dict] = {}
     problems = []
-    for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
-        at = f"{where}:{i}"
-        if not line.strip():
-            problems.append(f"{at}: empty line")
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            problems.append(f"{at}: unparseable JSON ({e.msg})")
-            continue
-        step = row.get("step") if isinstance(row, dict) else None
-        if isinstance(step, bool) or not isinstance(step, int | float) or not float(step).is_integer():
-            problems.append(f"{at}: no integer 'step'")
-            continue
-        values = {
-            RENAMED.get(k, k): float(v)
-            for k, v in row.items()
-            if isinstance(v, int | float) and not isinstance(v, bool)
-        }
-        values.pop("step")
-        steps.setdefault(int(step), {}).update(values)
+    with open(path, "rb") as f:
+        for i, raw in read_lines(f, where, max_line=MAX_METRICS_LINE, max_total=MAX_METRICS):
+            at = f"{where}:{i}"
+            if raw is None:
+                problems.append(line_too_long(at, MAX_METRICS_LINE))
+                continue
+            line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+            if not line.strip():
+                problems.append(f"{at}: empty line")
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                problems.append(f"{at}: unparseable JSON ({e.msg})")
+                continue
+            except (ValueError, RecursionError):
+                problems.append(f"{at}: unparseable JSON (nested too deeply or a number too long)")
+                continue
+            step = row.get("step") if isinstance(row, dict) else None
+            if isinstance(step, bool) or not isinstance(step, int | float) or not float(step).is_integer():
+                problems.append(f"{at}: no integer 'step'")
+                continue
+            values = {
+                RENAMED.get(k, k): float(v)
+                for k, v in row.items()
+                if isinstance(v, int | float) and not isinstance(v, bool)
+            }
+            values.pop("step")
+            steps.setdefault(int(step), {}).update(values)
     return dict(sorted(steps.items())), problems
 
 
 def last_exception(path: Path) -> str | None:
-    """The last failure a log records (:func:`last_exception_in`)."""
-    return last_exception_in(path.read_text(errors="replace"))
+    """The last failure a log records (:func:`last_exception_in`), read from its last :data:`LOG_TAIL` bytes."""
+    try:
+        return last_exception_in(read_tail(path, LOG_TAIL))
+    except ArtifactError:
+        return None
 
 
 def last_exception_in(text: str) -> str | None:
@@ -145,29 +182,19 @@ def _exception(run_dir: Path) -> str | None:
 
 def _process_s(run_dir: Path) -> float | None:
     """Seconds run_grid measured for this run's processes, summed over attempts; None if it has no record."""
-    path = run_dir.parent / "logs" / GRID_LOG
-    if not path.is_file():
-        return None
     total = None
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict) and row.get("run") == run_dir.name and isinstance(row.get("seconds"), int | float):
+    for row in _json_lines(run_dir.parent / "logs" / GRID_LOG):
+        if row.get("run") == run_dir.name and isinstance(row.get("seconds"), int | float):
             total = (total or 0.0) + float(row["seconds"])
     return total
 
 
-def _load_config(path: Path):
-    """A run's config as a plain container. ``config.yaml`` is written resolved; Hydra's ``.hydra/config.yaml`` (a run
-    that died before writing its own) keeps its interpolations (``data.train_seed: ${seed}``), resolved here so it
-    reads as its finished siblings do, and kept as written when they cannot be (a resolver only Hydra has)."""
-    raw = OmegaConf.load(path)
-    try:
-        return OmegaConf.to_container(raw, resolve=True)
-    except Exception:
-        return OmegaConf.to_container(raw, resolve=False)
+def _load_config(path: Path) -> dict:
+    """A run's config as a plain mapping, read as data (bapo/infra/artifacts.py: bounded, never resolved by OmegaConf).
+    ``config.yaml`` is written resolved: an interpolation in it is refused. Hydra's ``.hydra/config.yaml`` (a run that
+    died before writing its own) keeps its interpolations (``data.train_seed: ${seed}``): those naming another key are
+    resolved, so it reads as its finished siblings do; any other (a resolver: ``${oc.env:...}``) is kept as written."""
+    return load_config(path, interpolations="local" if path.parent.name == ".hydra" else "refuse")
 
 
 def _relative(path: Path, sweep: Path) -> str:
@@ -191,28 +218,35 @@ def read_run(run_dir: Path, sweep: Path | None = None) -> dict:
     if cfg_file.is_file():
         try:
             cfg = _load_config(cfg_file)
-        except Exception as e:
-            problems.append(f"{rel(cfg_file)}: unreadable config ({str(e).splitlines()[0]})")
+        except ArtifactError as e:
+            problems.append(f"{rel(cfg_file)}: unreadable config ({_after_path(e, cfg_file)})")
     else:
         problems.append(f"{name}: no config.yaml")
     overrides: list = []
     overrides_file = run_dir / ".hydra" / "overrides.yaml"
     if overrides_file.is_file():
         try:
-            overrides = [str(o) for o in OmegaConf.to_container(OmegaConf.load(overrides_file)) or []]
-        except Exception:
+            given = load_yaml(overrides_file)
+            overrides = [str(o) for o in given] if isinstance(given, list) else []
+            if given is not None and not isinstance(given, list):
+                problems.append(f"{rel(overrides_file)}: unreadable overrides (not a list)")
+        except ArtifactError:
             problems.append(f"{rel(overrides_file)}: unreadable overrides")
     steps: dict[int, dict] = {}
     if (run_dir / "metrics.jsonl").is_file():
-        steps, bad = parse_metrics(run_dir / "metrics.jsonl", rel(run_dir / "metrics.jsonl"))
-        problems += bad
+        try:
+            steps, bad = parse_metrics(run_dir / "metrics.jsonl", rel(run_dir / "metrics.jsonl"))
+            problems += bad
+        except ArtifactError as e:
+            problems.append(str(e))
     complete = False
     if (run_dir / "final_metrics.json").is_file():
         try:
-            json.loads((run_dir / "final_metrics.json").read_text())
+            read_json(run_dir / "final_metrics.json", mapping=False)
             complete = True
-        except json.JSONDecodeError as e:
-            problems.append(f"{rel(run_dir / 'final_metrics.json')}: unparseable JSON ({e.msg})")
+        except ArtifactError as e:
+            final = run_dir / "final_metrics.json"
+            problems.append(f"{rel(final)}: unparseable JSON ({_after_path(e, final)})")
     exception = None if complete else _exception(run_dir)
     keys = sorted({k for m in steps.values() for k in m})
     return {
@@ -301,17 +335,25 @@ def launched_runs(sweep: Path) -> dict[str, dict]:
     return runs
 
 
-def _json_lines(path: Path) -> list[dict]:
-    """The JSON objects of a log of one object a line; other lines are skipped (a line cut short by a kill)."""
-    rows = []
-    for line in path.read_text(errors="replace").splitlines() if path.is_file() else []:
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
+def _json_lines(path: Path) -> Iterator[dict]:
+    """The JSON objects of a log of one object a line; other lines are skipped (a line cut short by a kill, one over
+    :data:`MAX_LOG_LINE`). A log over :data:`MAX_LOG` is an ArtifactError naming it."""
+    if not path.is_file():
+        return
+    with open(path, "rb") as f:
+        for _, raw in read_lines(f, path, max_line=MAX_LOG_LINE, max_total=MAX_LOG):
+            try:
+                row = json.loads(raw) if raw is not None else None
+            except (ValueError, RecursionError):
+                continue
+            if isinstance(row, dict):
+                yield row
+
+
+def _after_path(e: ArtifactError, path: Path) -> str:
+    """An ArtifactError's message without the file's path it starts with (the record names the file itself)."""
+    text = str(e)
+    return text[len(str(path)) :].lstrip(":0123456789 ") if text.startswith(str(path)) else text
 
 
 def _folderless(sweep: Path, name: str, launched: dict) -> dict:
@@ -348,9 +390,14 @@ def write_pack(sweep: str, records: list[dict], out: Path) -> None:
     lines = [json.dumps(x, sort_keys=True, separators=(",", ":")) for x in (header, *records)]
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
-    with open(tmp, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, compresslevel=9, mtime=0) as f:
-        f.write(("\n".join(lines) + "\n").encode())
-    tmp.replace(out)  # a reader never sees half a pack
+    try:
+        with open(tmp, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, compresslevel=9, mtime=0) as f:
+            f.write(("\n".join(lines) + "\n").encode())
+        tmp.replace(out)  # a reader never sees half a pack
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
 
 
 class PackError(ValueError):
@@ -358,23 +405,29 @@ class PackError(ValueError):
 
 
 def read_pack(path: Path) -> tuple[str, list[dict]]:
-    """The sweep's name and the run records of a pack written by :func:`write_pack`."""
-    try:
-        with gzip.open(path, "rt", encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except (OSError, EOFError) as e:
-        raise PackError(f"{path}: not a gzip'd study pack ({e})") from None
+    """The sweep's name and the run records of a pack written by :func:`write_pack`, read as a stream: a line over
+    :data:`MAX_PACK_LINE` or a pack over :data:`MAX_PACK` unpacked (a gzip bomb) is a PackError naming the file."""
     rows = []
-    for i, line in enumerate(lines, 1):
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            raise PackError(f"{path}:{i}: unparseable JSON ({e.msg})") from None
-    header = rows[0] if rows else {}
-    if not isinstance(header, dict) or header.get("format") != FORMAT:
-        raise PackError(f'{path}:1: not a study pack (its first line has no "format": "{FORMAT}")')
-    if header.get("version") != VERSION:
-        raise PackError(f"{path}:1: pack version {header.get('version')!r}; this script reads version {VERSION}")
+    try:
+        with gzip.open(path, "rb") as f:
+            for i, raw in read_lines(f, path, max_line=MAX_PACK_LINE, max_total=MAX_PACK):
+                if raw is None:
+                    raise PackError(f"{path}:{i}: a line longer than {MAX_PACK_LINE >> 20} MiB: not a study pack")
+                try:
+                    rows.append(json.loads(raw))
+                except json.JSONDecodeError as e:
+                    raise PackError(f"{path}:{i}: unparseable JSON ({e.msg})") from None
+                except (ValueError, RecursionError):
+                    raise PackError(f"{path}:{i}: unparseable JSON (nested too deeply or a number too long)") from None
+                if i == 1:
+                    _check_header(path, rows[0])
+    except ArtifactError as e:
+        raise PackError(f"{e} (a study pack unpacks to a few MB)") from None
+    except (OSError, EOFError, zlib.error) as e:
+        raise PackError(f"{path}: not a gzip'd study pack ({e})") from None
+    if not rows:
+        _check_header(path, {})
+    header = rows[0]
     if header.get("runs") != len(rows) - 1:
         raise PackError(f"{path}: the header counts {header.get('runs')} runs, the file holds {len(rows) - 1}")
     for i, record in enumerate(rows[1:], 2):
@@ -382,6 +435,13 @@ def read_pack(path: Path) -> tuple[str, list[dict]]:
         if missing:
             raise PackError(f"{path}:{i}: a run without {', '.join(missing)}")
     return header["sweep"], rows[1:]
+
+
+def _check_header(path: Path, header: object) -> None:
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise PackError(f'{path}:1: not a study pack (its first line has no "format": "{FORMAT}")')
+    if header.get("version") != VERSION:
+        raise PackError(f"{path}:1: pack version {header.get('version')!r}; this script reads version {VERSION}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -392,13 +452,27 @@ def main(argv: list[str] | None = None) -> int:
     if not args.sweep.is_dir():
         print(f"error: FileNotFoundError: not a folder: {args.sweep}", file=sys.stderr)
         return 2
-    records = read_folder(args.sweep)
+    try:
+        records = read_folder(args.sweep)
+    except ArtifactError as e:  # a sweep's own log over its bound
+        print(f"error: ArtifactError: {e}", file=sys.stderr)
+        return 2
     if not records:
         print(
             f"error: FileNotFoundError: no runs under {args.sweep} (no config.yaml or metrics.jsonl)", file=sys.stderr
         )
         return 2
-    write_pack(sweep_name(args.sweep), records, args.out)
+    blocked = next((p for p in args.out.parents if p.exists()), None)
+    if blocked is not None and not blocked.is_dir():
+        print(f"error: NotADirectoryError: --out {args.out}: {blocked} is a file, not a folder", file=sys.stderr)
+        return 2
+    try:
+        write_pack(sweep_name(args.sweep), records, args.out)
+    except OSError as e:
+        print(
+            f"error: {type(e).__name__}: --out {args.out}: {e.strerror or e} (choose a writable place)", file=sys.stderr
+        )
+        return 2
     by_status = {s: sum(r["status"] == s for r in records) for s in ("complete", "failed", "incomplete")}
     counts = ", ".join(f"{n} {s}" for s, n in by_status.items() if n)
     print(f"{args.out}: {len(records)} runs ({counts}), {args.out.stat().st_size / 1e3:.0f} kB")

@@ -75,6 +75,7 @@ import numpy as np  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # scripts/ is read as a namespace package, as gpu_check.py does
+from bapo.infra.artifacts import ArtifactError  # noqa: E402
 from scripts.study.pack_study import (  # noqa: E402
     PackError,
     UsageParser,
@@ -864,8 +865,8 @@ def main(argv: list[str] | None = None) -> int:
         return _error("FileNotFoundError", f"no such folder or pack: {args.sweep}")
     try:
         sweep, runs = load_runs(args.sweep)
-    except PackError as e:
-        return _error("PackError", str(e))
+    except (PackError, ArtifactError) as e:  # a damaged pack or one over its bounds; a sweep's log over its bound
+        return _error(type(e).__name__, str(e))
     if not runs:
         return _error("FileNotFoundError", f"no runs under {args.sweep} (no config.yaml or metrics.jsonl)")
     out = args.out or (args.sweep / "report" if args.sweep.is_dir() else args.sweep.parent)

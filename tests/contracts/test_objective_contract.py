@@ -121,6 +121,10 @@ def test_unknown_or_unimportable_objectives_fail_in_one_line_naming_the_key():
         ("no_such_pkg.loss:build", "cannot import 'no_such_pkg.loss:build' (ModuleNotFoundError"),
         ("bapo.algos.objective:no_such_factory", "cannot import"),
         ("bapo.algos.objective:OBJECTIVES", "is not a function"),
+        # before: imported and called with the algo group (os.system(AlgoConfig): a TypeError traceback)
+        ("os:system", "'os:system' is not a loss factory: a builtin_function_or_method is not a function build(algo)"),
+        ("subprocess:Popen", "is not a loss factory: a type is not a function"),
+        ("subprocess:call", "is not a loss factory: it takes (*popenargs, timeout=None, **kwargs), not the one arg"),
     ]:
         with pytest.raises(ConfigError) as e:
             algo_of("grpo", f"algo.objective={value}")

@@ -244,6 +244,71 @@ def test_merge_shares_joins_in_share_order_and_recounts_accuracy():
         workers.merge_shares([a, RolloutBatch(4, 2, (), (), (), (), {}, ())])
 
 
+HELLO = """
+import os, pickle, sys
+from multiprocessing.connection import Client
+conn = Client((sys.argv[1], int(sys.argv[2])), authkey=bytes.fromhex(os.environ["KEY"]))
+conn.send_bytes(pickle.dumps(("hello", 0, os.getpid())))
+conn.recv_bytes()  # until the learner lets go
+"""
+
+
+def test_a_silent_or_garbling_local_client_does_not_keep_the_worker_out(tmp_path):
+    """Before: the listener ran the authkey challenge inside accept(), with no timeout: a client that connected and
+    said nothing blocked it, the real worker never got in, and the run failed after worker_start_timeout_s."""
+    import threading
+
+    spec = workers.WorkerSpec(config={}, path="", limit=1, run_dir=str(tmp_path))
+    pool = workers.WorkerPool(spec, count=1)
+    host, port = pool.listener.address
+    silent, garbling = socket.create_connection((host, port)), socket.create_connection((host, port))
+    garbling.sendall(b"\xff" * 64)
+    time.sleep(0.5)  # both are in (before: the first in accept's challenge) when the worker comes
+    env = dict(os.environ, KEY=pool.authkey.hex())
+    proc = subprocess.Popen([sys.executable, "-c", HELLO, host, str(port)], env=env)
+    w = workers.Worker(0, proc, str(tmp_path / "worker0.log"))
+    pool.workers.append(w)
+    got, t0 = [], time.monotonic()
+    waiter = threading.Thread(target=lambda: got.append(pool._accept(w, time.monotonic() + 60)), daemon=True)
+    waiter.start()
+    waiter.join(timeout=30)
+    try:
+        assert got, "the real worker did not get in within 30 s beside a silent client"
+        assert time.monotonic() - t0 < 20  # in a second or two: its own start, not the silent client's timeout
+        silent.settimeout(30)
+        assert silent.recv(1024)  # the silent one only ever gets the challenge, then is cut off
+        workers.send(got[0], ("stop",))
+    finally:
+        silent.close(), garbling.close()
+        proc.kill()
+        proc.wait()
+        pool.stop()
+
+
+def test_a_client_without_the_key_is_cut_off_after_the_handshake_time():
+    from multiprocessing.connection import Client
+
+    from bapo.infra.listener import AuthListener
+
+    door = AuthListener(("127.0.0.1", 0), b"k" * 32, handshake_s=0.5)
+    try:
+        silent = socket.create_connection(door.address)
+        silent.settimeout(10)
+        assert silent.recv(1024)  # the challenge
+        t0 = time.monotonic()
+        assert silent.recv(1024) == b""  # then nothing more: cut off
+        assert time.monotonic() - t0 < 5
+        with pytest.raises(Exception, match="digest|authentication"):
+            Client(door.address, authkey=b"x" * 32)  # a wrong key never gets a connection
+        client = Client(door.address, authkey=b"k" * 32)
+        server = door.accept(timeout=5)
+        client.send_bytes(b"hi")
+        assert server.recv_bytes() == b"hi"
+        client.close(), server.close(), silent.close()
+    finally:
+        door.close()
+
+
 # ----------------------------------------------------------------------------- real workers
 
 

@@ -42,6 +42,10 @@ ADDED: dict[str, object] = {
     "rollout.partial_budget": None,
     # The learner's torch threads (placement.learner_threads): torch's default, as before.
     "placement.learner_threads": None,
+    # Time-based checkpoints (bapo/loop.py SaveClock): off, as before.
+    "checkpoint.every_minutes": 0,
+    # The grace the plain launch gives its ranks after a stop (bapo/entry/launch.py start): torch's was 30 s.
+    "launcher.grace_s": 120,
 }
 # Per composition, where an added key's value differs from ADDED's.
 ADDED_IN: dict[str, dict[str, object]] = {"algo=eps_feedback": {"algo.objective": "eps_feedback"}}

@@ -177,6 +177,33 @@ def test_dcp_extra_state_may_hold_tensors(tmp_path):
     assert torch.equal(back["rng"], extra["rng"]) and back["note"] == "x" and back["pair"] == (1, 2.5)
 
 
+def test_a_dcp_checkpoint_before_the_first_step_keeps_the_optimizer_fresh(tmp_path):
+    """DCP's get_state_dict fills an empty optimizer with a zero-lr step (AdamW step 1): neither the saving run nor a
+    resumed one may keep it, or the first real update's bias correction differs from the uninterrupted run's."""
+
+    def fresh():
+        lrn = small_learner()
+        lrn.optimizer = torch.optim.AdamW(lrn.model.parameters(), lr=1e-2)
+        lrn.scheduler = torch.optim.lr_scheduler.LambdaLR(lrn.optimizer, lambda s: 1.0)
+        return lrn
+
+    learner, twin = fresh(), fresh()
+    assert not learner.optimizer.state
+    save_learner(learner, tmp_path / "d")
+    assert not learner.optimizer.state  # the saving run goes on as it was
+    resumed = fresh()
+    for p in resumed.model.parameters():
+        p.data.add_(1.0)  # weights that the load must bring back
+    load_learner(resumed, tmp_path / "d", verify=False)
+    assert not resumed.optimizer.state
+    for lrn in (twin, resumed):  # one AdamW step on the same gradient, from the same weights
+        for p in lrn.model.parameters():
+            p.grad = torch.ones_like(p)
+        lrn.optimizer.step()
+    for a, b in zip(twin.model.parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_the_planner_refuses_dcp_bytes_entries():
     item = SimpleNamespace(dest_index=MetadataIndex("learner.x"))
     with pytest.raises(CheckpointError, match="refused to unpickle non-tensor DCP entry 'learner.x'"):
@@ -288,7 +315,8 @@ def test_restore_run_brings_back_what_save_run_wrote(tmp_path):
     np.random.seed(99)
     torch.manual_seed(99)
     learner, source, buffer, other = Learner(), Source(), Counter(), random.Random(0)
-    step = checkpoint.restore_run(ckpt, learner=learner, source=source, loop_rng=other, buffer=buffer)
+    step, pending = checkpoint.restore_run(ckpt, learner=learner, source=source, loop_rng=other, buffer=buffer)
+    assert pending is None  # written at a step's end
     assert step == 4 and learner.loaded == 8 and source.cursor == 17 and buffer.n == 5
     assert buffer.kept == Counter().kept  # a record, decoded back into its dataclass
     assert (other.random(), random.random(), np.random.rand()) == want[:3] and torch.equal(torch.rand(1), want[3])

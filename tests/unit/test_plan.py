@@ -69,6 +69,25 @@ def test_paper_7b_on_80gb_by_hand():
     assert p.peak == p.generation.total < 76 * GiB and p.fits  # 68.1 GiB
 
 
+def test_the_stops_save_is_planned_against_the_grace():
+    """paper_7b on 8 x 80 GB: a rank writes its DCP shard of the fp32 masters and both AdamW moments, 3 x 4 N / 8 =
+    11.42 GB (10.64 GiB), and no snapshot (sync); a node 8 of them, 91.4 GB: 91 s at the assumed 1 GB/s a node,
+    beyond SLURM's default KillWait of 30 s, within the launcher's 120 s."""
+    N = 7_615_616_512
+    p = P.plan_for(["experiment=paper_7b"])
+    assert p.save_bytes() == (3 * 4 * N // 8, 8 * (3 * 4 * N // 8))
+    lines = "\n".join(p.save_lines())
+    assert "10.6 GiB a rank, 85.1 GiB a node; about 91 s" in lines
+    assert "launcher.grace_s = 120 s: enough" in lines
+    assert "SLURM's default KillWait = 30 s: TOO SHORT" in lines and "--signal=B:TERM@212" in lines
+    short = P.plan_for(["experiment=paper_7b", "launcher.grace_s=60"])
+    assert "launcher.grace_s = 60 s: TOO SHORT" in "\n".join(short.save_lines())
+    over = ["train.async_rollout=true", "buffer.max_staleness=4", "rollout.enable_sleep_mode=false"]
+    async_ = P.plan_for(["experiment=paper_7b", *over])
+    held = P.held_snapshots(async_.setup.rc)
+    assert held >= 1 and async_.save_bytes()[1] == 8 * (3 * 4 * N // 8) + held * 4 * N  # rank 0's snapshots
+
+
 @pytest.mark.parametrize("model", MODELS)
 def test_every_gpu_model_config_fits_its_placement(model):
     p = P.plan_for([f"model={model}"])

@@ -239,3 +239,38 @@ def test_score_math_returns_float():
 def test_score_math_names_the_batch_api_when_given_lists():
     with pytest.raises(TypeError, match=r"grades one response.*got list and list.*MathVerifier\(\)\.score"):
         score_math(["\\boxed{4}"], ["4"])
+
+
+def slow_judge(pred, gold):
+    """The real check, a second late: a stop's signal arrives while the pair is in flight."""
+    time.sleep(1.0)
+    return check_pair(pred, gold)
+
+
+SLOW = f"{__name__}:slow_judge"
+
+
+def test_a_stop_signal_to_the_process_group_does_not_turn_rewards_into_zero():
+    """The elastic launcher passes a stop on to each rank's whole process group (scancel signals every process of
+    the job): the reward workers get SIGTERM, SIGHUP and SIGUSR1 too, with pairs in flight. They ignore them; the
+    pairs are graded as without the signal, and no worker is lost."""
+    responses = [r"\boxed{0.5}", r"\boxed{0.3}", r"\boxed{0.25}", r"\boxed{0.75}"]
+    answers = [r"\frac12", r"\frac14", r"\frac14", r"\frac34"]  # none the same text: every pair is verified
+    with MathVerifier(num_workers=2, timeout_s=5.0, judge=SLOW) as v:
+        v.score([r"\boxed{0.5}", r"\boxed{0.2}"], [r"\frac12", r"\frac15"])  # both workers started and ready
+        pids = [w.proc.pid for w in v._workers]
+        out = {}
+
+        def grade() -> None:
+            out["rewards"], out["stats"] = v.score(responses, answers)
+
+        grader = threading.Thread(target=grade)
+        grader.start()
+        time.sleep(0.5)  # every worker has a pair in flight
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1):
+            for pid in pids:
+                os.kill(pid, sig)
+        grader.join(timeout=60)
+        assert out["rewards"] == [1.0, 0.0, 1.0, 1.0]
+        assert out["stats"]["reward/worker_failures"] == 0
+        assert [w.proc.pid for w in v._workers] == pids and all(w.proc.poll() is None for w in v._workers)

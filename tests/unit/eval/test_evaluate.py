@@ -15,7 +15,6 @@ from bapo.eval.evaluate import (
     EvalSet,
     adopt_run,
     build_job,
-    check_model_folder,
     evaluate,
     evaluate_set,
     evaluate_sets,
@@ -24,6 +23,7 @@ from bapo.eval.evaluate import (
     named_set,
     prepare_set,
 )
+from bapo.infra.artifacts import check_model_folder
 from bapo.reward import MathVerifier
 from bapo.samples import Problem, Sample
 from eval import run as eval_run
@@ -436,7 +436,7 @@ def test_checkpoint_errors_name_the_folder(tmp_path, tiny_model, tiny_tok):
         find_checkpoint(str(tmp_path / "unfinished"))
     run = run_folder(tmp_path / "run", tiny_model, tiny_tok)
     (run / "config.yaml").write_text("model: [unclosed\n")
-    with pytest.raises(ConfigError, match="^checkpoint: .*config.yaml is not a readable training config"):
+    with pytest.raises(ConfigError, match=r"^checkpoint: .*config.yaml: cannot be read: not YAML at line 2"):
         _adopt([f"checkpoint={run}"])
     (run / "config.yaml").write_text("seed: 1\n")
     with pytest.raises(ConfigError, match="^checkpoint: .*is not a training run's config: it has no model.dtype"):

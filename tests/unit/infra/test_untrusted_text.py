@@ -84,3 +84,27 @@ def test_a_deeply_nested_metrics_line_or_export_config_is_no_crash(tmp_path):
     assert rundir.last_logged_step(tmp_path) == -1
     (tmp_path / "bapo_config.yaml").write_text("rollout: " + "[" * 50_000 + "]" * 50_000 + "\n")
     assert exported_max_new_tokens(tmp_path) is None
+
+
+@pytest.mark.parametrize("field", ["problem", "answer"])
+def test_a_lone_surrogate_is_one_skipped_row_naming_its_file_and_line(tmp_path, caplog, field):
+    """Before: JSON's "\\ud800" decoded to a string no tokenizer can encode: a TypeError (tokenizers) or a
+    UnicodeEncodeError (a log, samples.jsonl) ended the run, where any malformed row is skipped with file:line."""
+    row = {"problem": "What is 1 + 1?", "answer": "2"} | {field: "1 + 1 \ud800"}
+    f = _rows(tmp_path, json.dumps(row))
+    report = LoadReport()
+    caplog.set_level(logging.WARNING)
+    assert [p.answer for p in load_jsonl(f, report=report)] == ["1", "2"]
+    assert report.skipped == 1
+    assert f"{f}:2: field '{field}' holds a lone surrogate ('\\ud800' at character 7), which is not text" in caplog.text
+
+
+def test_a_row_longer_than_the_bound_is_skipped_unread(tmp_path, caplog, monkeypatch):
+    from bapo.data import loading
+
+    monkeypatch.setattr(loading, "MAX_ROW_BYTES", 1000)
+    f = _rows(tmp_path, json.dumps({"problem": "x" * 5000, "answer": "1"}))
+    report = LoadReport()
+    caplog.set_level(logging.WARNING)
+    assert [p.answer for p in load_jsonl(f, report=report)] == ["1", "2"]
+    assert report.skipped == 1 and f"{f}:2: longer than 1000 bytes: skipped" in caplog.text

@@ -4,6 +4,7 @@ is the report made from the folder, and that every committed study report regene
 import gzip
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -228,3 +229,97 @@ def test_last_exception_reads_tracebacks_and_one_line_errors(tmp_path):
     assert pack_study.last_exception(log) == "ValueError: c"
     log.write_text("step 3 ok\n")
     assert pack_study.last_exception(log) is None
+
+
+def _bomb(path, unpacked: int) -> None:
+    """A pack whose first line is ``unpacked`` bytes of one character: a few hundred KB compressed."""
+    with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=1, mtime=0) as f:
+        f.write(b'{"format": "bapo-study", "x": "')
+        for _ in range(unpacked >> 20):
+            f.write(b"a" * (1 << 20))
+        f.write(b'"}\n')
+
+
+def test_a_gzip_bomb_is_one_error_line_naming_the_file(tmp_path, capsys, monkeypatch):
+    """Before: read_pack unpacked all of it into memory (a 2 MB pack of 2 GB on one line: 4.3 GB resident and 39 s,
+    a MemoryError under 3 GB), then split and parsed it. Now it reads a line at a time, each line and the whole
+    bounded (the bounds made smaller here, to keep the test short)."""
+    monkeypatch.setattr(pack_study, "MAX_PACK_LINE", 4 << 20)
+    pack = tmp_path / "runs.jsonl.gz"
+    _bomb(pack, 64 << 20)
+    assert pack.stat().st_size < 1 << 20
+    with pytest.raises(pack_study.PackError, match=r"runs.jsonl.gz:1: a line longer than 4 MiB: not a study pack"):
+        pack_study.read_pack(pack)
+    assert report.main([str(pack)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: PackError: {pack}:1: a line longer than 4 MiB")
+    monkeypatch.setattr(pack_study, "MAX_PACK", 8 << 20)
+    many = tmp_path / "many.jsonl.gz"  # short lines, too many of them
+    header = {"format": "bapo-study", "version": 1, "sweep": "s", "runs": 1}
+    with gzip.open(many, "wb", compresslevel=1) as f:
+        f.write((json.dumps(header) + "\n").encode())
+        for _ in range(12):
+            f.write(b"[" + b"0," * (1 << 19) + b"0]\n")
+    with pytest.raises(
+        pack_study.PackError, match=r"many.jsonl.gz: more than 8 MiB, .* \(a study pack unpacks to a few"
+    ):
+        pack_study.read_pack(many)
+
+
+def test_a_runs_config_that_interpolates_is_a_problem_and_reads_no_variable(tmp_path, monkeypatch):
+    """Before: pack_study resolved it (OmegaConf): the pack, and the report made from it, held the variable."""
+    monkeypatch.setenv("BAPO_TEST_SECRET", "hunter2-issue50-marker")
+    run = _run(tmp_path / "sweep", "algo=bapo,seed=1", rows=_rows(0.3))
+    (run / "config.yaml").write_text("algo: {name: bapo}\nlogger: {note: '${oc.env:BAPO_TEST_SECRET}'}\n")
+    record = pack_study.read_run(run)
+    assert record["config"] == {}
+    assert record["problems"] == [
+        "algo=bapo,seed=1/config.yaml: unreadable config (logger.note: '${oc.env:BAPO_TEST_SECRET}' is an "
+        "interpolation, never resolved here: the loop writes a run's config resolved, and an interpolation could read "
+        "this machine's environment)"
+    ]
+    (run / "config.yaml").unlink()  # a run that died early: Hydra's own record, references resolved, no resolver run
+    (run / ".hydra" / "config.yaml").write_text("seed: 1\nalgo: {name: bapo}\nx: '${oc.env:BAPO_TEST_SECRET}'\n")
+    assert pack_study.read_run(run)["config"] == {
+        "seed": 1,
+        "algo": {"name": "bapo"},
+        "x": "${oc.env:BAPO_TEST_SECRET}",
+    }
+
+
+def test_long_and_huge_metrics_and_logs_are_bounded(tmp_path, monkeypatch):
+    run = _run(tmp_path / "sweep", "algo=bapo,seed=1", rows=_rows(0.3))
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 9, "x": "' + "y" * (2 << 20) + '"}\n')
+    record = pack_study.read_run(run)
+    assert record["metrics"]["step"] == [0, 1, 2, 3]
+    assert record["problems"] == ["algo=bapo,seed=1/metrics.jsonl:5: longer than 1 MiB: skipped"]
+    monkeypatch.setattr(pack_study, "MAX_METRICS", 1000)
+    record = pack_study.read_run(run)
+    assert record["metrics"]["step"] == [] and record["problems"] == [
+        "algo=bapo,seed=1/metrics.jsonl: more than 1000 bytes, more than this file ever holds: not read"
+    ]
+    log = run / "train.log"  # a crash at the end of a long log: only its tail is read
+    log.write_text("x" * (3 << 20) + "\nerror: TrainingDiverged: loss is nan at step 2\n")
+    (run / "final_metrics.json").unlink()
+    assert pack_study.read_run(run)["exception"] == "train.log: error: TrainingDiverged: loss is nan at step 2"
+
+
+@pytest.mark.parametrize("where", ["file", "read_only", "proc"])
+def test_an_unwritable_out_is_one_error_line_and_leaves_nothing(sweep, tmp_path, capsys, where):
+    """Before: pack_study.py --out to an unwritable place ended in a PermissionError or NotADirectoryError traceback."""
+    if where == "file":
+        (tmp_path / "afile").write_text("x")
+        out = tmp_path / "afile" / "runs.jsonl.gz"
+    elif where == "read_only":
+        (tmp_path / "ro").mkdir()
+        (tmp_path / "ro").chmod(0o555)
+        out = tmp_path / "ro" / "runs.jsonl.gz"
+        if os.access(tmp_path / "ro", os.W_OK):
+            pytest.skip("this user writes into a read-only folder (root)")
+    else:
+        out = Path("/proc/bapo-runs.jsonl.gz")
+    assert pack_study.main([str(sweep), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and f"--out {out}:" in err[0], err
+    assert not out.exists() and not out.with_name(out.name + ".tmp").exists()
