@@ -407,7 +407,8 @@ def test_two_launched_ranks_equal_torchrun_metric_for_metric(launched, tmp_path_
 
     cfg = yaml.safe_load((launched / "config.yaml").read_text())
     assert cfg["launcher"] == {
-        "nproc_per_node": 2, "nnodes": "auto", "rdzv_endpoint": None, "chosen": "2 ranks (launcher.nproc_per_node=2)"
+        "nproc_per_node": 2, "nnodes": "auto", "rdzv_endpoint": None, "grace_s": 120,
+        "chosen": "2 ranks (launcher.nproc_per_node=2)"
     }  # fmt: skip
     log = (launched / "train.log").read_text()
     assert log.count("launch: 2 ranks (launcher.nproc_per_node=2)") == 1
@@ -500,7 +501,7 @@ def test_ctrl_c_reaches_every_rank_and_leaves_no_process(tmp_path):
     os.kill(p.pid, signal.SIGINT)  # to the launching process only, as a terminal's Ctrl-C (the ranks have sessions)
     out, err = p.communicate(timeout=600)
     assert p.returncode == 128 + signal.SIGINT, err[-3000:]
-    assert (out + err).count("SIGINT: saving a checkpoint after this step, then stopping") == 2  # each rank's own
+    assert (out + err).count("SIGINT: stopping within seconds; the last consistent state is saved") == 2  # each rank
     saved = sorted(x.name for x in (run / "checkpoints").iterdir())
     assert saved and {"producer_rank0.pt", "producer_rank1.pt"} <= {
         x.name for x in (run / "checkpoints" / saved[-1]).iterdir()
