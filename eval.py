@@ -10,7 +10,8 @@ A training run is evaluated the way it was trained. When ``checkpoint=`` is a ru
 (``bapo_config.yaml``), the run's settings replace eval.py's own: the model group (dtype, arch,
 answer_fallback; the weights are the export's), ``max_new_tokens`` (the run's
 ``rollout.max_new_tokens``), the prompt's ``instruction`` and ``max_prompt_tokens`` (its ``data.*``),
-and the rollout engine with its knobs (vLLM's memory share, tensor parallelism, eager mode). A key
+and the rollout engine with its knobs (vLLM's memory share, tensor parallelism, eager mode; vLLM's servers,
+which ran on GPUs of their own, give way to vLLM in each eval rank). A key
 given on the command line wins (``checkpoint=<run> max_new_tokens=1024``); every value taken, and
 every override, is logged in one block and recorded in results.json's config. A bare HF folder,
 or no checkpoint, is evaluated with the settings composed here (conf/eval_config.yaml, ``model=``).
@@ -143,9 +144,10 @@ def main(cfg: DictConfig) -> None:
     import os
 
     from bapo.entry.cli import guarded, hydra_files, launch_here, refuse_training_run
-    from bapo.entry.launch import announce
+    from bapo.entry.launch import announce, watch_launcher
     from bapo.infra.dist import from_slurm
 
+    watch_launcher()  # a rank this command's launch started ends with its launcher (bapo.entry.launch)
     from_slurm()  # SLURM with one task per rank: torchrun's variables
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)

@@ -23,11 +23,12 @@ from omegaconf import DictConfig
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     from bapo.entry.cli import guarded, hydra_files, launch_here
-    from bapo.entry.launch import announce
+    from bapo.entry.launch import announce, watch_launcher
     from bapo.entry.sweep import cell_of, default_resume
     from bapo.infra.dist import from_slurm
     from bapo.loop import run
 
+    watch_launcher()  # a rank this command's launch started ends with its launcher (bapo.entry.launch)
     from_slurm()  # SLURM with one task per rank: torchrun's variables, and nothing else changes
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)

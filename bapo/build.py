@@ -80,6 +80,7 @@ def build_maker(
         dtype=rc.model.dtype,
         seed=rc.seed,
         max_model_len=limit + rc.rollout.max_new_tokens,  # vLLM sizes its engine for this, not the full context
+        syncs_together=not rc.train.async_rollout,  # sync mode: every rank loads each version at once
     )
     verifier = build_verifier(rc.reward)
     d = rc.data

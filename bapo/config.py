@@ -52,7 +52,7 @@ from bapo.rollout.schedule import partial_lag
 # Re-exported: the names the stages, scripts and tests import from this module.
 __all__ = ["ROOT", "ArithConfig", "ConfigError", "FSDPLearnerConfig", "ModelConfig", "RunConfig", "SingleLearnerConfig"]
 __all__ += ["build", "check_combinations", "derive_sizes", "did_you_mean", "prompt_limit", "resolve_path"]
-__all__ += ["ENGINE_CONFIGS"]  # each engine's schema, by rollout.engine (bapo.engines.registry)
+__all__ += ["ENGINE_CONFIGS", "engine_traits"]  # each engine's schema and traits, by rollout.engine (bapo.engines)
 
 
 # ----------------------------------------------------------------------------- run-level groups

@@ -196,7 +196,8 @@ class EngineContext:
     None). ``seed`` seeds an engine's sampler where it has one of its own. ``max_model_len``: the longest
     prompt + response the engine must hold, which sizes a KV cache (None: the model's whole context).
     ``logprobs=False`` (evaluation) allows ``top_p < 1``; training engines record the log-probs the
-    learner needs and sample the full distribution.
+    learner needs and sample the full distribution. ``syncs_together``: every rank loads each version of the
+    weights at the same time (sync mode), so an engine may share one staged copy between a node's ranks.
     """
 
     path: str
@@ -207,13 +208,14 @@ class EngineContext:
     max_model_len: int | None = None
     logprobs: bool = True
     top_p: float = 1.0
+    syncs_together: bool = False
 
 
 def constructor_kwargs(cls: type, cfg, ctx: EngineContext) -> dict[str, Any]:
     """The :class:`SamplingDefaults` and the keyword-only arguments of ``cls``'s constructor, each taken by its
     name from the typed rollout config ``cfg`` (an engine's YAML keys are its constructor's arguments) or from
-    ``ctx`` (``dtype``, ``seed``, ``max_model_len``, ``top_p``, ``logprobs``): an engine takes the context its
-    constructor names. An argument that neither has, or that both have, is a TypeError naming it."""
+    ``ctx`` (``dtype``, ``seed``, ``max_model_len``, ``top_p``, ``logprobs``, ``syncs_together``): an engine takes
+    the context its constructor names. An argument that neither has, or that both have, is a TypeError naming it."""
     params = inspect.signature(cls.__init__).parameters.values()
     names = [f.name for f in fields(SamplingDefaults)] + [p.name for p in params if p.kind is p.KEYWORD_ONLY]
     out: dict[str, Any] = {}

@@ -53,6 +53,8 @@ class EngineTraits:
       ``"model_copy"``, a copy of the model and its KV cache on the learner's device; ``"vllm_beside"``, vLLM's
       share of the learner's GPUs (weights, activations, CUDA graphs, KV cache; asleep during updates);
       ``"vllm_own_gpus"``, vLLM on GPUs of its own (``rollout.gpus``), none of the learner's.
+    - ``eval_engine``: the engine an evaluation of a run made with this one uses in its place, on the eval ranks'
+      own GPUs (an engine on GPUs of its own has none there: the eval's ranks take every GPU); None: this one.
     """
 
     needs_model_copy: bool
@@ -63,6 +65,7 @@ class EngineTraits:
     continues: bool = False
     runs_in_workers: bool = False
     gpu_memory: str = "model_copy"
+    eval_engine: str | None = None
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHT_PATHS:

@@ -28,10 +28,11 @@ each tensor fingerprinted as it is handed to vLLM's reload, a parameter left wit
 build's tied output layer re-packed) and answer with what they read, the learner refuses a sync whose answer
 differs, then resets the prefix cache (and checks that it was reset). A version's folder is removed as soon as
 its server has loaded it, so a server's staging holds one copy at its peak. When every rank syncs at once
-(sync mode and evaluations: the streamed weights are a collective) the ranks of one node share one staged
-copy, written by the node's first rank. Space is checked at start (``/dev/shm`` in a container is 64 MB by
-default), and a server's watch removes its staging when the learner dies. ``time/sync_{write,reload,reset,wait}_s``
-split the sync's time. docs/offpolicy.md ("vLLM's server") says what this costs at 7B and what NCCL would save.
+(sync mode, and evaluations: the streamed weights are a collective) the ranks of one node share one staged
+copy, written by the node's first rank. Space is checked at start for the copies the mode stages at once on a
+node (one in sync mode, one a rank in async mode; ``/dev/shm`` in a container is 64 MB by default), and a
+server's watch removes its staging when the learner dies. ``time/sync_{write,reload,reset,wait}_s`` split the
+sync's time. docs/offpolicy.md ("vLLM's server") says what this costs at 7B and what NCCL would save.
 
 Under torchrun every rank has its own server (``rollout.url``: one URL, or one per rank, comma-separated;
 ``rollout.gpus``: the launched servers' devices, indices into this process's ``CUDA_VISIBLE_DEVICES``, split over
@@ -269,6 +270,15 @@ def _stop_group(proc: subprocess.Popen, grace_s: float = 20.0, kill_wait_s: floa
         )
 
 
+def staged_copies(node_ranks: int, local: int, together: bool) -> int:
+    """The staged copies of the weights local rank ``local`` of a node of ``node_ranks`` makes room for: the first
+    rank the node's peak (one shared copy where every rank syncs at once, ``together``; else one a rank, written
+    at the same time), the others their own copy where they write one (not ``together``)."""
+    if local == 0:
+        return 1 if together else node_ranks
+    return 0 if together else 1
+
+
 def server_devices(gpus: str, visible: str | None, ranks: int, local: int, tp: int) -> str:
     """This local rank's server devices: its share of ``gpus`` (indices into the parent's ``visible``
     ``CUDA_VISIBLE_DEVICES``, or device ids when it is unset), mapped through ``visible``."""
@@ -312,6 +322,7 @@ class VLLMServerRollout(RolloutEngine):
         spans_ranks=False,
         continues=True,
         gpu_memory="vllm_own_gpus",
+        eval_engine="vllm",  # eval.py checkpoint=<run>: vLLM in each eval rank, on its own GPU
     )
     config = VLLMServerConfig
 
@@ -337,13 +348,15 @@ class VLLMServerRollout(RolloutEngine):
         request_timeout_s: float = 900.0,
         kv_overcommit: float = 1.0,
         weights_dir: str | None = None,
+        syncs_together: bool = False,
         dtype: str = "float32",
         seed: int = 0,
         max_model_len: int | None = None,
         **sampling: Any,
     ):
         """It starts a server on ``model_path`` (or connects to ``url``), seeded with ``seed``, holding
-        ``max_model_len`` tokens. ``sampling``: the :class:`~bapo.engines.base.SamplingDefaults` (``n``, ...)."""
+        ``max_model_len`` tokens. ``syncs_together``: every rank loads each version at once (sync mode), so every
+        sync shares the node's staged copy. ``sampling``: the :class:`~bapo.engines.base.SamplingDefaults`."""
         defaults = SamplingDefaults(**sampling)
         self._hold_sampling(tokenizer, checkpoint_generation_config(str(model_path)), defaults)
         self.model_path = str(model_path)
@@ -356,6 +369,7 @@ class VLLMServerRollout(RolloutEngine):
         rank, world, local = dist.rank(), dist.world_size(), dist.local_rank()
         self.local = local
         self.node_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        self.syncs_together = syncs_together
         # the weight folders: this rank's own, and the node's shared one for syncs every rank makes at once
         self.dir = make_root(weights_dir, "bapo-vllm-server-")
         self._cleanup = weakref.finalize(self, shutil.rmtree, self.dir, True)
@@ -364,8 +378,9 @@ class VLLMServerRollout(RolloutEngine):
         if self.node_dir is not None and local == 0:
             self.node_dir.mkdir(exist_ok=True)
             self._node_cleanup = weakref.finalize(self, shutil.rmtree, self.node_dir, True)
-        one_copy = _checkpoint_bytes(self.model_path, self.dtype)
-        check_space(self.dir, one_copy * self.node_ranks if local == 0 else one_copy)
+        need = staged_copies(self.node_ranks, local, syncs_together) * _checkpoint_bytes(self.model_path, self.dtype)
+        if need:
+            check_space(self.dir, need)
         if url is not None:
             urls = [u.strip().rstrip("/") for u in url.split(",")]
             require(
@@ -668,9 +683,10 @@ class VLLMServerRollout(RolloutEngine):
     @torch.no_grad()
     def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> float:
         """Stage the learner's weights, have the server's workers reload them, check what they read, reset the
-        prefix cache. Where every rank syncs at once (``weights.collective``), one rank a node writes."""
+        prefix cache. Where every rank syncs at once (sync mode, or ``weights.collective``), one rank a node
+        writes."""
         t0 = time.perf_counter()
-        shared = self.node_dir is not None and bool(getattr(weights, "collective", False))
+        shared = self.node_dir is not None and (self.syncs_together or bool(getattr(weights, "collective", False)))
         folder = (self.node_dir if shared else self.dir) / f"v{version:08d}"
         err: BaseException | None = None
         staged = None

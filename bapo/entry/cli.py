@@ -27,7 +27,8 @@ In a sweep (``train.py -m``) a failed cell does not end the sweep: its error lin
 the cell's log (the cell's folder keeps its ``.hydra/`` and log, so the failure stays visible), and to
 the sweep's ``sweep_summary.jsonl`` (``bapo.entry.sweep``), and the next cell runs. ``eval.py`` holds its
 folder the same way. A torchrun rank other than 0 holds nothing: its folder is removed when it holds
-nothing but Hydra's files, and never when it holds a lock file.
+nothing but Hydra's files, and never when it holds a lock file. An error every rank raised at once (a full disk
+while the ranks write a checkpoint together) is rank 0's line alone: the run ends in one line, as in one process.
 """
 
 from __future__ import annotations
@@ -118,8 +119,10 @@ def guarded(
     text: Hydra's record of the job, :func:`hydra_files`), and on a failure put the folder back as it was found
     (or keep the run's files if it wrote any). ``cell``: this job is a cell of a sweep; a failure is recorded in
     the sweep's summary and returns None instead of exiting, and so does a bug (with its traceback), so that the
-    sweep goes on. Without ``hold`` (a torchrun rank other than 0): the folder is removed when it holds nothing but
-    Hydra's files, never when it holds a lock file (rank 0's folder, or another run's)."""
+    sweep goes on (in the rank 0 of a launched cell, the row is handed to the cell's job and the rank exits with
+    the failure's status: :func:`_cell_failed`). Without ``hold`` (a torchrun rank other than 0): the folder is
+    removed when it holds nothing but Hydra's files, never when it holds a lock file (rank 0's folder, or another
+    run's)."""
     run_dir = Path(run_dir)
     if not hold:
         return _guarded_unheld(fn, run_dir)
@@ -136,7 +139,7 @@ def guarded(
             fail(e, status)
         print(line, file=sys.stderr)
         cell.record("failed", status, line, began)
-        return None
+        return _cell_failed(cell, status)
     except Exception as e:  # a bug: in a sweep, recorded with its traceback, and the next cell runs
         if cell is None:
             raise
@@ -145,7 +148,7 @@ def guarded(
         if start is not None:
             start.leave(text.rstrip("\n"), keep_log=True)
         cell.record("failed", 1, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", began)
-        return None
+        return _cell_failed(cell, 1)
     except BaseException:  # a signal's exit, Ctrl-C: the run saved what it could; the lock goes with the process
         if start is not None:
             start.folder.close()
@@ -158,7 +161,18 @@ def guarded(
     return result
 
 
+def _cell_failed(cell: Cell, status: int) -> None:
+    """After a failed cell's row is recorded: the next cell runs (None), or, in the rank 0 a cell's job launched
+    (the row handed to the job), the rank exits with ``status``, so that the launcher stops the cell's other ranks
+    (waiting for this one in the process group) and the job records the row."""
+    if cell.handoff_to is not None:
+        sys.exit(status)
+    return None
+
+
 def _guarded_unheld(fn: Callable[[], T], run_dir: Path) -> T:
+    from bapo.infra.checks import raised_by_every_rank
+
     fresh = not run_dir.exists() or only_hydra_files(run_dir)
     user, failed = user_errors(), run_errors()
     try:
@@ -166,7 +180,24 @@ def _guarded_unheld(fn: Callable[[], T], run_dir: Path) -> T:
     except user + failed as e:
         if fresh and only_hydra_files(run_dir):  # a start-up error leaves no run folder behind
             remove_run_folder(run_dir)
-        fail(e, 2 if isinstance(e, user) else 1)
+        status = 2 if isinstance(e, user) else 1
+        if raised_by_every_rank(e):
+            _leave_the_line_to_rank_0()
+        fail(e, status)
+
+
+def _leave_the_line_to_rank_0(wait_s: float = 60.0) -> None:
+    """An error every rank raised at once (a collective's failure, ``bapo.infra.checks.every_rank``): rank 0 prints
+    the run's one line and exits with it, and its launcher (the plain launch, torchrun) then stops this rank with
+    SIGTERM, whose default action ends it at once, without a second line. Where nothing stops it (SLURM's one task
+    per rank), it says the line itself after ``wait_s``."""
+    import signal
+
+    from bapo.infra.stop import STOP_SIGNALS
+
+    for s in STOP_SIGNALS:
+        signal.signal(s, signal.SIG_DFL)
+    time.sleep(wait_s)
 
 
 def unresolvable(e: BaseException) -> Exception:
@@ -236,7 +267,8 @@ def launch_here(cfg: Any, hc: Any, script: str | Path, run_dir: Path, cell: Cell
     fresh = not run_dir.exists() or only_hydra_files(run_dir)
     try:
         check_resolvable(cfg)  # the command line's interpolations, before anything reads the config
-        how = launch.decide(cfg, hc.overrides.task, entry, run_dir)
+        stamped = None if cell is not None else launch.stamped_folder(hc)  # a sweep's cells: the sweep's folder
+        how = launch.decide(cfg, hc.overrides.task, entry, run_dir, stamped=stamped)
     except user_errors() as e:
         line = error_line(e)
         if cell is None:
@@ -252,6 +284,7 @@ def launch_here(cfg: Any, hc: Any, script: str | Path, run_dir: Path, cell: Cell
         return False
     handoff = outcome_file(cell) if cell is not None else None
     env = {k: None for k in own_env()} | ({} if cell is None else cell.handoff(handoff))  # None: not passed on
+    env[launch.LAUNCHER_ENV] = str(os.getpid())  # the ranks die with this process (launch.watch_launcher)
     after = (
         ""
         if entry != "train"

@@ -15,15 +15,21 @@ the GPUs it may use (:func:`usable_devices`):
 
 More than one rank, or node: the job starts this node's ranks through torch.distributed's elastic launcher
 (:func:`start`: ``elastic_launch``, what torchrun runs: a c10d rendezvous, torchrun's environment in every rank, a
-failed rank stops the others, SIGINT / SIGTERM / SIGHUP passed on to every rank) with the same overrides, its run
-folder pinned (``hydra.run.dir``) and its choice passed on, and waits. It holds no lock (rank 0 holds the folder, as
+failed rank stops the others, SIGINT / SIGTERM / SIGHUP passed on to every rank; the ranks write to this process's
+streams, and the agent keeps no log folder of its own) with the same overrides, its run folder pinned
+(``hydra.run.dir``) and its choice passed on, and waits. It holds no lock (rank 0 holds the folder, as
 under torchrun). One rank: the run goes on in this process. Either way what was chosen and why is one log line and
 ``launcher.chosen`` in the run's config.yaml (null where nothing was chosen: under a launcher, or on a machine
 without a GPU with ``nproc_per_node=auto``).
 
 Several nodes: ``launcher.nnodes`` and ``launcher.rdzv_endpoint`` (``host:port`` of the first node) on every node,
 or under SLURM with one task per node (``srun --ntasks-per-node=1``, ``hydra/launcher=slurm``) both come from SLURM's
-variables (the step's node count, its first node, port 29400).
+variables (the step's node count, its first node, port 29400). Every node gives the same ``hydra.run.dir`` (a folder
+they all see): a run folder named by the time each node started (Hydra's default) is refused before any rank starts.
+
+A rank this launch started dies with the launching process (:func:`watch_launcher`, from ``$BAPO_LAUNCHER_PID``): a
+launcher or sweep killed by SIGKILL leaves no rank behind holding the run folder, finishing the run on its own or
+waiting in a collective, so that ``resume=auto`` and a relaunched sweep find the folder free.
 
 Test hook: ``$BAPO_FAKE_DEVICES`` (``N`` or ``NxGiB``; 80 GiB by default) makes :func:`usable_devices` report N GPUs
 on a machine without them, and the ranks then run on the CPU with gloo; in-process tests monkeypatch
@@ -37,6 +43,7 @@ import copy
 import logging
 import math
 import os
+import re
 import signal
 import sys
 import uuid
@@ -52,6 +59,7 @@ from bapo.infra.dist import LauncherConfig
 log = logging.getLogger(__name__)
 
 FAKE_DEVICES = "BAPO_FAKE_DEVICES"  # test hook (module docstring)
+LAUNCHER_ENV = "BAPO_LAUNCHER_PID"  # in the ranks a launch starts: the launching process's pid (watch_launcher)
 RDZV_PORT = 29400  # the first node's rendezvous port under SLURM (torchrun's default)
 LAYOUT_GROUPS = ("placement", "learner", "launcher")  # on the command line, the plan changes none of them
 # What the elastic agent passes on to the ranks: the stop signals (bapo.infra.stop.STOP_SIGNALS) and SIGQUIT.
@@ -135,10 +143,13 @@ def announce(cfg) -> None:
         log.info("launch: %s", chosen)
 
 
-def decide(cfg, overrides: Sequence[str], entry: str = "train", run_dir: str | Path = "launch") -> Launch:
+def decide(
+    cfg, overrides: Sequence[str], entry: str = "train", run_dir: str | Path = "launch", *, stamped: str | None = None
+) -> Launch:
     """How this job starts (module docstring). ``overrides``: the command line's (Hydra's task overrides); ``entry``:
-    train or eval. Raises ConfigError (one line, before any rank starts) for a config that cannot start, and for a
-    run the memory plan finds no way to fit."""
+    train or eval; ``stamped``: the run folder's pattern where the time this process started names it
+    (:func:`stamped_folder`), which several nodes cannot share. Raises ConfigError (one line, before any rank
+    starts) for a config that cannot start, and for a run the memory plan finds no way to fit."""
     if under_launcher() is not None:
         return Launch(nproc=1)  # torchrun or SLURM started this rank: nothing changes
     from bapo.infra.checks import typed
@@ -146,7 +157,13 @@ def decide(cfg, overrides: Sequence[str], entry: str = "train", run_dir: str | P
     node = cfg.get("launcher")
     lc = typed("launcher", dict(node) if node is not None else {}, LauncherConfig)
     nnodes, endpoint, run_id = _nodes(lc)
+    require(nnodes == 1 or stamped is None, "hydra.run.dir",
+            f"{nnodes} nodes (launcher.nnodes) write one run folder, but {stamped!r} is named by the time each node "
+            "started, so each would make its own: give every node the same hydra.run.dir=<a folder every node "
+            "sees>")  # fmt: skip
     devices = usable_devices()
+    if devices and entry == "train":
+        _check_server_gpus(cfg, devices)
     keys = {o.split("=", 1)[0].lstrip("+~").split(".")[0].split("/")[0] for o in overrides}
     if lc.nproc_per_node != "auto":
         n = int(lc.nproc_per_node)
@@ -177,6 +194,28 @@ def decide(cfg, overrides: Sequence[str], entry: str = "train", run_dir: str | P
     return _plan_choice(
         cfg, devices, nnodes, endpoint, run_id, explicit=bool(keys & set(LAYOUT_GROUPS)), run_dir=run_dir
     )
+
+
+def stamped_folder(hc) -> str | None:
+    """The job's run folder as configured (``hydra.run.dir``, unresolved) where the time names it (Hydra's default
+    ``outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}``), else None."""
+    from omegaconf import OmegaConf
+
+    pattern = str(OmegaConf.to_container(hc.run, resolve=False).get("dir"))
+    return pattern if "${now:" in pattern else None
+
+
+def _check_server_gpus(cfg, devices: list[float]) -> None:
+    """The launched vLLM servers' ``rollout.gpus`` (indices into this process's GPUs) are GPUs of this node: a
+    ConfigError naming the key before any rank starts, not a server that fails to start in every rank."""
+    r = cfg.rollout
+    if r.get("url") is not None or engine_traits(r.engine).gpu_memory != "vllm_own_gpus":
+        return
+    ids = [g.strip() for g in str(r.get("gpus") or "").split(",") if g.strip()]
+    bad = [g for g in ids if not g.isdigit() or int(g) >= len(devices)]
+    require(not bad, "rollout.gpus",
+            f"{','.join(ids)!r} names GPU(s) {','.join(bad)} for the vLLM servers, but this node has "
+            f"{_gpus(devices)} (indices 0-{len(devices) - 1} of the GPUs this process sees)")  # fmt: skip
 
 
 def _plan_choice(cfg, devices, nnodes, endpoint, run_id, *, explicit: bool, run_dir) -> Launch:
@@ -215,17 +254,22 @@ def _plan_choice(cfg, devices, nnodes, endpoint, run_id, *, explicit: bool, run_
         why = f"{verdict}; with the learner's state on the host {_gib(off.peak)} GiB"
         return Launch(**how, chosen=f"{where}, learner.cpu_offload=true", reason=why,
                       changes=(("learner.cpu_offload", True),))  # fmt: skip
+    offloaded = ""
+    if off is not None:
+        offloaded = f"; {_gib(off.peak)} GiB a GPU with learner.cpu_offload=true"
+        if off.host_limit is not None and off.host_total > off.host_limit:
+            offloaded += f", which needs {_gib(off.host_total)} GiB of host, this node has {host:.0f}"
     raise ConfigError(
-        f"launcher.nproc_per_node: {rc.model.name_or_path} does not fit {where} ({verdict}"
-        + (f"; {_gib(off.peak)} GiB a GPU with learner.cpu_offload=true" if off is not None else "")
-        + f"); the smallest change that fits: {smallest_change(rc, world, gib, len(devices), p, host)} "
+        f"launcher.nproc_per_node: {rc.model.name_or_path} does not fit {where} ({verdict}{offloaded}); the smallest "
+        f"change that fits: {smallest_change(rc, world, gib, len(devices), p, host, tried=off)} "
         f"(python train.py ... --plan --nproc {world} --gpu-memory {gib:.0f} prints the plan)"
     )
 
 
-def smallest_change(rc, world: int, gib: float, per_node: int, p, host: float | None = None) -> str:
+def smallest_change(rc, world: int, gib: float, per_node: int, p, host: float | None = None, tried=None) -> str:
     """The fewest GPUs of ``gib`` on which ``rc`` fits (with the learner's state on the host if need be), else the
-    plan's own advice for these GPUs (``p``)."""
+    first of the plan's own advice for these GPUs (``p``; and ``tried``'s, the plan with the learner's state on the
+    host, together with that change) that makes it fit once applied: never a change that was tried and fails."""
     import dataclasses
 
     from bapo import plan
@@ -254,8 +298,44 @@ def smallest_change(rc, world: int, gib: float, per_node: int, p, host: float | 
                 nodes = math.ceil(w / per_node)
                 more = f"{nodes} nodes of {per_node}: launcher.nnodes={nodes}" if nodes > 1 else f"a node of {w}"
                 return f"{w} GPUs of {gib:.0f} GiB ({more})" + (", with learner.cpu_offload=true" if offload else "")
-    advice = [a.strip() for a in p.advice() if "=" in a]
-    return advice[0] if advice else "a smaller model (no GPU count up to 512 fits)"
+    offload = "learner.cpu_offload=true"
+    candidates = _changes(p.advice())
+    candidates += [f"{offload} {a}" for a in _changes(tried.advice()) if offload not in a] if tried is not None else []
+    for change in candidates:
+        if _fits_with(rc, change, world, gib, host):
+            return change
+    for q, what in ((tried, offload), (p, "the run")):
+        gpus_hold = q is not None and q.peak <= q.limit and q.startup_ok and not world % tp
+        if gpus_hold and not q.fits:  # the GPUs hold it, the host does not
+            return f"more host memory ({what} needs {_gib(q.host_total)} GiB of host a node, this node has {host:.0f})"
+    return "a smaller model (no GPU count up to 512 fits)"
+
+
+ASSIGNMENT = re.compile(r"\b([a-z_]+(?:\.[a-z_]+)+)=([^\s,;:()]+)")  # key=value in the plan's advice
+
+
+def _changes(advice: list[str]) -> list[str]:
+    """The plan's advice lines that name a change (``key=value``), as the change and the advice's words."""
+    return [a.strip().removeprefix("host: ") for a in advice if ASSIGNMENT.search(a)]
+
+
+def _fits_with(rc, change: str, world: int, gib: float, host: float | None) -> bool:
+    """Whether ``rc`` with every ``key=value`` of ``change`` fits ``world`` GPUs of ``gib`` (and this node's host)."""
+    import dataclasses
+
+    import yaml
+
+    from bapo import plan
+
+    try:
+        for key, value in ASSIGNMENT.findall(change):
+            group, _, name = key.partition(".")
+            node = getattr(rc, group)
+            rc = dataclasses.replace(rc, **{group: dataclasses.replace(node, **{name: yaml.safe_load(value)})})
+        q = plan.make_plan(rc, world=world, gpu_memory_gib=gib, host_memory_gib=host)
+    except (ConfigError, TypeError, ValueError, AttributeError):  # not a key of that group, or not a value it takes
+        return False
+    return _fits(q) and not world % _engine_ranks(rc)
 
 
 def _fits(p) -> bool:
@@ -347,6 +427,34 @@ def _put_env(values: dict[str, str | None]) -> None:
 
 # ----------------------------------------------------------------------------- starting the ranks
 
+
+def watch_launcher(period_s: float = 0.2) -> None:
+    """In a rank a launch started (``$BAPO_LAUNCHER_PID``; taken out of the environment, so the rank's own children
+    do not inherit it): end this process, with one line, once the launching process is gone, whatever the rank is
+    doing (a step, a collective whose other ranks died too). The rank's children follow it as they follow any
+    learner that dies: rollout workers and vLLM servers watch their parent, reward workers read their end of a
+    pipe. A no-op in any other process (torchrun, SLURM or a plain run)."""
+    import threading
+    import time
+
+    value = os.environ.pop(LAUNCHER_ENV, None)
+    if not value or not value.isdigit():
+        return
+    launcher = int(value)
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(period_s)
+        try:
+            rank = os.environ.get("RANK", "?")
+            print(f"error: LauncherGone: the launching process (pid {launcher}) is gone: rank {rank} stops with it",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        finally:  # its stream may have gone with it
+            os._exit(1)
+
+    threading.Thread(target=watch, name="bapo-launcher-watch", daemon=True).start()
+
+
 DROPPED_HYDRA = ("hydra.run.dir", "hydra.sweep", "hydra.mode", "hydra/launcher", "hydra.launcher", "hydra/sweeper",
                  "hydra.sweeper", "hydra.job.num", "hydra.job.id", "hydra.runtime")  # fmt: skip
 
@@ -419,7 +527,7 @@ def start(
     ``after``: what the line of a killed rank adds (how to resume). A signal of :data:`SIGNALS` is passed on to
     every rank, which then has ``grace_s`` seconds (``launcher.grace_s``) to save and exit before SIGKILL; when
     one had to be killed, the outcome's line says so."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -433,6 +541,7 @@ def start(
         max_restarts=0,
         signals_to_handle=",".join(s.name for s in SIGNALS),
         shutdown_timeout=max(1, math.ceil(grace_s)),
+        logs_specs=DefaultLogsSpecs(log_dir=os.devnull),  # the ranks write to our streams: no torchelastic_* folder
     )
     ranks_env = dict(env or {}) | {"TORCHELASTIC_SIGNALS_TO_HANDLE": None}
     if how.nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
@@ -473,4 +582,4 @@ def start(
             signal.signal(s, h)
 
 
-__all__ = ["Launch", "LauncherConfig", "Outcome", "announce", "decide", "start", "usable_devices"]
+__all__ = ["Launch", "LauncherConfig", "Outcome", "announce", "decide", "start", "usable_devices", "watch_launcher"]

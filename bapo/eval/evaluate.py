@@ -49,6 +49,7 @@ from bapo.config import (
     EvalConfig,
     ModelConfig,
     RewardConfig,
+    engine_traits,
     prompt_limit,
     resolve_path,
 )
@@ -528,6 +529,7 @@ NOT_FROM_RUN = ("name_or_path", "init", "gguf")  # model keys the checkpoint its
 # Keys an artifact never decides: a downloaded run folder or export saying trust_remote_code: true would make
 # transformers import the modeling_*.py its config.json's auto_map names. Only the command line turns it on.
 NEVER_FROM_RUN = ("trust_remote_code",)
+RUN_PLACEMENT = ("url", "gpus")  # where the run's engine ran: its servers, the training node's GPUs
 
 
 @dataclass
@@ -599,6 +601,14 @@ def _on_command_line(key: str, cli: set[str]) -> bool:
     return any(".".join(parts[:i]) in cli for i in range(1, len(parts) + 1))
 
 
+def evaluated_engine(run: dict) -> str:
+    """The engine an evaluation of ``run`` (its config) uses: the run's, or the one its traits name for the eval
+    ranks' own GPUs (``EngineTraits.eval_engine``: vLLM's servers ran on GPUs of their own, which an
+    evaluation's ranks take)."""
+    trained = run["rollout"]["engine"]
+    return engine_traits(trained).eval_engine or trained
+
+
 def _from_run(cfg: DictConfig, run: dict, engine: str) -> dict[str, Any]:
     """Eval key -> the run's value: the model group, the response budget, the prompt and the placement."""
     model = {k: v for k, v in run["model"].items() if k in cfg.model and k not in NOT_FROM_RUN + NEVER_FROM_RUN}
@@ -607,11 +617,12 @@ def _from_run(cfg: DictConfig, run: dict, engine: str) -> dict[str, Any]:
         "max_new_tokens": run["rollout"]["max_new_tokens"],
         "instruction": run["data"]["instruction"],
         "max_prompt_tokens": run["data"]["max_prompt_tokens"],
-        "rollout.engine": run["rollout"]["engine"],
+        "rollout.engine": evaluated_engine(run),
     }
-    if engine == run["rollout"]["engine"]:  # the engine's knobs (its sleep settings mean nothing here, nor where
-        # the run's servers were: they hold the run's latest weights, or another run's, not this checkpoint's)
-        knobs = {k: v for k, v in run["rollout"].items() if k not in SAMPLING and "sleep" not in k and k != "url"}
+    if engine in (run["rollout"]["engine"], evaluated_engine(run)):  # the knobs (a key the engine lacks is skipped;
+        # its sleep settings mean nothing here, nor where the run's servers were: they hold the run's latest weights,
+        # or another run's, not this checkpoint's, and their GPUs are the training node's layout, not the eval's)
+        knobs = {k: v for k, v in run["rollout"].items() if k not in SAMPLING + RUN_PLACEMENT and "sleep" not in k}
         out |= {f"rollout.{k}": v for k, v in knobs.items()}
     return out
 
@@ -638,7 +649,10 @@ def adopt_run(cfg: DictConfig, overrides: Sequence[str] = ()) -> RunSettings | N
     """Evaluate a training run the way it was trained: ``cfg`` (composed, edited in place) takes the run's
     model group (weights from the checkpoint), ``rollout.max_new_tokens`` as ``max_new_tokens``,
     ``data.instruction`` and ``data.max_prompt_tokens``, and its rollout engine with that engine's knobs
-    (GPU memory share, tensor parallelism, eager mode; not its sleep settings, which only training uses).
+    (GPU memory share, tensor parallelism, eager mode; not its sleep settings, which only training uses, nor
+    where it ran: a server's URL and GPUs). An engine that ran on GPUs of its own (the vLLM servers of
+    ``placement=gpu_node_split``) is replaced by the one its traits name for the eval ranks' own GPUs (in-process
+    vLLM), with the knobs the two share.
     A key set on the command line (``overrides``, Hydra's task overrides) wins, and is logged: a group
     covers its keys (``model=tiny``: eval.py's whole model group), except that ``rollout=<engine>`` picks
     the engine only, so ``rollout=vllm rollout.enforce_eager=false`` keeps the run's other vLLM knobs.
@@ -661,9 +675,12 @@ def adopt_run(cfg: DictConfig, overrides: Sequence[str] = ()) -> RunSettings | N
         return settings
     run = _load_run_config(config_file)
     cli = _cli_keys(overrides)
-    engine = cfg.rollout.engine if _on_command_line("rollout.engine", cli) else run["rollout"]["engine"]
+    engine = cfg.rollout.engine if _on_command_line("rollout.engine", cli) else evaluated_engine(run)
     if engine != cfg.rollout.engine:
         _switch_engine(cfg, engine)
+    if engine != run["rollout"]["engine"] and engine == evaluated_engine(run):
+        log.info("checkpoint=%s: trained with rollout.engine=%s on GPUs of its own; evaluated with rollout.engine=%s "
+                 "on the eval ranks' own GPUs", cfg.checkpoint, run["rollout"]["engine"], engine)  # fmt: skip
     for key, value in _from_run(cfg, run, engine).items():
         here = OmegaConf.select(cfg, key, default=_ABSENT)
         if here is _ABSENT:

@@ -52,6 +52,20 @@ class RunFailed(Exception):
     too often): one line, exit status 1."""
 
 
+EVERY_RANK = "bapo_every_rank"  # the attribute every_rank() sets on an exception
+
+
+def every_rank(e: BaseException) -> BaseException:
+    """Mark ``e`` as raised by every rank of the run at once (a collective's failure: the same error everywhere),
+    so that rank 0's line speaks for the run and the other ranks say nothing (bapo.entry.cli); returns ``e``."""
+    setattr(e, EVERY_RANK, True)
+    return e
+
+
+def raised_by_every_rank(e: BaseException) -> bool:
+    return bool(getattr(e, EVERY_RANK, False))
+
+
 class ConfigError(UserError, ValueError):
     """A config key has a bad value; the message names the key."""
 

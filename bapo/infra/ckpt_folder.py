@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from bapo.infra import dist
-from bapo.infra.checks import RunFailed
+from bapo.infra.checks import RunFailed, every_rank
 
 log = logging.getLogger(__name__)
 
@@ -510,7 +510,8 @@ def raise_together(err: BaseException | None, doing: str, cleanup: Path | None =
     ``doing``: "writing <folder>" or "reading <folder>", for the message. ``cleanup``: a partial write
     that rank 0 removes on failure. A full disk on any rank becomes CheckpointError("no space left on
     device while writing <folder>"); otherwise a failing rank re-raises its own error, the others a
-    CheckpointError naming that rank. Without a process group it just re-raises ``err``.
+    CheckpointError naming that rank. Without a process group it just re-raises ``err``. What it raises is
+    marked as raised by every rank (:func:`bapo.infra.checks.every_rank`): rank 0's line is the run's.
     """
     full = err is not None and is_enospc(err)
     mine = None if err is None else "ENOSPC" if full else f"{type(err).__name__}: {str(err).strip()[-2000:]}"
@@ -522,11 +523,11 @@ def raise_together(err: BaseException | None, doing: str, cleanup: Path | None =
         discard_partial(cleanup)
     if any(m == "ENOSPC" for _, m in failed):
         gone = "" if cleanup is None else " (removed the partial write)"
-        raise CheckpointError(f"no space left on device while {doing}{gone}") from err
+        raise every_rank(CheckpointError(f"no space left on device while {doing}{gone}")) from err
     if err is not None:
-        raise err
+        raise every_rank(err)
     rank, msg = failed[0]
-    raise CheckpointError(f"{doing} failed on rank {rank}: {msg}")
+    raise every_rank(CheckpointError(f"{doing} failed on rank {rank}: {msg}"))
 
 
 @contextlib.contextmanager

@@ -95,11 +95,11 @@ def is_main() -> bool:
 def init(backend: str = "auto", timeout_s: float = 1800.0) -> torch.device:
     """Join torchrun's process group (once) and return this rank's device.
 
-    ``backend="auto"``: NCCL when CUDA is available (one GPU per local rank), else gloo
+    ``backend="auto"``: NCCL when CUDA is available (one GPU per local rank: :func:`rank_device`), else gloo
     on CPU. Without torchrun nothing is initialised and the device is cuda:0 or cpu.
     """
     cuda = torch.cuda.is_available() and backend != "gloo"
-    device = torch.device("cuda", local_rank()) if cuda else torch.device("cpu")
+    device = rank_device() if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     if not launched() or (dist.is_available() and dist.is_initialized()):
@@ -116,6 +116,24 @@ def init(backend: str = "auto", timeout_s: float = 1800.0) -> torch.device:
         device_id=device if backend == "nccl" else None,
     )
     return device
+
+
+def rank_device() -> torch.device:
+    """This rank's GPU: ``cuda:<local rank>`` where the process sees the node's GPUs, and the one GPU it sees
+    whatever its local rank where it sees one (SLURM's per-task binding: ``--gpus-per-task=1``,
+    ``--gpu-bind=single:1``, cgroup devices). A local rank beyond the several GPUs it sees is a ConfigError."""
+    count, local = torch.cuda.device_count(), local_rank()
+    if count == 1:
+        return torch.device("cuda", 0)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    require(
+        local < count,
+        "LOCAL_RANK",
+        f"local rank {local} needs a GPU of its own, this process sees {count} "
+        f"(CUDA_VISIBLE_DEVICES={visible if visible is not None else 'unset'}): start at most {count} ranks a node, "
+        "or give each task its GPU (srun --gpus-per-task=1)",
+    )
+    return torch.device("cuda", local)
 
 
 def init_one_rank(backend: str = "auto") -> torch.device:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import json
 import pickle
 import re
@@ -407,12 +408,28 @@ def save_sharded(path: str | Path, *, model: nn.Module, optimizer: torch.optim.O
     err = None
     try:
         with _single_process_ok():
-            dcp.save(tensors, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+            dcp.save(tensors, storage_writer=_Writer(path), no_dist=not dist.is_initialized())
         if not dist.is_initialized() or dist.get_rank() == 0:
             ckpt_folder.write(path / PLAIN, plain)
-    except (Exception, dcp.CheckpointException) as e:  # DCP's is a BaseException; it gathers every rank's
+    except dcp.CheckpointException as e:  # a BaseException: gathers every rank's failure (as pickled copies)
+        err = e if ckpt_folder.is_enospc(e) else CheckpointError(f"{path}: DCP could not write it: {e}")
+    except Exception as e:
         err = e
     _raise_together(err, f"writing {ckpt_folder.partial_root(path)}", cleanup=path)
+
+
+class _Writer(dcp.FileSystemWriter):
+    """DCP's file writer, its full disk an OSError(ENOSPC) where DCP gathers it. ``torch.save``'s zip writer reports
+    ENOSPC as a RuntimeError whose ``__context__`` is the OSError, and DCP sends each rank's failure to the others
+    pickled, which drops the context: every rank would see an unknown RuntimeError."""
+
+    def write_data(self, plan, planner):
+        try:
+            return super().write_data(plan, planner)
+        except Exception as e:
+            if ckpt_folder.is_enospc(e):
+                raise OSError(errno.ENOSPC, "No space left on device", str(self.path)) from e
+            raise
 
 
 def load_sharded(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, verify: bool = True) -> dict:

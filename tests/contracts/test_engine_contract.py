@@ -111,6 +111,12 @@ def test_every_engine_declares_traits_and_builds_from_config():
         cls = engine_class(name)
         assert isinstance(cls.traits, EngineTraits), name
         assert callable(getattr(cls, "from_config", None)), name
+        # an engine on GPUs of its own names the engine an evaluation runs on its ranks' own GPUs, and that one
+        # runs there (eval.py checkpoint=<run> takes every GPU of the node for its ranks)
+        own = cls.traits.gpu_memory == "vllm_own_gpus"
+        assert (cls.traits.eval_engine is not None) == own, name
+        if own:
+            assert engine_traits(cls.traits.eval_engine).gpu_memory != "vllm_own_gpus", name
 
 
 def test_reading_traits_imports_no_engine_library():

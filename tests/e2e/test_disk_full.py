@@ -1,5 +1,5 @@
 """A full disk while a checkpoint is written: one line, "no space left on device while writing <folder>
-(removed the partial write)", and nothing left behind on the full disk.
+(removed the partial write)", and nothing left behind on the full disk; in one process and on launched ranks.
 
 ``torch.save``'s zip writer turns the ENOSPC of a write into ``RuntimeError: [enforce fail at
 inline_container.cc...] unexpected pos`` (the OSError is only its ``__context__``): the injected failure here
@@ -70,6 +70,32 @@ def test_a_full_disk_inside_torch_save_removes_the_partial_checkpoint_and_says_s
     assert list(ckpt_dir.iterdir()) == []
 
 
+@pytest.mark.parametrize("writer", ["torch's", "the learner's"])
+def test_a_full_disk_inside_dcp_is_still_one_once_dcp_gathers_it(tmp_path, monkeypatch, writer):
+    """DCP sends each rank's failure to every rank pickled, which drops the OSError that torch.save's zip writer
+    reports as the context of its RuntimeError: with torch's own writer (the premise) a full disk is then an unknown
+    error on every rank; the sharded learner's writer says ENOSPC itself, where DCP gathers it."""
+    import contextlib
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import filesystem
+
+    from bapo.learner.fsdp import _Writer
+
+    @contextlib.contextmanager
+    def full_stream(self, path, mode):
+        with FullFile(path, "wb") as f:
+            yield f
+
+    monkeypatch.setattr(filesystem.FileSystem, "create_stream", full_stream)
+    made = dcp.FileSystemWriter if writer == "torch's" else _Writer
+    with pytest.raises(dcp.CheckpointException) as info:
+        dcp.save({"w": torch.zeros(1000)}, storage_writer=made(tmp_path / "ckpt"), no_dist=True)
+    gathered = pickle.loads(pickle.dumps(info.value))  # what another rank receives
+    assert ckpt_folder.is_enospc(gathered) is (writer != "torch's")
+
+
 @pytest.mark.slow
 def test_a_full_disk_while_the_loop_saves_the_learner_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
     """Before: the single-process learner.save was not wrapped, and the RuntimeError of its torch.save escaped."""
@@ -83,26 +109,43 @@ def test_a_full_disk_while_the_loop_saves_the_learner_is_one_line_and_leaves_not
 
 @pytest.fixture()
 def small_tmpfs(tmp_path):
-    """A 2 MiB tmpfs (root only): room for a run folder's small files, not for a checkpoint of the tiny model."""
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {proc.stderr.decode().strip()}")
-    try:
-        yield mnt
-    finally:
+    """``small_tmpfs(size)``: a tmpfs of ``size`` (``2m``; root only), mounted until the test ends."""
+    mounted = []
+
+    def mount(size: str) -> Path:
+        mnt = tmp_path / "disk"
+        mnt.mkdir()
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here (needs root): {proc.stderr.decode().strip()}")
+        mounted.append(mnt)
+        return mnt
+
+    yield mount
+    for mnt in mounted:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+# One process on 2 MiB: room for a run folder's small files, not for a checkpoint of the tiny model. Two ranks the
+# launch starts (FSDP2) on 6 MiB: room for the small files and the ranks' plain writes, not for their DCP shards of
+# the model and AdamW (about 3.4 MB a rank), so the disk fills inside DCP's write. Before, that launched run ended
+# in about 250 lines of both ranks' tracebacks and no error: line (DCP gathers each rank's failure as a pickled
+# copy, which lost the full disk's OSError); on 2 MiB, where a plain write fills it, in two error: lines, one a rank.
+LAYOUTS = {"one process": ([], "2m"), "2 launched ranks": (["learner=fsdp", "launcher.nproc_per_node=2"], "6m")}
+
+
 @pytest.mark.slow
-def test_train_py_on_a_full_tmpfs_prints_one_line_and_leaves_no_partial_checkpoint(small_tmpfs):
-    run_dir = small_tmpfs / "run"
-    cmd = [sys.executable, "train.py", "debug=smoke", "train.steps=1", "eval.every=0", f"hydra.run.dir={run_dir}"]
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_train_py_on_a_full_tmpfs_prints_one_line_and_leaves_no_partial_checkpoint(small_tmpfs, layout):
+    over, size = LAYOUTS[layout]
+    run_dir = small_tmpfs(size) / "run"
+    cmd = [sys.executable, "train.py", "debug=smoke", "train.steps=1", "eval.every=0", *over,
+           f"hydra.run.dir={run_dir}"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
+    assert [x for x in proc.stderr.splitlines() if x.startswith("error:")] == [last]  # one line, the run's
     folder = re.escape(str(run_dir / "checkpoints" / "step_000001"))
     assert re.fullmatch(
         f"error: CheckpointError: no space left on device while writing {folder} " + r"\(removed the partial write\)",

@@ -8,6 +8,7 @@ metric, a killed rank ends the run with one line and a resume continues exactly,
 leaves no process, a sweep of launched cells relaunched after a kill resumes its killed cell exactly, and eval.py on
 2 launched ranks writes the results.json of one process."""
 
+import contextlib
 import json
 import os
 import signal
@@ -103,6 +104,29 @@ def test_what_else_the_launch_decides(gpus, monkeypatch):
     assert (h.nproc, h.chosen, h.changes, h.spawns) == (1, None, (), False)
 
 
+def test_the_refusals_smallest_change_is_never_the_change_that_just_failed(gpus, monkeypatch):
+    """One 80 GB GPU and 125 GiB of host: the learner's state on the host needs 142 GiB of it. Before: the refusal
+    offered learner.cpu_offload=true, the change the launch had just tried; an offered change is now one the plan
+    finds fits once applied."""
+    gpus(1)
+    monkeypatch.setattr(launch, "host_memory", lambda: 125.0)
+    with pytest.raises(ConfigError) as info:
+        launch.decide(compose("model=qwen7b"), ["model=qwen7b"])
+    why = str(info.value)
+    assert "57.5 GiB a GPU with learner.cpu_offload=true, which needs 141.9 GiB of host, this node has 125)" in why
+    offered = why.split("the smallest change that fits: ")[1]
+    assert offered.startswith("more host memory (learner.cpu_offload=true needs 141.9 GiB of host a node, this node "
+                              "has 125)")  # fmt: skip
+    gpus(8)  # 8 ranks fit the GPUs, not 125 GiB of host; the offered change is checked against the plan
+    with pytest.raises(ConfigError, match="the smallest change that fits: rollout.sleep_level=2 ") as info:
+        launch.decide(compose("model=qwen7b"), ["model=qwen7b"])
+    monkeypatch.setattr(launch, "host_memory", lambda: 150.0)  # room for it: the launch takes it
+    h = launch.decide(compose("model=qwen7b"), ["model=qwen7b"])
+    assert h.changes == () and "fits" not in h.reason
+    gpus(1)
+    assert launch.decide(compose("model=qwen7b"), ["model=qwen7b"]).changes == (("learner.cpu_offload", True),)
+
+
 BAD = {
     "launcher.nproc_per_node=0": r"launcher.nproc_per_node: auto or N >= 1, got '0'",
     "launcher.nnodes=two": r"launcher.nnodes: auto or N >= 1, got 'two'",
@@ -119,16 +143,61 @@ def test_bad_launcher_keys_are_refused_naming_the_key(gpus, override):
         launch.decide(compose(override), [override])
 
 
-def test_a_refused_launch_is_one_line_exit_2_and_leaves_no_folder(tmp_path):
+def test_server_gpus_the_node_lacks_are_refused_naming_rollout_gpus(gpus):
+    """Before: on 4 GPUs the split placement's servers on GPUs 4-7 left 1 learner rank ("3 for vLLM servers"), and
+    each server then failed to start on devices that are not there."""
+    split = ["experiment=paper_7b", "placement=gpu_node_split"]
+    gpus(4)
+    for over in (split, [*split, "launcher.nproc_per_node=2"]):
+        lacks = r"^rollout.gpus: '4,5,6,7' names GPU\(s\) 4,5,6,7 for the vLLM servers, but this node has 4 GPUs"
+        with pytest.raises(ConfigError, match=lacks):
+            launch.decide(compose(*over), over)
+    with pytest.raises(ConfigError, match=r"^rollout.gpus: '2,5' names GPU\(s\) 5 "):
+        launch.decide(compose(*split, "rollout.gpus='2,5'"), [*split, "rollout.gpus='2,5'"])
+    assert launch.decide(compose(*split, "rollout.gpus='2,3'"), split).nproc == 2  # the other 2 train
+    gpus(8)
+    assert launch.decide(compose(*split), split).nproc == 4
+
+
+REFUSED = {  # the command line's overrides, the reported GPUs: the one line
+    "learner=single": (TWO, None, "error: ConfigError: launcher.nproc_per_node: 2 ranks, but learner=single trains in "
+                       "one process: use learner=fsdp"),
+    "server gpus": (["experiment=paper_7b", "placement=gpu_node_split"], "4", "error: ConfigError: rollout.gpus: "
+                    "'4,5,6,7' names GPU(s) 4,5,6,7 for the vLLM servers, but this node has 4 GPUs of 80 GiB (indices "
+                    "0-3 of the GPUs this process sees)"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_a_refused_launch_is_one_line_exit_2_and_leaves_no_folder(tmp_path, case):
     """Before any rank starts (the parent's refusal): as any bad input, one line and no run folder."""
+    over, devices, line = REFUSED[case]
     run = tmp_path / "run"
-    p = subprocess.run([sys.executable, "train.py", *TWO, f"hydra.run.dir={run}"], cwd=ROOT, env=ENV,
+    env = ENV | ({launch.FAKE_DEVICES: devices} if devices else {})
+    p = subprocess.run([sys.executable, "train.py", *over, f"hydra.run.dir={run}"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert p.returncode == 2 and p.stderr.splitlines() == [line], p.stderr[-2000:]
+    assert not run.exists()
+
+
+def test_several_nodes_need_one_run_folder_every_node_names(gpus, tmp_path):
+    """Before: each node's launch made its own time-stamped folder (Hydra's default run folder); here, on one
+    machine, the launch waited for the second node's rendezvous instead of refusing."""
+    gpus(0)
+    over = ["learner=fsdp", "launcher.nnodes=2", "launcher.rdzv_endpoint=localhost:29400"]
+    refusal = r"^hydra.run.dir: 2 nodes \(launcher.nnodes\) write one run folder, but 'outputs/\$\{now:%H\}' is named"
+    with pytest.raises(ConfigError, match=refusal):
+        launch.decide(compose(*over), over, stamped="outputs/${now:%H}")
+    assert launch.decide(compose(*over), over).nnodes == 2  # a folder named on the command line: every node's
+    stamped = f"{tmp_path}/runs/${{now:%H-%M-%S}}"
+    p = subprocess.run([sys.executable, "train.py", *over, f"hydra.run.dir={stamped}"], cwd=ROOT, env=ENV,
                        capture_output=True, text=True, timeout=300)  # fmt: skip
     assert p.returncode == 2 and p.stderr.splitlines() == [
-        "error: ConfigError: launcher.nproc_per_node: 2 ranks, but learner=single trains in one process: use "
-        "learner=fsdp"
+        f"error: ConfigError: hydra.run.dir: 2 nodes (launcher.nnodes) write one run folder, but {stamped!r} is named "
+        "by the time each node started, so each would make its own: give every node the same hydra.run.dir=<a folder "
+        "every node sees>"
     ], p.stderr[-2000:]
-    assert not run.exists()
+    assert not list((tmp_path / "runs").iterdir())  # no run folder left
 
 
 def test_the_test_hook_reports_fake_devices(monkeypatch):
@@ -257,8 +326,8 @@ def untimed(rs: list[dict]) -> list[dict]:
     return drop_timings(rs)
 
 
-def train(*args: str, launcher=(sys.executable,), **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([*launcher, "train.py", *args], cwd=ROOT, env=ENV, capture_output=True, text=True,
+def train(*args: str, launcher=(sys.executable,), env=ENV, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([*launcher, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=900, **kw)  # fmt: skip
 
 
@@ -316,9 +385,12 @@ def wait_for(path: Path, p: subprocess.Popen, timeout: float = 600) -> None:
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory) -> Path:
-    """``python train.py learner=fsdp launcher.nproc_per_node=2 ...``, run to the end."""
-    run = tmp_path_factory.mktemp("launched") / "run"
-    p = train(*ARGS, *TWO, f"hydra.run.dir={run}")
+    """``python train.py learner=fsdp launcher.nproc_per_node=2 ...``, run to the end, with a temporary folder of its
+    own (``$TMPDIR``: ``<run>/../tmp``)."""
+    base = tmp_path_factory.mktemp("launched")
+    run, tmp = base / "run", base / "tmp"
+    tmp.mkdir()
+    p = train(*ARGS, *TWO, f"hydra.run.dir={run}", env=ENV | {"TMPDIR": str(tmp)})
     assert p.returncode == 0, p.stderr[-3000:]
     return run
 
@@ -335,10 +407,19 @@ def test_two_launched_ranks_equal_torchrun_metric_for_metric(launched, tmp_path_
 
     cfg = yaml.safe_load((launched / "config.yaml").read_text())
     assert cfg["launcher"] == {
-        "nproc_per_node": 2, "nnodes": "auto", "rdzv_endpoint": None, "chosen": "2 ranks (launcher.nproc_per_node=2)"
+        "nproc_per_node": 2, "nnodes": "auto", "rdzv_endpoint": None, "grace_s": 120,
+        "chosen": "2 ranks (launcher.nproc_per_node=2)"
     }  # fmt: skip
     log = (launched / "train.log").read_text()
     assert log.count("launch: 2 ranks (launcher.nproc_per_node=2)") == 1
+
+
+@pytest.mark.slow
+def test_a_launched_run_leaves_no_folder_of_the_elastic_agent_in_the_temporary_folder(launched):
+    """Before: torch's elastic agent made a ``torchelastic_*`` folder of (empty) rank logs in $TMPDIR for every
+    launch, and nothing removed it."""
+    left = [p.name for p in (launched.parent / "tmp").iterdir() if p.name.startswith("torchelastic_")]
+    assert not left, left
 
 
 @pytest.mark.slow
@@ -365,6 +446,48 @@ def test_a_killed_rank_ends_the_run_with_one_line_and_a_resume_continues_exactly
     assert untimed(rows(run)) == untimed(rows(launched))
 
 
+def gone_within(pids, seconds: float) -> list[int]:
+    """The processes of ``pids`` still alive after up to ``seconds`` of waiting for them to end."""
+    end = time.time() + seconds
+    while (left := [q for q in pids if alive(q)]) and time.time() < end:
+        time.sleep(0.1)
+    return left
+
+
+def killed_launcher(p: subprocess.Popen, ranks: dict[int, int]) -> str:
+    """SIGKILL the launching process ``p``; its ``ranks`` must end on their own within seconds. Its stderr."""
+    os.kill(p.pid, signal.SIGKILL)
+    try:
+        left = gone_within(ranks.values(), 20)
+        assert not left, f"ranks outlived their launcher: {left}"
+        return p.communicate(timeout=60)[1]  # the ranks held its pipes
+    finally:
+        for q in ranks.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(q, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_ranks_die_with_their_launcher_and_a_resume_continues_exactly(launched, tmp_path):
+    """SIGKILL of ``python train.py ...`` (a closed terminal's session, an OOM killer). Before: its ranks ran on,
+    orphaned, holding the run folder's lock, and finished the run on their own; ``resume=auto`` was refused meanwhile.
+    Now each rank's watch ends it with its launcher: no step after the kill, the lock free, and the resume equals
+    the uninterrupted run."""
+    run = tmp_path / "run"
+    p = popen(*ARGS, *TWO, f"hydra.run.dir={run}")
+    wait_for(run / "checkpoints" / "step_000002", p)
+    ranks = children(p.pid)
+    assert sorted(ranks) == [0, 1]
+    err = killed_launcher(p, ranks)
+    assert not (run / "final_metrics.json").exists() and not (run / "export").exists()  # they did not finish it
+    assert sorted(x for x in err.splitlines() if x.startswith("error: LauncherGone")) == [
+        f"error: LauncherGone: the launching process (pid {p.pid}) is gone: rank {r} stops with it" for r in (0, 1)
+    ]
+    p = train(*ARGS, *TWO, f"hydra.run.dir={run}", "resume=auto")
+    assert p.returncode == 0 and "resumed from" in p.stdout + p.stderr, p.stderr[-3000:]
+    assert untimed(rows(run)) == untimed(rows(launched))
+
+
 @pytest.mark.slow
 def test_ctrl_c_reaches_every_rank_and_leaves_no_process(tmp_path):
     run = tmp_path / "run"
@@ -378,7 +501,7 @@ def test_ctrl_c_reaches_every_rank_and_leaves_no_process(tmp_path):
     os.kill(p.pid, signal.SIGINT)  # to the launching process only, as a terminal's Ctrl-C (the ranks have sessions)
     out, err = p.communicate(timeout=600)
     assert p.returncode == 128 + signal.SIGINT, err[-3000:]
-    assert (out + err).count("SIGINT: saving a checkpoint after this step, then stopping") == 2  # each rank's own
+    assert (out + err).count("SIGINT: stopping within seconds; the last consistent state is saved") == 2  # each rank
     saved = sorted(x.name for x in (run / "checkpoints").iterdir())
     assert saved and {"producer_rank0.pt", "producer_rank1.pt"} <= {
         x.name for x in (run / "checkpoints" / saved[-1]).iterdir()
@@ -432,6 +555,48 @@ def test_a_sweep_of_launched_cells_relaunched_after_a_kill_resumes_the_killed_ce
     assert [r["step"] for r in rows(second)] == [0, 1, 2, 3, 4]
     for cell in (first, second):  # each cell ran on 2 launched ranks
         assert json.loads((cell / "checkpoints" / "step_000004" / "meta.json").read_text())["world_size"] == 2
+
+
+HOLD = """import fcntl, os, sys, time
+os.makedirs(sys.argv[1], exist_ok=True)
+fd = os.open(os.path.join(sys.argv[1], sys.argv[2]), os.O_RDWR | os.O_CREAT, 0o644)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+time.sleep(3600)
+"""  # another process holding a run folder's lock
+
+
+@pytest.mark.slow
+def test_a_killed_sweep_takes_its_ranks_and_a_busy_cell_fails_as_a_row(launched, tmp_path):
+    """``python train.py -m <the launched run's overrides> seed=1,2``, SIGKILLed in its first cell: the cell's ranks
+    end with it (before: they ran on, holding the cell's folder, and a relaunch was refused). Relaunched while
+    another process holds the second cell's folder: the first cell resumes to the uninterrupted launched run's
+    metrics, and the second fails at once as a row (RunFolderBusy, exit 2). Before: that cell's rank 0 handed its
+    row to the job and returned, its rank 1 waited for it in the process group, and the sweep stood still (194 s
+    here before the store gave up; Ctrl-C did not end it)."""
+    from bapo.rundir import LOCK_NAME
+
+    cut = tmp_path / "cut"
+    args = ["-m", *ARGS, *TWO, "seed=1,2", f"hydra.sweep.dir={cut}"]
+    p = popen(*args)
+    first = wait_for_cell(cut, 1, p)
+    killed_launcher(p, children(p.pid))
+    assert not (first / "final_metrics.json").exists()  # the ranks did not finish the cell on their own
+    second = cut / first.name.replace("seed=1", "seed=2")
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(second), LOCK_NAME], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        p = train(*args)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert p.returncode == 2, p.stderr[-3000:]  # every failed cell was bad input
+    summary = [json.loads(x) for x in (cut / "sweep_summary.jsonl").read_text().splitlines()]
+    assert [(r["job"], r["status"], r["exit"]) for r in summary] == [(0, "complete", 0), (1, "failed", 2)]
+    assert summary[1]["error"].startswith(f"error: RunFolderBusy: {second} is in use by another run")
+    assert summary[1]["wall_s"] < 120  # a refusal at start: the cell's start-up, not a wait for a timeout
+    assert untimed(rows(first)) == untimed(rows(launched))
+    assert not list(cut.glob(".cell-*"))
 
 
 @pytest.mark.slow

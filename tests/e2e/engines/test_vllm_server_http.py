@@ -9,6 +9,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from bapo.engines.vllm_server import UNSYNCED, ServerError, VLLMServerRollout, server_devices
 from bapo.infra.checks import ConfigError
@@ -214,6 +215,36 @@ def test_a_prefix_cache_that_never_resets_fails_the_sync(fake_server, tiny_tok):
     e = _engine(url, tiny_tok)
     with pytest.raises(ServerError, match="refused to reset its prefix cache 20 times"):
         e.load_weights(load_model(str(TINY)).state_dict(), 1)
+
+
+def test_the_staging_check_asks_for_the_copies_the_mode_stages_on_a_node(fake_server, tiny_tok, monkeypatch):
+    """The first rank of a node of 4 (LOCAL_WORLD_SIZE=4): in sync mode the node's ranks share one staged copy, so
+    it makes room for one; in async mode every rank stages its own at once: 4. Before: 4 in both modes (a
+    container's 64 MB /dev/shm, or a tmpfs sized for the sync mode's one copy, was refused)."""
+    from bapo.engines import vllm_server
+
+    _, url = fake_server()
+    asked = []
+    monkeypatch.setattr(vllm_server, "check_space", lambda base, need: asked.append(need))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    _engine(url, tiny_tok, syncs_together=True)
+    _engine(url, tiny_tok, syncs_together=False)
+    one = vllm_server._checkpoint_bytes(str(TINY), torch.float32)
+    assert asked == [one, 4 * one]
+    assert [vllm_server.staged_copies(4, 1, together) for together in (True, False)] == [0, 1]  # another rank
+
+
+def test_in_sync_mode_a_copy_of_the_weights_is_staged_once_a_node_too(fake_server, tiny_tok, tmp_path):
+    """Sync mode: every rank loads each version at once, so a weight snapshot (a plain copy, not the streamed
+    collective) goes to the node's shared folder as the streamed weights do. Before: each rank staged its own."""
+    from bapo.modeling import load_model
+
+    fake, url = fake_server()
+    e = _engine(url, tiny_tok, syncs_together=True)
+    e.node_dir = tmp_path / "node"  # what a node of several ranks has (the first rank writes there)
+    e.node_dir.mkdir()
+    e.load_weights(load_model(str(TINY)).state_dict(), 1)
+    assert fake.reloads == [str(e.node_dir / "v00000001")] and not list(e.node_dir.iterdir())
 
 
 def test_server_gpus_are_indices_into_the_parents_visible_devices():

@@ -374,16 +374,40 @@ def test_a_run_brings_its_engine_and_knobs(tmp_path, tiny_model, tiny_tok):
 
 def test_a_server_runs_url_is_never_adopted(tmp_path, tiny_model, tiny_tok):
     """A rollout=vllm_server run's servers hold its newest weights (or by now another run's): evaluating its
-    checkpoint there would evaluate them. eval.py starts its own server on the checkpoint instead."""
+    checkpoint there would evaluate them. eval.py evaluates the checkpoint on its ranks' own engine instead."""
     run = run_folder(tmp_path / "run", tiny_model, tiny_tok, "rollout=vllm_server", "rollout.url='http://gen:8000'",
                       "rollout.enforce_eager=true")  # fmt: skip
     cfg, settings, job = _adopt(["eval=arith", f"checkpoint={run}"])
-    assert job.engine == "vllm_server" and cfg.rollout.url is None and cfg.rollout.enforce_eager is True
+    assert job.engine == "vllm" and "url" not in cfg.rollout and cfg.rollout.enforce_eager is True
     assert "rollout.url" not in settings.taken
     cfg, settings, _ = _adopt(
         ["eval=arith", f"checkpoint={run}", "rollout=vllm_server", "rollout.url='http://mine:9000'"]
     )
     assert cfg.rollout.url == "http://mine:9000"  # given on the command line: eval.py gives it the checkpoint first
+
+
+def test_a_split_run_is_evaluated_on_the_eval_ranks_own_engine(tmp_path, tiny_model, tiny_tok, monkeypatch):
+    """placement=gpu_node_split: the run's vLLM servers had GPUs 4-7 of the training node to themselves. Before:
+    eval.py took rollout.gpus='4,5,6,7' with the server engine, and each of the 8 ranks it launches on 8 GPUs
+    refused it ('4 devices for 8 local ranks' servers'). The ranks' own vLLM engine now evaluates it, with the
+    servers' knobs that apply to it (its memory share, tensor parallelism, eager mode)."""
+    from bapo.entry import launch
+
+    run = run_folder(tmp_path / "run", tiny_model, tiny_tok, "placement=gpu_node_split", "rollout.enforce_eager=true")
+    over = ["eval=arith", f"checkpoint={run}"]
+    cfg, settings, job = _adopt(over)
+    r = cfg.rollout
+    assert job.engine == "vllm" and settings.taken["rollout.engine"] == "vllm" and "gpus" not in r
+    assert (r.gpu_memory_utilization, r.tensor_parallel_size, r.enforce_eager) == (0.9, 1, True)
+    assert not [k for k in settings.taken if k.startswith("rollout.") and k.split(".")[1] in ("gpus", "url", "port")]
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv(launch.FAKE_DEVICES, "8")  # the launch's decision on an 8-GPU node: one rank a GPU
+    h = launch.decide(_cfg(over), over, entry="eval")
+    assert (h.nproc, h.chosen) == (8, "8 ranks, data-parallel")
+    # the command line still picks the server engine, and its GPUs, where the user has them
+    cfg, settings, job = _adopt([*over, "rollout=vllm_server", "rollout.gpus='4,5,6,7'"])
+    assert job.engine == "vllm_server" and cfg.rollout.gpus == "4,5,6,7" and cfg.rollout.enforce_eager is True
 
 
 def test_the_checkpoint_weights_an_engine_is_given_are_the_exports(tmp_path, tiny_model, tiny_tok):
