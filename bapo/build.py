@@ -28,12 +28,12 @@ from bapo.eval.evaluate import load_evalset, named_set, prepare_set
 from bapo.experience.buffer import ReplayBuffer
 from bapo.infra import dist
 from bapo.learner import Learner, frozen_dtype, master_dtype
-from bapo.modeling import attention_kernel, load_model, load_tokenizer, model_path
+from bapo.modeling import DTYPES, attention_kernel, load_model, load_tokenizer, model_path
 from bapo.monitor import Monitor
 from bapo.reward import Verifier, build_verifier
 from bapo.rollout.groupfilter import GroupFilter
 from bapo.rollout.maker import RolloutMaker
-from bapo.rollout.placement import RolloutParts, placement_class
+from bapo.rollout.placement import RolloutParts, RolloutSide, placement_class
 from bapo.rollout.source import RolloutSource
 
 
@@ -65,9 +65,7 @@ def model_files(rc: RunConfig) -> tuple[str, object, dict]:
     return path, tok, load
 
 
-def build_maker(
-    rc: RunConfig, *, path: str, tokenizer, engine_model, limit: int, rank: int, world: int
-) -> tuple[object, object, Verifier, LoadReport, list]:
+def build_maker(rc: RunConfig, *, path: str, tokenizer, engine_model, limit: int, rank: int, world: int) -> RolloutSide:
     """The rollout side of a run: its engine and the batch maker that drives it (drawing prompts from the
     training stream, generating this rank's share, grading), the data loaders' report and the held-out
     prompts (rendered here too, so that the report counts their skipped rows wherever it is built). Built
@@ -96,13 +94,11 @@ def build_maker(
         rank=rank,
         world=world,
         skipped=report,
-        partial_budget=rc.rollout.segment_budget,
+        partial_budget=rc.behaviour.partial_budget,
     )
-    if (
-        rc.algo.filter_groups
-    ):  # DAPO's dynamic sampling: informative groups only, refilled (bapo/rollout/groupfilter.py)
+    if rc.algo.filter_groups:  # DAPO's dynamic sampling: informative groups only, refilled (rollout/groupfilter.py)
         maker = GroupFilter(maker, prompts_per_step=rc.train.prompts_per_step)
-    return maker, engine, verifier, report, heldout
+    return RolloutSide(maker, engine, verifier, report, heldout)
 
 
 def build_stages(rc: RunConfig, cfg: DictConfig | None = None) -> Stages:
@@ -122,15 +118,15 @@ def build_stages(rc: RunConfig, cfg: DictConfig | None = None) -> Stages:
     policy = load_model(path, dtype=master_dtype(rc.learner, m.dtype), **load, device=device)
     engine_model = None
     if needs_copy:
-        engine_model = copy.deepcopy(policy).to(DTYPE_OF[m.dtype])
+        engine_model = copy.deepcopy(policy).to(DTYPES[m.dtype])
     ref_model = None
     if rc.algo.kl_coef > 0:
         ref_dtype = frozen_dtype(rc.learner, m.dtype)
         if lazy:
             ref_model = load_model(path, dtype=ref_dtype, **load, device=device)
         else:
-            ref_model = copy.deepcopy(policy).to(DTYPE_OF[ref_dtype])
-    engine_dtype = DTYPE_OF[m.dtype]
+            ref_model = copy.deepcopy(policy).to(DTYPES[ref_dtype])
+    engine_dtype = DTYPES[m.dtype]
     d, context = rc.data, getattr(policy.config, "max_position_embeddings", None)
     limit = prompt_limit(d.max_prompt_tokens, rc.rollout.max_new_tokens, context, model_dir=path)
     interrupt = threading.Event()
@@ -147,7 +143,7 @@ def build_stages(rc: RunConfig, cfg: DictConfig | None = None) -> Stages:
             agg=rc.algo.agg,
             ref_model=ref_model,
             weights_dtype=engine_dtype,  # engines and the export get the model's dtype, not fp32 masters
-            snapshot_dtype=None if rc.learner.old_logp == "recompute" else engine_dtype,  # recompute: the learner's
+            snapshot_dtype=rc.behaviour.snapshot_dtype(engine_dtype),  # recompute: the learner's
         )
         if engine_model is not None:
             engine_model.to(learner.device)
@@ -190,9 +186,6 @@ def build_stages(rc: RunConfig, cfg: DictConfig | None = None) -> Stages:
         logging.getLogger("bapo").setLevel(logging.WARNING)
     rng = random.Random(rc.seed)
     return Stages(tok, verifier, heldout, sets, buffer, learner, source, monitor, rng, interrupt, report)
-
-
-DTYPE_OF = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def worker_side(init: dict):

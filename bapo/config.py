@@ -26,6 +26,7 @@ from bapo.checkpoint import CheckpointConfig
 from bapo.data.config import DATA, ArithConfig, ArithDataConfig, FileDataConfig, HubDataConfig
 from bapo.engines.config import RolloutCommon
 from bapo.engines.registry import ENGINE_CONFIGS, engine_traits
+from bapo.experience.behaviour import BehaviourPolicy
 from bapo.experience.buffer import BufferConfig
 from bapo.infra.checks import (
     ConfigError,
@@ -127,6 +128,7 @@ class RunConfig:
     checkpoint: CheckpointConfig
     placement: PlacementConfig
     sizes: Sizes
+    behaviour: BehaviourPolicy  # pi_old: the engine's log-probs or the learner's recompute (bapo.experience.behaviour)
     resume: str | None = None  # null | auto | a run folder or checkpoint folder
     overwrite: bool = False  # a fresh start may replace another run's files in run_dir
     launcher: LauncherConfig | None = None  # how the run was launched (bapo/entry/launch.py)
@@ -183,7 +185,7 @@ def derive_sizes(train: TrainConfig, rollout: RolloutCommon, learner: LearnerCom
     updates = learner.ppo_epochs * mb
     reuse = updates - 1
     # a token may wait `lag` more batches for its response's last segment (partial rollouts: bapo.rollout.schedule)
-    b, L = rollout.segment_budget, rollout.max_new_tokens
+    b, L = rollout.partial_budget, rollout.max_new_tokens
     lag = partial_lag(L, b)
     need = reuse + train.sync_every - 1 + lag * updates  # = bapo.rollout.schedule.min_staleness, plus that lag
     segments = (
@@ -259,13 +261,13 @@ def check_combinations(rc: RunConfig, world: int | None = None) -> None:
     )
     corr = rc.algo.correction.kind if rc.algo.correction is not None else "none"
     require(
-        corr not in ("tis", "mis", "geo_reject") or rc.learner.old_logp == "recompute",
+        corr not in ("tis", "mis", "geo_reject") or rc.behaviour.recompute,
         "algo.correction",
         f"{corr} weighs the engine's log-probs against the learner's at the generating version: it needs "
         f"learner.old_logp=recompute (got {rc.learner.old_logp})",
     )
     placement_class(rc.placement.mode).check(rc, world)
-    partial = rc.rollout.segment_budget is not None  # its pool of unfinished responses lives in one process
+    partial = rc.behaviour.per_token  # its pool of unfinished responses lives in one process
     require(not partial or world == 1, "rollout.partial_budget", f"one process only; torchrun started {world} ranks")
     require(
         not (partial and rc.algo.filter_groups),
@@ -330,8 +332,10 @@ def build(cfg: DictConfig, run_dir: str | Path) -> RunConfig:
     }
     sizes = derive_sizes(groups["train"], groups["rollout"], groups["learner"], groups["buffer"])
     data_dir = str((plain.get("paths") or {}).get("data_dir", ""))
+    behaviour = BehaviourPolicy.of(groups["learner"], groups["rollout"])
     rc = RunConfig(
-        seed=seed, run_dir=Path(run_dir), data_dir=data_dir, sizes=sizes, resume=resume, overwrite=overwrite, **groups
-    )
+        seed=seed, run_dir=Path(run_dir), data_dir=data_dir, sizes=sizes, behaviour=behaviour, resume=resume,
+        overwrite=overwrite, **groups,
+    )  # fmt: skip
     check_combinations(rc)
     return rc

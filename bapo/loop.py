@@ -46,7 +46,7 @@ from bapo.infra import dist, stop
 from bapo.infra.paths import EXPORT_CONFIG
 from bapo.infra.seeding import derive_seed, seed_everything
 from bapo.infra.tracking import MetricsLogger, NullLogger, check_wandb, truncate_metrics
-from bapo.learner import TokenVersionWeights, TrainingDiverged
+from bapo.learner import TrainingDiverged
 from bapo.plan import check_one_gpu
 
 log = logging.getLogger(__name__)
@@ -228,15 +228,11 @@ def put(rc: RunConfig, s: Stages, batch) -> dict:
     # A batch the buffer will drop as stale is not recomputed (nor checked): its snapshot may already be released.
     admissible, check = s.buffer.admissible(oldest, v, horizon=horizon), {}
     s.source.before_updates()  # a colocated engine frees the GPU first: recompute and the check run a learner forward
-    if rc.learner.old_logp == "recompute" and admissible:
-        behaviour = {"weights": None if batch.version == v else s.source.snapshot(batch.version)}
-        if rc.rollout.segment_budget is not None:  # each token under its own version's weights
-            used = sorted({int(u) for x in batch.samples for u in x.token_versions().unique()})
-            by_version = {u: None if u == v else s.source.snapshot(u) for u in used}
-            behaviour = {"weights": TokenVersionWeights(by_version)}
-    elif rc.learner.logp_check_share > 0 and admissible:  # the engine's log-probs stay: measure their mismatch
+    if rc.behaviour.recompute and admissible:  # pi_old: the learner's forward at the generating weights
+        behaviour = {"weights": rc.behaviour.weights(batch, v, s.source.snapshot)}
+    elif rc.behaviour.checks and admissible:  # the engine's log-probs stay: measure their mismatch
         seed = derive_seed(rc.seed, "logp_check", batch.index)
-        check = scoring.check_logp(batch, s.learner, share=rc.learner.logp_check_share, seed=seed)
+        check = scoring.check_logp(batch, s.learner, share=rc.behaviour.check_share, seed=seed)
     scored, stats = scoring.score(
         batch,
         s.learner,
@@ -267,7 +263,7 @@ def one_step(rc: RunConfig, s: Stages, step: int, p: StepProgress | None) -> dic
         t0 = time.perf_counter()
         updates = learn(rc, s, p)
         p.t_learn += time.perf_counter() - t0
-        s.source.release(s.learner.version, keep_window=rc.learner.old_logp == "recompute")
+        s.source.release(s.learner.version, keep_window=rc.behaviour.keeps_window)
         metrics = step_metrics(updates, p.rows, rc.buffer.max_staleness)
         metrics |= {
             "learner/updates": float(len(updates)),
@@ -299,7 +295,7 @@ def learn(rc: RunConfig, s: Stages, p: StepProgress) -> list[dict]:
         while p.at < len(p.order):
             mb = [p.samples[j] for j in p.order[p.at : p.at + size]]
             stale = s.buffer.check(mb, s.learner.version)
-            if rc.rollout.segment_budget is not None:
+            if rc.behaviour.per_token:
                 stale |= token_staleness(mb, s.learner.version)
             p.updates.append(s.learner.learn(mb) | stale)  # a stop raises before its update, which is not made
             p.at += size

@@ -455,7 +455,7 @@ def host_items(u: Setup, sleep_level: int) -> list[Item]:
         how = f"one a server ({servers})" if rc.train.async_rollout else "one a node (every rank syncs at once)"
         items.append(Item(f"servers' staged weights in /dev/shm: {how}, {_name(u.engine)}", copies * u.engine * N))
     held = held_snapshots(rc)
-    nbytes = 4 if rc.learner.old_logp == "recompute" else u.engine
+    nbytes = 4 if rc.behaviour.recompute else u.engine
     items.append(
         Item(f"weight snapshots: {held} version(s) x {ranks} ranks, {_name(nbytes)}", held * ranks * N * nbytes)
     )

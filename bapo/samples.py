@@ -13,6 +13,7 @@ compare by identity (``eq=False``), not by value.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -157,3 +158,12 @@ class RolloutBatch:
     extracted: tuple[str | None, ...]
     stats: dict  # reward/... counts and time/... of the producer for this batch
     prompts: tuple[Prompt, ...] = ()  # every prompt of the batch, in order (under torchrun: all ranks' shares)
+
+
+@dataclass(frozen=True)
+class TokenVersionWeights:
+    """Weights by policy version for ``Learner.response_logp`` over samples whose tokens came from several versions
+    (partial rollouts): each token is scored under ``by_version[its version]`` (None: the learner's current weights).
+    Recompute's behaviour log-probs are then each token's own policy's, as with one version."""
+
+    by_version: dict[int, Mapping[str, torch.Tensor] | None]

@@ -29,6 +29,7 @@ from bapo.algos.bounds import (
 )
 from bapo.algos.correction import correction_weights, loglinear_proximal
 from bapo.algos.eps_feedback import EpsFeedbackState, eps_feedback_g, eps_feedback_loss, eps_feedback_sums
+from bapo.algos.inputs import LossInputs, loss_of
 from bapo.algos.objective import (
     OBJECTIVES,
     Objective,
@@ -58,6 +59,8 @@ from bapo.algos.value import (
 )
 
 __all__ = [
+    "LossInputs",
+    "loss_of",
     "ADVANTAGE_KINDS",
     "AGG_MODES",
     "BOUND_KINDS",

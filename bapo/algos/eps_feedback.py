@@ -1,4 +1,4 @@
-"""The eps-feedback heuristic (formerly "card"): kept for comparison only. It is NOT BAPO and NOT the paper's method.
+"""The eps-feedback heuristic, for comparison only: it is NOT BAPO and NOT the paper's method.
 
 It has its own loss shape (``max`` for non-positive tokens), so it does not go
 through the clipped surrogate of ``surrogate.py``. Per response token t, with one

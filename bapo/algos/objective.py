@@ -10,8 +10,9 @@ The learner holds no RL math; it runs one :class:`Objective` and only decides
   as ``clip/rho`` (BAPO.md eq. 8), so they can be compared; a chooser's own
   diagnostics go under its name (``bapo/rho_before``, ``bapo/search_steps``,
   ``eps_feedback/g``).
-- ``loss(logp, old_logp, adv, mask, **params, **loss_kw, <entropy, ref_logp,
-  normalisers>) -> (loss, stats)``.
+- ``loss(inputs, **params, **loss_kw) -> (loss, stats)``: ``inputs`` a :class:`bapo.algos.inputs.LossInputs` (the
+  micro-batch's tensors and the mini-batch's normalisers), the hyper-parameters keyword-only; :func:`loss_of` makes
+  one of a loss with the tensors positional (``policy_loss``).
 
 Flags the learner reads (no hooks reach into it):
 
@@ -49,6 +50,7 @@ import torch
 from bapo.algos.bounds import ADAPTIVE, ReduceSum, _reduce, make_bound_fn, positive_contribution
 from bapo.algos.correction import check_correction, correction_weights, loglinear_proximal
 from bapo.algos.eps_feedback import EpsFeedbackState, eps_feedback_g, eps_feedback_loss, eps_feedback_sums
+from bapo.algos.inputs import loss_of
 from bapo.algos.surrogate import MAX_RATIO, check_surrogate_options, policy_loss, second_moment_cutoff
 from bapo.infra.checks import ConfigError, delegated, lacks_factory, plugin, require
 
@@ -81,6 +83,7 @@ class Objective:
     choose: ChooseFn
     loss: LossFn
     loss_kw: dict[str, Any]  # fixed keyword arguments of ``loss`` (agg, entropy_coef, dual_clip, kl_*)
+    # ``loss`` is ``loss(inputs: LossInputs, **params, **loss_kw)`` (bapo.algos.inputs)
     adaptive: bool
     scope: str = "mini_batch"
     state: Any = None  # an object with after_update / state_dict / load_state_dict, or None
@@ -159,7 +162,7 @@ def surrogate_objective(
     loss_kw = dict(dual_clip=dual_clip, agg=agg, entropy_coef=entropy_coef, kl_coef=kl_coef, kl_estimator=kl_estimator)
     loss_kw |= dict(ratio_level=ratio_level, is_weight=is_weight, positive_weight=positive_weight)
     loss_kw |= dict(token_mask=token_mask, mask_threshold=None if m2 else mask_threshold)
-    return Objective(choose, policy_loss, loss_kw, adaptive=ADAPTIVE[bounds] or m2, scope=scope)
+    return Objective(choose, loss_of(policy_loss), loss_kw, adaptive=ADAPTIVE[bounds] or m2, scope=scope)
 
 
 def proximal_fn(cap: float | None) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
@@ -209,7 +212,7 @@ def eps_feedback_objective(state: EpsFeedbackState, *, scope: str = "mini_batch"
         }
         return {"eps": eps, "g": g}, stats
 
-    return Objective(choose, eps_feedback_loss, loss_kw, adaptive=True, scope=scope, state=state)
+    return Objective(choose, loss_of(eps_feedback_loss), loss_kw, adaptive=True, scope=scope, state=state)
 
 
 # ----------------------------------------------------------------------------- the registry

@@ -23,8 +23,8 @@ class RolloutCommon:
     temperature: float = MISSING
     max_new_tokens: int = MISSING
     # Partial rollouts: tokens each unfinished response gets per step; the rest waits for later steps' weights
-    # (bapo.rollout.maker, docs/offpolicy.md). None, or max_new_tokens or more (a budget that never interrupts
-    # a response): every response is generated whole within its step.
+    # (bapo.rollout.maker, docs/offpolicy.md). None: every response is generated whole within its step; a budget of
+    # max_new_tokens or more never interrupts a response, so it is typed as None (the plain run, metric for metric).
     partial_budget: int | None = MISSING
     # Rollout worker processes under placement.mode=disaggregated (bapo.rollout.workers); each makes its share
     # of a batch.
@@ -41,7 +41,9 @@ class RolloutCommon:
             "rollout.partial_budget",
             f"must be null (off) or tokens per response per step, >= 1, got {b}",
         )
-        if self.segment_budget is not None:  # responses will be interrupted: the engine must continue them
+        if b is not None and b >= self.max_new_tokens:
+            self.partial_budget = None  # no response is ever interrupted: the plain run
+        if self.partial_budget is not None:  # responses will be interrupted: the engine must continue them
             from bapo.engines.registry import engine_traits
 
             require(
@@ -51,10 +53,3 @@ class RolloutCommon:
                 f"continues=False), which partial rollouts need: set rollout.partial_budget=null, or use an engine "
                 f"that can (hf, vllm, vllm_server)",
             )
-
-    @property
-    def segment_budget(self) -> int | None:
-        """The budget that partial rollouts run with: None where no response can be interrupted (off, or a budget
-        of rollout.max_new_tokens or more), so such a run is the plain run, metric for metric."""
-        b = self.partial_budget
-        return b if b is not None and b < self.max_new_tokens else None

@@ -3,9 +3,9 @@
 Samples ``n`` responses per prompt and returns, for each, the token ids, the behaviour
 log-probabilities of the sampled tokens and the policy version of the weights that produced
 them. Two decode paths (``decode=``, see :mod:`bapo.engines.decode`): ``"lean"``, a sampling
-loop over the model's forward (the default: about 2x HF ``generate``'s tokens/s on the tiny
-model and 2.5x on SmolLM2-135M, 2 CPU threads; ``scripts/bench/bench_decode.py``), and ``"generate"``,
-HF ``generate`` as a fallback. Both sample plain softmax(logits / T), ignoring the
+loop over the model's forward (the default; ``scripts/bench/bench_decode.py`` times it against HF ``generate``,
+docs/perf.md has the figures), and ``"generate"``, HF ``generate`` as a fallback. Both sample plain
+softmax(logits / T), ignoring the
 checkpoint's generation defaults, and stop at the first of the tokenizer's and the
 checkpoint's eos ids. Each is reproducible for a seed; they draw different tokens for the same
 seed (greedy decoding agrees).
@@ -56,7 +56,7 @@ class HFRolloutConfig(RolloutCommon):
         require(self.batch_size > 0, "rollout.batch_size", "must be > 0")
         choice(self.decode, "rollout.decode", tuple(DECODERS))
         require(
-            self.segment_budget is None or self.decode == "lean",
+            self.partial_budget is None or self.decode == "lean",
             "rollout.decode",
             "rollout.partial_budget continues responses with per-position draws that only the lean loop has: "
             f"use rollout.decode=lean (got {self.decode})",

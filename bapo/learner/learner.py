@@ -46,14 +46,13 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from bapo.algos import Objective, importance_ratio, stats
+from bapo.algos import LossInputs, Objective, importance_ratio, stats
 from bapo.infra import ckpt_folder, stop
 from bapo.infra.checks import RunFailed
 from bapo.learner.batching import collate, response_rows, split, split_by_tokens, without_tokens
@@ -61,7 +60,7 @@ from bapo.learner.critic import Critic
 from bapo.learner.forward import ForwardInputs, forward
 from bapo.learner.logprobs import logp_entropy
 from bapo.learner.strategy import make_strategy
-from bapo.samples import ScoredSample, TrainBatch
+from bapo.samples import ScoredSample, TokenVersionWeights, TrainBatch
 
 
 class TrainingDiverged(RunFailed, RuntimeError):
@@ -82,15 +81,6 @@ def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
             if isinstance(value, float) and ("dropout" in name or name.endswith("_pdrop")):
                 setattr(config, name, 0.0)
     return model
-
-
-@dataclass(frozen=True)
-class TokenVersionWeights:
-    """Weights by policy version for :meth:`Learner.response_logp` over samples whose tokens came from several
-    versions (partial rollouts): each token is scored under ``by_version[its version]`` (None: the current
-    model). Recompute's behaviour log-probs are then each token's own policy's, as with one version."""
-
-    by_version: dict[int, Mapping[str, torch.Tensor] | None]
 
 
 class Learner:
@@ -385,18 +375,17 @@ class Learner:
             seen.append((ratio.cpu(), mb.adv, mb.mask, old.cpu()))
             params, cstats = chosen if chosen is not None else self._choose([seen[-1]])
             per_micro.append((cstats, mb.num_tokens))
-            loss, st = self.objective.loss(
+            inputs = LossInputs(
                 logp,
                 old,
                 adv,
                 mask,
-                **params,
-                **self.objective.loss_kw,
+                **totals,
                 entropy=ent,
                 ref_logp=self._ref_logp(x),  # the policy's layout and mask, reused
-                **totals,
-                **weight_kw,
+                token_weight=weight_kw.get("token_weight"),
             )
+            loss, st = self.objective.loss(inputs, **params, **self.objective.loss_kw)
             x.release()
             loss.backward()
             if self.critic is not None:

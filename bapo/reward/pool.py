@@ -3,12 +3,9 @@
 Workers are ``python -m bapo.reward._worker`` subprocesses talking JSON lines over
 pipes (see ``_worker.py``). They never import the caller's ``__main__``, unlike
 multiprocessing's spawn/forkserver children, so a script with no
-``if __name__ == "__main__":`` guard that calls ``score_math`` runs once. The cost
-is start-up: each worker is a fresh interpreter that imports sympy (about 0.7 s of
-CPU; workers start in parallel), where a forkserver child took about 50 ms once
-its server ran. A pool's first start costs about the same as before; replacing a
-killed worker costs about a second instead of a fraction of one
-(``scripts/bench/bench_reward.py`` measures both).
+``if __name__ == "__main__":`` guard that calls ``score_math`` runs once. Each
+worker is a fresh interpreter that imports sympy, so starting or replacing one
+costs its start-up (``scripts/bench/bench_reward.py`` measures it; docs/perf.md).
 
 The time limit uses ``SIGALRM``, which only works in a process's main thread, and
 some inputs hang in C code that no signal interrupts: hence worker processes,

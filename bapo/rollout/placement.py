@@ -25,7 +25,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from bapo.infra.checks import Schemas, plugin, require, resumable
 from bapo.rollout.producer import Producer
@@ -78,12 +78,23 @@ class PlacementTraits:
     in_workers: bool = False
 
 
+class RolloutSide(NamedTuple):
+    """A placement's rollout side (``Placement.rollout``): the batch maker, the engine evaluation borrows, the
+    verifier, the data loaders' report and the held-out prompts."""
+
+    maker: Any
+    engine: Any
+    verifier: Any
+    report: Any
+    heldout: list
+
+
 @dataclass(frozen=True)
 class RolloutParts:
     """What the composition lends a placement to build its rollout side from (closures over the run's stages)."""
 
-    local: Callable[[], tuple]  # the in-process rollout: (maker, engine, verifier, report, heldout)
-    verifier: Callable[[], Any]  # a MathVerifier of the run's reward keys
+    local: Callable[[], RolloutSide]  # the in-process rollout side
+    verifier: Callable[[], Any]  # a verifier of the run's reward group (bapo.reward.build_verifier)
     heldout: Callable[[], tuple]  # (held-out prompts, rendered, and the data loaders' report)
     tokenizer: Any
 
@@ -101,7 +112,7 @@ class Placement:
     def check(rc: Any, world: int) -> None:
         """Refuse, as a ConfigError naming a key, a combination this placement cannot run."""
 
-    def rollout(self, parts: RolloutParts) -> tuple:
+    def rollout(self, parts: RolloutParts) -> RolloutSide:
         """The batch maker, the engine evaluation borrows, the verifier, the data loaders' report and the held-out
         prompts."""
         raise NotImplementedError
@@ -121,8 +132,8 @@ class Placement:
             last_batch=None if rc.mode == "drop" else rc.train.steps,  # drop: replacements for dropped batches
             interrupt=interrupt,
             engine=engine,
-            lag=partial_lag(rc.rollout.max_new_tokens, rc.rollout.segment_budget),
-            copies=rc.rollout.segment_budget is not None and rc.learner.old_logp == "recompute",
+            lag=partial_lag(rc.rollout.max_new_tokens, rc.behaviour.partial_budget),
+            copies=rc.behaviour.needs_copies,
         )
 
     def stop(self) -> None:
@@ -133,7 +144,7 @@ class Colocated(Placement):
     """Rollout in the learner's process: the producer runs the batch maker with the run's engine inline (sync) or
     on its thread (async)."""
 
-    def rollout(self, parts: RolloutParts) -> tuple:
+    def rollout(self, parts: RolloutParts) -> RolloutSide:
         return parts.local()
 
 

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from bapo.infra import dist, stop
 from bapo.infra.checks import RunFailed, UserError
 from bapo.rollout.schedule import MODES, Schedule, batch_version, min_staleness
-from bapo.rollout.source import Interrupted
+from bapo.rollout.source import Interrupted, RolloutSource
 
 # the schedule's names, and the interrupt every source raises, as this module's users import them
 __all__ = ["MODES", "Interrupted", "Producer", "batch_version", "min_staleness", "offer_weights"]
@@ -101,7 +101,7 @@ class BatchMaker(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
-class Producer:
+class Producer(RolloutSource):
     """Generates rollout batches in order, inline (sync) or on a background thread (async): the in-process
     :class:`~bapo.rollout.source.RolloutSource`.
 

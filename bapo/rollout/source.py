@@ -34,6 +34,9 @@ class RolloutSource(Protocol):
     batches are made is raised from ``take`` (a RuntimeError whose cause is the failure). Under torchrun every
     rank calls every method together (``take`` may gather the ranks' shares, ``offer_weights`` and ``borrow``
     may read streamed weights, whose reads are collectives).
+
+    A new source subclasses it: the methods with a body here (``try_take``, ``before_updates``, ``release``,
+    ``take_wait_s``, ``requeue``) are no-ops it may keep; the others it implements.
     """
 
     def start(self) -> None:
@@ -46,21 +49,19 @@ class RolloutSource(Protocol):
 
     def try_take(self) -> RolloutBatch | None:
         """A batch already made, without waiting (drop mode refills the step); None when there is none."""
-        ...
+        return None
 
     def offer_weights(self, learner: Any) -> None:
         """The learner is at ``learner.version``: take its weights (``learner.weights()`` live, or
         ``learner.snapshot()`` a copy) if some batch will be made with them."""
         ...
 
-    def before_updates(self) -> None:
+    def before_updates(self) -> None:  # noqa: B027 - a no-op by default: most sources share no device
         """The learner is about to update: an engine that shares its device may free memory until its next use."""
-        ...
 
     def release(self, version: int, *, keep_window: bool) -> None:
         """The learner is at ``version``: drop weight snapshots no batch will be made with. ``keep_window``
         (recompute): keep every version a batch within the staleness bound may have been made with."""
-        ...
 
     def snapshot(self, version: int) -> Mapping[str, torch.Tensor]:
         """The weights published at ``version`` (recompute's behaviour policy); KeyError when not held."""
@@ -77,7 +78,11 @@ class RolloutSource(Protocol):
 
     def take_wait_s(self) -> float:
         """Seconds the batch makers waited (for weights or for room) since the last call."""
-        ...
+        return 0.0
+
+    def requeue(self) -> None:  # noqa: B027 - a no-op by default: a source that keeps no queue gives nothing back
+        """A step stopped before its first update gives back the batches it took since the last ``release``: they
+        are made again, or kept (the checkpoint holds them as made ahead)."""
 
     def state_dict(self, live: int | None = None, snapshots: bool = True) -> dict:
         """What a resume needs: batches made ahead, the data cursor, the snapshots still needed (without their

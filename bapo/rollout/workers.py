@@ -713,7 +713,7 @@ class Disaggregated(Placement):
             "say runs_in_workers=False, hf's do); for vLLM in processes of its own use rollout=vllm_server",
         )
         require(
-            rc.rollout.segment_budget is None or rc.rollout.workers == 1,
+            not rc.behaviour.per_token or rc.rollout.workers == 1,
             "rollout.workers",
             f"rollout.partial_budget keeps its pool of unfinished responses in one worker; got {rc.rollout.workers}",
         )

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bapo.algos import OBJECTIVES, build_objective, register_objective
+from bapo.algos import OBJECTIVES, LossInputs, build_objective, register_objective
 from bapo.algos.config import algo_config
 from bapo.algos.surrogate import aggregate
 from bapo.infra.checks import ConfigError, to_plain
@@ -46,7 +46,7 @@ def batch(seed: int = 0, drift: float = 0.3):
 def step(obj, logp, old, adv, mask):
     ratio = torch.exp(logp.detach() - old)
     params, stats = obj.choose(ratio, adv, mask, old)
-    loss, loss_stats = obj.loss(logp, old, adv, mask, **params, **obj.loss_kw)
+    loss, loss_stats = obj.loss(LossInputs(logp, old, adv, mask), **params, **obj.loss_kw)
     (grad,) = torch.autograd.grad(loss, logp)
     return loss, grad, stats, loss_stats
 

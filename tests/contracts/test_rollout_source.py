@@ -53,8 +53,10 @@ class Recording:
         return getattr(self.inner, name)
 
 
-class ReplaySource:
-    """A second RolloutSource: hands out recorded batches in order, lends an engine for evaluation."""
+class ReplaySource(RolloutSource):
+    """A second RolloutSource: hands out recorded batches in order, lends an engine for evaluation. It subclasses
+    the protocol, as docs/extending.md says a new source does, and keeps its no-op defaults (``try_take``,
+    ``release``, ``take_wait_s``, ``requeue``)."""
 
     def __init__(self, batches, engine):
         self.batches, self.engine, self.taken, self.slept = list(batches), engine, 0, 0
@@ -68,17 +70,11 @@ class ReplaySource:
         self.taken += 1
         return self.batches[self.taken - 1], 0.0
 
-    def try_take(self):
-        return None
-
     def offer_weights(self, learner):
         pass  # the batches are made already
 
     def before_updates(self):
         self.slept += 1
-
-    def release(self, version, *, keep_window):
-        pass
 
     def snapshot(self, version):
         raise KeyError(version)
@@ -92,9 +88,6 @@ class ReplaySource:
     @contextlib.contextmanager
     def paused(self):
         yield
-
-    def take_wait_s(self):
-        return 0.0
 
     def state_dict(self, live=None, snapshots=True):
         return {"taken": self.taken}

@@ -26,8 +26,9 @@ def test_a_budget_of_max_new_tokens_or_more_interrupts_nothing(budget):
     # debug=smoke: max_new_tokens 48. No response can exceed the budget, so partial rollouts stay off: no pool,
     # no segment lag in the staleness bound (reuse's 1 suffices), and the run is the plain run (slow test below).
     rc = run_config("debug=smoke", f"rollout.partial_budget={budget}", "buffer.max_staleness=1")
-    assert rc.rollout.partial_budget == budget and rc.rollout.segment_budget is None
-    assert run_config("debug=smoke", "rollout.partial_budget=47", "buffer.max_staleness=3").rollout.segment_budget == 47
+    assert rc.rollout.partial_budget is None and not rc.behaviour.per_token
+    rc = run_config("debug=smoke", "rollout.partial_budget=47", "buffer.max_staleness=3")
+    assert rc.rollout.partial_budget == rc.behaviour.partial_budget == 47 and rc.behaviour.per_token
 
 
 @pytest.mark.slow

@@ -53,7 +53,7 @@ def test_surrogate_objective_is_bounds_plus_policy_loss():
         "bapo/rho_moved": bstats["rho_moved"],
     }
     assert bstats["active"] == 1.0  # the search engaged on these tokens, so its outcome is logged
-    assert obj.loss is policy_loss and obj.adaptive and obj.prepass and not obj.stateful
+    assert obj.loss.__wrapped__ is policy_loss and obj.adaptive and obj.prepass and not obj.stateful
     assert obj.after_update(stats) == {} and obj.state_dict() == {}
     assert not surrogate_objective("bapo", scope="micro_batch").prepass
     assert obj.loss_kw["agg"] == "seq-mean-token-sum" and obj.loss_kw["dual_clip"] == 3.0
@@ -78,7 +78,7 @@ def test_eps_feedback_objective_chooses_g_and_steps_eps():
     p, n = positive_contribution(ratio, adv, mask, old, ratio_low=0.8, ratio_high=1.2)
     assert stats["clip/rho"] == pytest.approx(float(p / (p + n)))  # the same measure as every other algorithm
     assert stats["eps_feedback/g"] == pytest.approx(g)
-    assert obj.loss is eps_feedback_loss and obj.adaptive and obj.stateful
+    assert obj.loss.__wrapped__ is eps_feedback_loss and obj.adaptive and obj.stateful
     expected = 0.22 if g > 1 else 0.18 if g < 0.5 else 0.2
     assert obj.after_update(stats) == {"eps_feedback/eps_next": pytest.approx(expected)}
     assert state.eps == pytest.approx(expected) and obj.state_dict()["eps"] == pytest.approx(expected)

@@ -41,9 +41,9 @@ def test_loglinear_proximal_is_the_old_log_probs_the_loss_sees(tiny_model, tiny_
     seen = []
     real_loss = lrn.objective.loss
 
-    def spy(logp, old, adv, mask, **kw):
-        seen.append((logp.detach(), old, kw["token_weight"], mask))
-        return real_loss(logp, old, adv, mask, **kw)
+    def spy(inputs, **kw):
+        seen.append((inputs.logp.detach(), inputs.old_logp, inputs.token_weight, inputs.mask))
+        return real_loss(inputs, **kw)
 
     monkeypatch.setattr(lrn.objective, "loss", spy)
     lrn.accumulate(_with(batch, behaviour_logp=batch.old_logp.clone(), proximal_version=2.0 * batch.mask))
