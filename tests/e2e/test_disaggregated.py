@@ -91,14 +91,14 @@ def wait_until(cond, timeout: float, what: str) -> None:
 @pytest.mark.parametrize(
     "over, key",
     [
-        (["rollout.workers=0"], "rollout.workers"),
+        (["placement.workers=0"], "placement.workers"),
         (["placement.mode=elsewhere"], "placement.mode"),
         (["placement.port=70000"], "placement.port"),
         (["placement.worker_threads=0"], "placement.worker_threads"),
         (["placement.worker_timeout_s=0"], "placement.worker_timeout_s"),
         (["placement.worker_restarts=-1"], "placement.worker_restarts"),
-        (["rollout.workers=2", "rollout.partial_budget=12", "buffer.max_staleness=7"], "rollout.workers"),
-        (["rollout.workers=9", "train.prompts_per_step=8"], "rollout.workers"),
+        (["placement.workers=2", "rollout.partial_budget=12", "buffer.max_staleness=7"], "placement.workers"),
+        (["placement.workers=9", "train.prompts_per_step=8"], "placement.workers"),
     ],
 )
 def test_bad_values_are_refused_at_startup_naming_the_key(tmp_path, over, key):
@@ -389,7 +389,7 @@ def test_partial_rollouts_take_new_weights_between_segments_in_the_worker(tmp_pa
 
 @pytest.mark.slow
 def test_two_workers_each_make_a_share_and_the_run_is_reproducible(tmp_path):
-    common = ["train.steps=3", "checkpoint.every=0", *DIS, "rollout.workers=2"]
+    common = ["train.steps=3", "checkpoint.every=0", *DIS, "placement.workers=2"]
     run(smoke_cfg(common), tmp_path / "a")
     run(smoke_cfg(common), tmp_path / "b")
     run(smoke_cfg(["train.steps=3", "checkpoint.every=0", *DIS]), tmp_path / "one")
@@ -593,14 +593,14 @@ def test_a_busy_worker_exits_by_itself_once_its_learner_is_gone(tmp_path):
 def test_torchrun_learner_ranks_with_workers_train_as_the_colocated_ranks_and_resume_exactly(
     tmp_path, tmp_path_factory, mode
 ):
-    # `torchrun --nproc_per_node=2 train.py learner=fsdp placement=disaggregated rollout.workers=2`: rank 0 holds
+    # `torchrun --nproc_per_node=2 train.py learner=fsdp placement=disaggregated placement.workers=2`: rank 0 holds
     # the workers, every rank reads the FSDP weights together, and each worker makes the share its rank would
     # have. Training metrics equal the colocated 2-rank run's; evaluation is one generator (worker 0) here
     # where the colocated ranks are two, so its metrics are not compared.
 
     from tests.helpers.processes import shared_torchrun, torchrun
 
-    dis = [*DIS, "rollout.workers=2", *mode]
+    dis = [*DIS, "placement.workers=2", *mode]
     colocated, _ = shared_torchrun(tmp_path_factory, *mode)  # test_loop_fsdp's run of the mode
     out = torchrun(tmp_path / "full", *dis)
     assert "2 rollout worker(s) ready" in out and out.count("2 rollout worker(s) ready") == 1  # rank 0's only

@@ -1,6 +1,6 @@
 """Rollout workers in other processes: ``placement.mode=disaggregated``.
 
-The learner process keeps the loop, the schedule and the weights; ``rollout.workers`` worker processes
+The learner process keeps the loop, the schedule and the weights; ``placement.workers`` worker processes
 (``python -m bapo.entry.worker``) each hold an engine, a reward pool and the prompt stream, and make
 their share of every rollout batch with the weights the learner pushes. The in-process producer
 (:class:`bapo.rollout.producer.Producer`) drives them unchanged: this package gives it a batch maker

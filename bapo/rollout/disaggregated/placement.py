@@ -19,6 +19,7 @@ from bapo.rollout.placement import Placement, PlacementConfig, PlacementTraits, 
 class DisaggregatedConfig(PlacementConfig):
     """``placement`` of ``mode=disaggregated``: the keys of the worker processes, beside every placement's."""
 
+    workers: int = resumable(1)  # rollout worker processes, each making its share of every batch
     host: str = resumable("127.0.0.1")  # where the learner listens for its workers
     port: int = resumable(0)  # 0: any free port
     worker_threads: int = resumable(1)  # torch threads of each worker
@@ -28,6 +29,7 @@ class DisaggregatedConfig(PlacementConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        require(self.workers >= 1, "placement.workers", f"must be >= 1 (worker processes), got {self.workers}")
         require(
             0 <= self.port <= 65535, "placement.port", f"must be 0 (any free port) or a port number, got {self.port}"
         )
@@ -42,7 +44,7 @@ class DisaggregatedConfig(PlacementConfig):
 
 
 class Disaggregated(Placement):
-    """Rollout in ``rollout.workers`` processes of its own (the package's doc): rank 0 spawns them before the learner
+    """Rollout in ``placement.workers`` processes of its own (the package's doc): rank 0 spawns them before the learner
     is built, so they load their models meanwhile; the producer drives their :class:`RemoteMaker`, and evaluation
     borrows worker 0's engine. The held-out set and the verifier stay in the learner's process."""
 
@@ -60,14 +62,14 @@ class Disaggregated(Placement):
             "say runs_in_workers=False, hf's do); for vLLM in processes of its own use rollout=vllm_server",
         )
         require(
-            not rc.behaviour.per_token or rc.rollout.workers == 1,
-            "rollout.workers",
-            f"rollout.partial_budget keeps its pool of unfinished responses in one worker; got {rc.rollout.workers}",
+            not rc.behaviour.per_token or rc.placement.workers == 1,
+            "placement.workers",
+            f"rollout.partial_budget keeps its pool of unfinished responses in one worker; got {rc.placement.workers}",
         )
         require(
-            rc.train.prompts_per_step >= rc.rollout.workers,
-            "rollout.workers",
-            f"{rc.rollout.workers} workers for {rc.train.prompts_per_step} prompts a step: each needs at least one",
+            rc.train.prompts_per_step >= rc.placement.workers,
+            "placement.workers",
+            f"{rc.placement.workers} workers for {rc.train.prompts_per_step} prompts a step: each needs at least one",
         )
 
     def __init__(self, rc: Any, cfg: Any, *, path: str, limit: int, interrupt: threading.Event) -> None:
@@ -89,7 +91,7 @@ class Disaggregated(Placement):
 
 
 def start_pool(rc: Any, cfg: Any, *, path: str, limit: int, interrupt: threading.Event) -> WorkerPool:
-    """The workers of ``rc`` (``placement``, ``rollout.workers``), spawned; :meth:`WorkerPool.wait` readies them."""
+    """The ``placement.workers`` workers of ``rc``, spawned; :meth:`WorkerPool.wait` readies them."""
     from omegaconf import OmegaConf
 
     if cfg is None:
@@ -104,7 +106,7 @@ def start_pool(rc: Any, cfg: Any, *, path: str, limit: int, interrupt: threading
     )
     pool = WorkerPool(
         spec,
-        count=rc.rollout.workers,
+        count=p.workers,
         host=p.host,
         port=p.port,
         timeout_s=p.worker_timeout_s,

@@ -1,6 +1,6 @@
 """The learner's pool of rollout worker processes: started, fed, replaced and stopped.
 
-:class:`WorkerPool` starts ``rollout.workers`` processes (``python -m bapo.entry.worker``, whose life is
+:class:`WorkerPool` starts ``placement.workers`` processes (``python -m bapo.entry.worker``, whose life is
 :mod:`bapo.rollout.disaggregated.worker`), sends them the run (:class:`WorkerSpec`), and answers for each request
 with its reply or a :class:`WorkerLost`. Weights go over a two-rank gloo process group per worker
 (``torch.distributed.ProcessGroupGloo`` on a ``TCPStore``), one flat buffer per dtype, the way a GPU trainer sends
@@ -143,7 +143,7 @@ class WorkerPool:
         python: str | None = None,
     ):
         if count < 1:
-            raise ConfigError(f"rollout.workers: placement.mode=disaggregated needs at least 1 worker, got {count}")
+            raise ConfigError(f"placement.workers: placement.mode=disaggregated needs at least 1 worker, got {count}")
         self.spec, self.count = spec, count
         self.host, self.timeout_s, self.start_timeout_s, self.max_restarts = host, timeout_s, start_timeout_s, restarts
         self.interrupt = interrupt if interrupt is not None else threading.Event()

@@ -6,7 +6,7 @@ builder of its side, ``bapo.build.worker_side``).
 It connects back to the learner (an authenticated ``multiprocessing.connection``; the key comes in the
 environment), receives the run's config, builds the rollout side exactly as a colocated run builds it
 (``bapo.build.build_maker``: engine, reward pool, prompt stream, rollout maker as share ``i`` of
-``rollout.workers``), joins a two-rank gloo group for weights, and then serves requests one at a time:
+``placement.workers``), joins a two-rank gloo group for weights, and then serves requests one at a time:
 
 - ``weights`` (version, names, shapes, dtypes): receive one flat buffer per dtype and load them;
 - ``make`` (t, version): make its share of rollout batch t; reply with it and the maker's state after it;
