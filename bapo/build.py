@@ -5,8 +5,8 @@ never from the loop.
 
 Where rollout runs is the placement's (``placement.mode``, :mod:`bapo.rollout.placement`): in this process (the
 producer of :mod:`bapo.rollout.producer` runs the batch maker inline or on its thread), or in rollout worker
-processes (:mod:`bapo.rollout.workers`, whose remote maker the same producer drives). This module builds the parts
-and lends them to the placement; it never reads the mode's name.
+processes (:mod:`bapo.rollout.disaggregated`, whose remote maker the same producer drives). This module builds the
+parts and lends them to the placement; it never reads the mode's name.
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ def build_maker(rc: RunConfig, *, path: str, tokenizer, engine_model, limit: int
     """The rollout side of a run: its engine and the batch maker that drives it (drawing prompts from the
     training stream, generating this rank's share, grading), the data loaders' report and the held-out
     prompts (rendered here too, so that the report counts their skipped rows wherever it is built). Built
-    in the learner's process, or in each rollout worker (``bapo.rollout.worker``) of a disaggregated run."""
+    in the learner's process, or in each rollout worker (``bapo.rollout.disaggregated.worker``) of a disaggregated
+    run."""
     engine = build_rollout(
         rc.rollout,
         path=path,
@@ -189,8 +190,8 @@ def build_stages(rc: RunConfig, cfg: DictConfig | None = None) -> Stages:
 
 
 def worker_side(init: dict):
-    """A rollout worker's side (bapo.rollout.worker): the rollout maker and engine of share ``init['share']`` of the
-    run in ``init``, its verifier, and the engine's model if it has one."""
+    """A rollout worker's side (bapo.rollout.disaggregated.worker): the rollout maker and engine of share
+    ``init['share']`` of the run in ``init``, its verifier, and the engine's model if it has one."""
 
     torch.set_num_threads(int(init["threads"]))
     rc = build(OmegaConf.create(init["config"]), init["run_dir"])

@@ -442,7 +442,7 @@ def host_items(u: Setup, sleep_level: int) -> list[Item]:
             Item(what if level1 else f"vLLM asleep, level {sleep_level}: weights discarded", level1 * ranks * weights)
         )
     if u.workers:
-        k = u.rc.rollout.workers
+        k = getattr(u.rc.placement, "workers", 1)  # placement.workers; one for a placement without the key
         items += [Item(f"rollout worker x{k}: {i.what}", k * i.bytes) for i in hf_engine(u)]
     if u.server:  # async: every rank stages its own snapshot; sync: the node's first rank writes the shared copy
         from bapo.engines.staging import writer_bytes

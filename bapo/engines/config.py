@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from omegaconf import MISSING
 
-from bapo.infra.checks import require, resumable
+from bapo.infra.checks import require
 
 
 @dataclass
@@ -26,12 +26,8 @@ class RolloutCommon:
     # (bapo.rollout.maker, docs/offpolicy.md). None: every response is generated whole within its step; a budget of
     # max_new_tokens or more never interrupts a response, so it is typed as None (the plain run, metric for metric).
     partial_budget: int | None = MISSING
-    # Rollout worker processes under placement.mode=disaggregated (bapo.rollout.workers); each makes its share
-    # of a batch.
-    workers: int = resumable(1)
 
     def __post_init__(self) -> None:
-        require(self.workers >= 1, "rollout.workers", f"must be >= 1 (worker processes), got {self.workers}")
         require(self.n >= 1, "rollout.n", f"must be >= 1, got {self.n}")
         require(self.temperature > 0, "rollout.temperature", f"must be > 0, got {self.temperature}")
         require(self.max_new_tokens > 0, "rollout.max_new_tokens", "must be > 0")

@@ -34,7 +34,7 @@ from bapo.rollout.source import RolloutSource
 
 PLACEMENTS: dict[str, str] = {
     "colocated": "bapo.rollout.placement:Colocated",
-    "disaggregated": "bapo.rollout.workers:Disaggregated",
+    "disaggregated": "bapo.rollout.disaggregated:Disaggregated",
 }
 
 

@@ -10,6 +10,7 @@ import pytest
 from bapo.config import build
 from bapo.infra.checks import ConfigError
 from bapo.plan import setup
+from bapo.rollout.disaggregated import Disaggregated
 from bapo.rollout.placement import (
     PLACEMENT_CONFIGS,
     PLACEMENTS,
@@ -19,7 +20,6 @@ from bapo.rollout.placement import (
     PlacementTraits,
     placement_class,
 )
-from bapo.rollout.workers import Disaggregated
 from tests.helpers.config import compose, run_config
 from tests.helpers.paths import ROOT
 

@@ -1,4 +1,4 @@
-"""placement=disaggregated: rollout workers in processes of their own (bapo/rollout/workers.py, bapo/rollout/worker.py).
+"""placement=disaggregated: rollout workers in processes of their own (the package bapo/rollout/disaggregated/).
 
 Every test here starts real worker processes. The end-to-end ones compare whole runs' metrics: one worker makes
 the colocated run's batches, a worker killed (or hung) mid-run is replaced without changing a metric, a learner
@@ -23,8 +23,10 @@ from bapo import checkpoint
 from bapo.config import build
 from bapo.infra.checks import ConfigError
 from bapo.loop import run
-from bapo.rollout import workers
-from bapo.rollout.worker import check_weights
+from bapo.rollout.disaggregated.pool import Worker, WorkerError, WorkerLost, WorkerPool, WorkerSpec, last_error
+from bapo.rollout.disaggregated.remote import merge_shares
+from bapo.rollout.disaggregated.wire import send
+from bapo.rollout.disaggregated.worker import check_weights
 from tests.helpers.config import smoke_cfg
 from tests.helpers.runs import killed_after_step_3
 
@@ -89,14 +91,14 @@ def wait_until(cond, timeout: float, what: str) -> None:
 @pytest.mark.parametrize(
     "over, key",
     [
-        (["rollout.workers=0"], "rollout.workers"),
+        (["placement.workers=0"], "placement.workers"),
         (["placement.mode=elsewhere"], "placement.mode"),
         (["placement.port=70000"], "placement.port"),
         (["placement.worker_threads=0"], "placement.worker_threads"),
         (["placement.worker_timeout_s=0"], "placement.worker_timeout_s"),
         (["placement.worker_restarts=-1"], "placement.worker_restarts"),
-        (["rollout.workers=2", "rollout.partial_budget=12", "buffer.max_staleness=7"], "rollout.workers"),
-        (["rollout.workers=9", "train.prompts_per_step=8"], "rollout.workers"),
+        (["placement.workers=2", "rollout.partial_budget=12", "buffer.max_staleness=7"], "placement.workers"),
+        (["placement.workers=9", "train.prompts_per_step=8"], "placement.workers"),
     ],
 )
 def test_bad_values_are_refused_at_startup_naming_the_key(tmp_path, over, key):
@@ -109,9 +111,9 @@ def test_a_port_in_use_is_one_line_naming_placement_port(tmp_path):
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        spec = workers.WorkerSpec(config={}, path="", limit=1, run_dir=str(tmp_path))
+        spec = WorkerSpec(config={}, path="", limit=1, run_dir=str(tmp_path))
         with pytest.raises(ConfigError, match=rf"^placement.port: cannot listen on 127.0.0.1:{port}") as e:
-            workers.WorkerPool(spec, count=1, port=port)
+            WorkerPool(spec, count=1, port=port)
     assert "\n" not in str(e.value)
 
 
@@ -125,9 +127,9 @@ def test_a_port_in_use_is_one_line_naming_placement_port(tmp_path):
 )
 def test_a_bad_host_is_one_line_naming_placement_host_not_the_port(tmp_path, host, why):
     # Before: every listener error said "placement.port: ... choose a free port"; a busy port still does (above).
-    spec = workers.WorkerSpec(config={}, path="", limit=1, run_dir=str(tmp_path))
+    spec = WorkerSpec(config={}, path="", limit=1, run_dir=str(tmp_path))
     with pytest.raises(ConfigError, match=rf"^placement\.host: {host!r} for rollout workers: {why}") as e:
-        workers.WorkerPool(spec, count=1, host=host)
+        WorkerPool(spec, count=1, host=host)
     assert "\n" not in str(e.value) and "port" not in str(e.value)
 
 
@@ -135,34 +137,32 @@ BAR = "Loading weights: 100%|██████████| 39/39 [00:00<00:00,
 
 
 def test_a_workers_log_gives_its_traceback_line_never_a_progress_bar():
-    assert workers.last_error(f"{BAR}\r{BAR}\n[INFO] loaded\n") == ""  # before: the bar was quoted as the reason
+    assert last_error(f"{BAR}\r{BAR}\n[INFO] loaded\n") == ""  # before: the bar was quoted as the reason
     log = f'{BAR}\nTraceback (most recent call last):\n  File "x.py", line 1\n    boom()\nRuntimeError: boom\n{BAR}\n'
-    assert (
-        workers.last_error("Traceback (most recent call last):\n  x\nValueError: old\n" + log) == "RuntimeError: boom"
-    )
+    assert last_error("Traceback (most recent call last):\n  x\nValueError: old\n" + log) == "RuntimeError: boom"
 
 
-def _dying_worker(pool, tmp_path, code: str) -> workers.Worker:
+def _dying_worker(pool, tmp_path, code: str) -> Worker:
     """A stand-in worker process that prints a progress bar and ends as ``code`` says, logged as the pool logs."""
     log = tmp_path / f"worker{len(pool.workers)}.log"
     with log.open("w") as out:
         src = f"import os, signal, sys; sys.stderr.write({BAR!r} + chr(13)); sys.stderr.flush(); {code}"
         proc = subprocess.Popen([sys.executable, "-c", src], stdout=out, stderr=subprocess.STDOUT)
-    w = workers.Worker(len(pool.workers), proc, str(log))
+    w = Worker(len(pool.workers), proc, str(log))
     pool.workers.append(w)
     proc.wait(timeout=30)
     return w
 
 
 def test_a_lost_workers_reason_is_how_it_ended_and_a_named_log_outlives_the_pool(tmp_path):
-    spec = workers.WorkerSpec(config={}, path="", limit=1, run_dir=str(tmp_path))
-    pool = workers.WorkerPool(spec, count=1)
+    spec = WorkerSpec(config={}, path="", limit=1, run_dir=str(tmp_path))
+    pool = WorkerPool(spec, count=1)
     killed = _dying_worker(pool, tmp_path, "os.kill(os.getpid(), signal.SIGKILL)")
     failed = _dying_worker(pool, tmp_path, "raise RuntimeError('boom')")
-    with pytest.raises(workers.WorkerLost) as e:
+    with pytest.raises(WorkerLost) as e:
         pool._accept(killed, time.monotonic() + 5)
     assert str(e.value) == "was killed by SIGKILL before connecting"  # before: "exited with code -9 ...: Loading..."
-    with pytest.raises(workers.WorkerLost) as e:
+    with pytest.raises(WorkerLost) as e:
         pool._accept(failed, time.monotonic() + 5)
     assert str(e.value) == f"exited with code 1 before connecting: RuntimeError: boom (log: {failed.log_path})"
     pool.stop()
@@ -172,16 +172,16 @@ def test_a_lost_workers_reason_is_how_it_ended_and_a_named_log_outlives_the_pool
 
 @pytest.mark.parametrize("restarts", [0, 2])
 def test_a_worker_lost_more_often_than_allowed_is_a_worker_error_that_says_what_was_tried(tmp_path, restarts):
-    spec = workers.WorkerSpec(config={}, path="", limit=1, run_dir=str(tmp_path))
-    pool = workers.WorkerPool(spec, count=1, restarts=restarts)
-    pool.workers = [workers.Worker(0, None, str(tmp_path / "none.log"))]
+    spec = WorkerSpec(config={}, path="", limit=1, run_dir=str(tmp_path))
+    pool = WorkerPool(spec, count=1, restarts=restarts)
+    pool.workers = [Worker(0, None, str(tmp_path / "none.log"))]
     replaced = []
     pool.replace = lambda w, why: replaced.append(why) or w
 
     def lost(w, fresh):
-        raise workers.WorkerLost("was killed by SIGKILL during make")
+        raise WorkerLost("was killed by SIGKILL during make")
 
-    with pytest.raises(workers.WorkerError) as e:  # before: a RuntimeError (a traceback at the entry point)
+    with pytest.raises(WorkerError) as e:  # before: a RuntimeError (a traceback at the entry point)
         pool.retrying(0, lost, lambda w: None)
     assert len(replaced) == restarts
     if restarts == 0:  # before: "failed 1 times in a row ...; its replacements failed too"
@@ -205,12 +205,12 @@ def test_a_worker_error_on_the_producer_thread_reaches_the_learner_as_itself():
 
     class Lost(CursorMaker):
         def make(self, t, version, weights):
-            raise workers.WorkerError("rollout worker 0 was killed by SIGKILL during make, and ...")
+            raise WorkerError("rollout worker 0 was killed by SIGKILL during make, and ...")
 
     producer = Producer(Lost(), mode="admission", updates_per_batch=1, max_staleness=0, sync_every=1)
     producer.publish(0, {})
     producer.start()
-    with pytest.raises(workers.WorkerError, match="^rollout worker 0 was killed by SIGKILL"):
+    with pytest.raises(WorkerError, match="^rollout worker 0 was killed by SIGKILL"):
         producer.take()
     producer.stop()
 
@@ -236,12 +236,12 @@ def test_merge_shares_joins_in_share_order_and_recounts_accuracy():
         [True, False, False, False], {"reward/accuracy": 0.25, "time/rollout_s": 1.0, "rollout/tokens_per_s": 10.0}
     )
     b = share([True, True], {"reward/accuracy": 1.0, "time/rollout_s": 3.0, "rollout/tokens_per_s": 5.0})
-    m = workers.merge_shares([a, b])
+    m = merge_shares([a, b])
     assert m.correct == (True, False, False, False, True, True)
     assert m.stats["reward/accuracy"] == pytest.approx(3 / 6)  # over samples, not the mean of the shares' 0.625
     assert m.stats["time/rollout_s"] == 3.0 and m.stats["rollout/tokens_per_s"] == 15.0  # slowest; summed
     with pytest.raises(RuntimeError, match="different batches"):
-        workers.merge_shares([a, RolloutBatch(4, 2, (), (), (), (), {}, ())])
+        merge_shares([a, RolloutBatch(4, 2, (), (), (), (), {}, ())])
 
 
 HELLO = """
@@ -258,15 +258,15 @@ def test_a_silent_or_garbling_local_client_does_not_keep_the_worker_out(tmp_path
     said nothing blocked it, the real worker never got in, and the run failed after worker_start_timeout_s."""
     import threading
 
-    spec = workers.WorkerSpec(config={}, path="", limit=1, run_dir=str(tmp_path))
-    pool = workers.WorkerPool(spec, count=1)
+    spec = WorkerSpec(config={}, path="", limit=1, run_dir=str(tmp_path))
+    pool = WorkerPool(spec, count=1)
     host, port = pool.listener.address
     silent, garbling = socket.create_connection((host, port)), socket.create_connection((host, port))
     garbling.sendall(b"\xff" * 64)
     time.sleep(0.5)  # both are in (before: the first in accept's challenge) when the worker comes
     env = dict(os.environ, KEY=pool.authkey.hex())
     proc = subprocess.Popen([sys.executable, "-c", HELLO, host, str(port)], env=env)
-    w = workers.Worker(0, proc, str(tmp_path / "worker0.log"))
+    w = Worker(0, proc, str(tmp_path / "worker0.log"))
     pool.workers.append(w)
     got, t0 = [], time.monotonic()
     waiter = threading.Thread(target=lambda: got.append(pool._accept(w, time.monotonic() + 60)), daemon=True)
@@ -277,7 +277,7 @@ def test_a_silent_or_garbling_local_client_does_not_keep_the_worker_out(tmp_path
         assert time.monotonic() - t0 < 20  # in a second or two: its own start, not the silent client's timeout
         silent.settimeout(30)
         assert silent.recv(1024)  # the silent one only ever gets the challenge, then is cut off
-        workers.send(got[0], ("stop",))
+        send(got[0], ("stop",))
     finally:
         silent.close(), garbling.close()
         proc.kill()
@@ -316,18 +316,16 @@ def test_a_worker_that_cannot_start_is_one_error_naming_why(tmp_path):
     cfg = smoke_cfg(DIS)
     from omegaconf import OmegaConf
 
-    spec = workers.WorkerSpec(
+    spec = WorkerSpec(
         config=OmegaConf.to_container(cfg, resolve=True),
         path=str(tmp_path / "no-model"),
         limit=64,
         run_dir=str(tmp_path),
     )
-    pool = workers.WorkerPool(spec, count=1, start_timeout_s=120)
+    pool = WorkerPool(spec, count=1, start_timeout_s=120)
     pool.spawn()
     pids = pool.pids()
-    with pytest.raises(
-        workers.WorkerError, match=r"^rollout worker 0 could not start: .*no-model.* \(log: (.*)\)$"
-    ) as e:
+    with pytest.raises(WorkerError, match=r"^rollout worker 0 could not start: .*no-model.* \(log: (.*)\)$") as e:
         pool.wait()
     assert "\n" not in str(e.value)
     log = Path(str(e.value).rsplit("(log: ", 1)[1].removesuffix(")"))
@@ -391,7 +389,7 @@ def test_partial_rollouts_take_new_weights_between_segments_in_the_worker(tmp_pa
 
 @pytest.mark.slow
 def test_two_workers_each_make_a_share_and_the_run_is_reproducible(tmp_path):
-    common = ["train.steps=3", "checkpoint.every=0", *DIS, "rollout.workers=2"]
+    common = ["train.steps=3", "checkpoint.every=0", *DIS, "placement.workers=2"]
     run(smoke_cfg(common), tmp_path / "a")
     run(smoke_cfg(common), tmp_path / "b")
     run(smoke_cfg(["train.steps=3", "checkpoint.every=0", *DIS]), tmp_path / "one")
@@ -403,7 +401,7 @@ def test_two_workers_each_make_a_share_and_the_run_is_reproducible(tmp_path):
 
 def _kill_worker_before(batch: int, monkeypatch, how=signal.SIGKILL, resume_after: float | None = None):
     """Make the worker of batch ``batch`` die (or hang: SIGSTOP) right after it was asked for it."""
-    real = workers.WorkerPool._send
+    real = WorkerPool._send
     seen = {"killed": []}
 
     def send(self, w, msg):
@@ -412,7 +410,7 @@ def _kill_worker_before(batch: int, monkeypatch, how=signal.SIGKILL, resume_afte
             seen["killed"].append(w.proc.pid)
             os.kill(w.proc.pid, how)
 
-    monkeypatch.setattr(workers.WorkerPool, "_send", send)
+    monkeypatch.setattr(WorkerPool, "_send", send)
     return seen
 
 
@@ -463,15 +461,15 @@ def test_a_slow_worker_beats_and_is_not_replaced(tmp_path):
     ],
 )
 def test_a_worker_that_keeps_failing_stops_the_run_with_the_reason(tmp_path, monkeypatch, over, message):
-    real = workers.WorkerPool._send
+    real = WorkerPool._send
 
     def send(self, w, msg):
         real(self, w, msg)
         if msg[0] == "make" and msg[1] >= 2:
             os.kill(w.proc.pid, signal.SIGKILL)
 
-    monkeypatch.setattr(workers.WorkerPool, "_send", send)
-    with pytest.raises(workers.WorkerError) as e:
+    monkeypatch.setattr(WorkerPool, "_send", send)
+    with pytest.raises(WorkerError) as e:
         run(smoke_cfg(["train.steps=4", *DIS, *over]), tmp_path)
     assert str(e.value) == message
 
@@ -550,10 +548,8 @@ def test_weights_cross_the_gloo_group_bit_for_bit(tmp_path):
 
     rc = build(cfg, tmp_path)
     path, tok, load = model_files(rc)
-    spec = workers.WorkerSpec(
-        config=OmegaConf.to_container(cfg, resolve=True), path=path, limit=64, run_dir=str(tmp_path)
-    )
-    pool = workers.WorkerPool(spec, count=1)
+    spec = WorkerSpec(config=OmegaConf.to_container(cfg, resolve=True), path=path, limit=64, run_dir=str(tmp_path))
+    pool = WorkerPool(spec, count=1)
     try:
         pool.spawn()
         pool.wait()
@@ -571,11 +567,12 @@ def test_weights_cross_the_gloo_group_bit_for_bit(tmp_path):
 
 def test_a_busy_worker_exits_by_itself_once_its_learner_is_gone(tmp_path):
     # A worker mid-batch does not read its connection, so it cannot see the learner's end close: the parent
-    # watch (bapo.rollout.worker.watch_parent) is what ends it. Here a "learner" starts a "worker" that only
-    # watches and sleeps, and is then killed with SIGKILL.
+    # watch (bapo.rollout.disaggregated.worker.watch_parent) is what ends it. Here a "learner" starts a "worker"
+    # that only watches and sleeps, and is then killed with SIGKILL.
     flag = tmp_path / "watching"
     child = (
-        "from bapo.rollout.worker import watch_parent; import os, pathlib, time; watch_parent(os.getppid()); "
+        "from bapo.rollout.disaggregated.worker import watch_parent; import os, pathlib, time; "
+        "watch_parent(os.getppid()); "
         f"pathlib.Path({str(flag)!r}).touch(); time.sleep(600)"
     )
     parent = (
@@ -596,14 +593,14 @@ def test_a_busy_worker_exits_by_itself_once_its_learner_is_gone(tmp_path):
 def test_torchrun_learner_ranks_with_workers_train_as_the_colocated_ranks_and_resume_exactly(
     tmp_path, tmp_path_factory, mode
 ):
-    # `torchrun --nproc_per_node=2 train.py learner=fsdp placement=disaggregated rollout.workers=2`: rank 0 holds
+    # `torchrun --nproc_per_node=2 train.py learner=fsdp placement=disaggregated placement.workers=2`: rank 0 holds
     # the workers, every rank reads the FSDP weights together, and each worker makes the share its rank would
     # have. Training metrics equal the colocated 2-rank run's; evaluation is one generator (worker 0) here
     # where the colocated ranks are two, so its metrics are not compared.
 
     from tests.helpers.processes import shared_torchrun, torchrun
 
-    dis = [*DIS, "rollout.workers=2", *mode]
+    dis = [*DIS, "placement.workers=2", *mode]
     colocated, _ = shared_torchrun(tmp_path_factory, *mode)  # test_loop_fsdp's run of the mode
     out = torchrun(tmp_path / "full", *dis)
     assert "2 rollout worker(s) ready" in out and out.count("2 rollout worker(s) ready") == 1  # rank 0's only

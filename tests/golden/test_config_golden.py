@@ -27,7 +27,11 @@ ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "golden" / "composed_configs.txt"
 DATA_DIR = "/data"  # paths.data_dir, fixed so the recording does not depend on the machine
 
-RENAMED: dict[str, str] = {}  # old flattened key -> new flattened key
+RENAMED: dict[str, str] = {  # old flattened key -> new flattened key
+    # The worker processes' count is the disaggregated placement's key (bapo/rollout/disaggregated/placement.py),
+    # not one of the schema every engine shares: only that placement reads it. Same value, same run.
+    "rollout.workers": "placement.workers",
+}
 ADDED: dict[str, object] = {
     # The objective's registered name (bapo.algos.objective): the loop's branch on algo.eps_feedback before.
     "algo.objective": "surrogate",

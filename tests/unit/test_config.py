@@ -60,7 +60,7 @@ def test_default_config_stays_small():
     plain = OmegaConf.to_container(compose(), resolve=False)
     # placement: 3 keys, the memory plan's hardware; algo.objective and the 5 surrogate options BAPO reads too;
     # rollout.partial_budget (partial rollouts, null by default); placement.learner_threads (torch threads of the
-    # run's process; placement=disaggregated adds its own keys, with rollout.workers, only where it is picked);
+    # run's process; placement=disaggregated adds its own keys, placement.workers among them, only where it is picked);
     # learner.logp_check_share (the engine-vs-learner log-prob check on a share of rows); launcher: 4 keys (how a
     # plain `python train.py` starts the node's ranks, and what it chose); checkpoint.every_minutes and
     # launcher.grace_s (a stop that keeps its work: time-based checkpoints, the launcher's grace)

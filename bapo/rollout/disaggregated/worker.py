@@ -1,12 +1,12 @@
 """A rollout worker: one process of a disaggregated run (``placement.mode=disaggregated``; the learner's side
-is :mod:`bapo.rollout.workers`). The learner starts it as
+is :mod:`bapo.rollout.disaggregated.pool`). The learner starts it as
 ``python -m bapo.entry.worker --connect host:port --index i`` (the process's entry, which hands :func:`main` the
 builder of its side, ``bapo.build.worker_side``).
 
 It connects back to the learner (an authenticated ``multiprocessing.connection``; the key comes in the
 environment), receives the run's config, builds the rollout side exactly as a colocated run builds it
 (``bapo.build.build_maker``: engine, reward pool, prompt stream, rollout maker as share ``i`` of
-``rollout.workers``), joins a two-rank gloo group for weights, and then serves requests one at a time:
+``placement.workers``), joins a two-rank gloo group for weights, and then serves requests one at a time:
 
 - ``weights`` (version, names, shapes, dtypes): receive one flat buffer per dtype and load them;
 - ``make`` (t, version): make its share of rollout batch t; reply with it and the maker's state after it;
@@ -41,9 +41,9 @@ from multiprocessing.connection import Client
 import torch
 
 from bapo.infra.stop import STOP_SIGNALS
-from bapo.rollout.workers import AUTHKEY_ENV, recv, send
+from bapo.rollout.disaggregated.wire import AUTHKEY_ENV, recv, send
 
-log = logging.getLogger("bapo.rollout.worker")
+log = logging.getLogger(__name__)
 
 
 def watch_parent(parent: int, period_s: float = 0.5, own_log: str | None = None) -> None:
@@ -145,7 +145,8 @@ def check_weights(meta: list, expected: dict | None) -> None:
 
 
 def receive_weights(pg, meta: list) -> dict[str, torch.Tensor]:
-    """The flat buffers of :meth:`bapo.rollout.workers.WorkerPool.push_weights`, cut back into named tensors."""
+    """The flat buffers of :meth:`bapo.rollout.disaggregated.pool.WorkerPool.push_weights`, cut back into named
+    tensors."""
     out: dict[str, torch.Tensor] = {}
     for dtype_name in sorted({d for _, _, d in meta}):
         dtype = getattr(torch, dtype_name)
