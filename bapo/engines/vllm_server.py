@@ -1,13 +1,14 @@
 """vLLM's OpenAI-compatible server as the generation engine (``rollout=vllm_server``): generation in processes
 of its own (on a GPU node, GPUs of its own), the learner talking to it over HTTP.
 
-The engine either starts a server (``python -m bapo.engines.vllm_server``, which runs vLLM's
+The engine either starts a server (``python -m bapo.engines.vllm_server_process``, which runs vLLM's
 ``vllm.entrypoints.openai.api_server`` under a parent watch, bound to ``rollout.host``) or connects to one a user
 started (``rollout.url``). Either way it first asks the server's workers what model they hold (``/collective_rpc``
-with this module's :class:`WeightLoader` extension) and refuses, in one line, a server of another model, one too
-short for prompt + response, one that returns untempered log-probs (not ``--logprobs-mode processed_logprobs``)
-or fills omitted sampling keys from the checkpoint (not ``--generation-config vllm``). A server given by URL may
-hold any weights: it gets the learner's before its first batch.
+with the worker extension :class:`~bapo.engines.vllm_extension.WeightLoader`) and refuses, in one line, a server
+of another model, one too short for prompt + response, one that returns untempered log-probs (not
+``--logprobs-mode processed_logprobs``) or fills omitted sampling keys from the checkpoint (not
+``--generation-config vllm``). A server given by URL may hold any weights: it gets the learner's before its first
+batch.
 
 Generation: one streamed ``POST /v1/completions`` per prompt, token ids in (``prompt``) and out
 (``return_token_ids``), the sampled token's log-prob under the tempered distribution, this project's stop ids
@@ -23,16 +24,17 @@ the requests in flight has started.
 Weight sync. vLLM 0.32's native weight transfer (``--weight-transfer-config '{"backend": "nccl"}'``) needs
 NCCL, which the CPU build lacks and this lab cannot run, so the engine uses the path vLLM offers on every
 platform: the learner stages its weights as safetensors with a manifest of fingerprints
-(:mod:`bapo.engines.staging`), the server's workers reload that folder in place (:meth:`WeightLoader.bapo_reload`:
-each tensor fingerprinted as it is handed to vLLM's reload, a parameter left without weights refused, the CPU
-build's tied output layer re-packed) and answer with what they read, the learner refuses a sync whose answer
-differs, then resets the prefix cache (and checks that it was reset). A version's folder is removed as soon as
-its server has loaded it, so a server's staging holds one copy at its peak. When every rank syncs at once
-(sync mode, and evaluations: the streamed weights are a collective) the ranks of one node share one staged
-copy, written by the node's first rank. Space is checked at start for the copies the mode stages at once on a
-node (one in sync mode, one a rank in async mode; ``/dev/shm`` in a container is 64 MB by default), and a
-server's watch removes its staging when the learner dies. ``time/sync_{write,reload,reset,wait}_s`` split the
-sync's time. docs/offpolicy.md ("vLLM's server") says what this costs at 7B and what NCCL would save.
+(:mod:`bapo.engines.staging`), the server's workers reload that folder in place
+(:meth:`~bapo.engines.vllm_extension.WeightLoader.bapo_reload`: each tensor fingerprinted as it is handed to vLLM's
+reload, a parameter left without weights refused, the CPU build's tied output layer re-packed) and answer with what
+they read, the learner refuses a sync whose answer differs, then resets the prefix cache (and checks that it was
+reset). A version's folder is removed as soon as its server has loaded it, so a server's staging holds one copy at
+its peak. When every rank syncs at once (sync mode, and evaluations: the streamed weights are a collective) the
+ranks of one node share one staged copy, written by the node's first rank. Space is checked at start for the
+copies the mode stages at once on a node (one in sync mode, one a rank in async mode; ``/dev/shm`` in a container
+is 64 MB by default), and a server's watch removes its staging when the learner dies.
+``time/sync_{write,reload,reset,wait}_s`` split the sync's time. docs/offpolicy.md ("vLLM's server") says what
+this costs at 7B and what NCCL would save.
 
 Under torchrun every rank has its own server (``rollout.url``: one URL, or one per rank, comma-separated;
 ``rollout.gpus``: the launched servers' devices, indices into this process's ``CUDA_VISIBLE_DEVICES``, split over
@@ -43,30 +45,26 @@ learner only, which stops, saves and then stops the server); :meth:`VLLMServerRo
 loop's teardown and at exit) sends SIGTERM to the server's whole process group and SIGKILL after a grace
 period; and the server's wrapper watches its parent, so a learner killed by SIGKILL takes its server (and its
 staged weights) down too.
+
+This module holds the engine: its config, the server's start and model check, the weight sync and the requests.
+The HTTP under them is :mod:`bapo.engines.vllm_server_http`, the server's process (its wrapper, the parent watch,
+the group stop) :mod:`bapo.engines.vllm_server_process`, and what runs in the server's workers
+:mod:`bapo.engines.vllm_extension`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import http.client
-import json
-import logging
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 import uuid
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,13 +84,15 @@ from bapo.engines.staging import (
     save_weights,
 )
 from bapo.engines.vllm import checkpoint_generation_config, cpu_compile_cache, request_seed, vllm_installed
+from bapo.engines.vllm_extension import IDENTITY, WeightLoader
+from bapo.engines.vllm_server_http import ServerError, ServerHTTP, _Open
+from bapo.engines.vllm_server_process import _bind_error, _free_port, _last_line, _stop_group, server_devices
 from bapo.infra import dist, stop
 from bapo.infra.checks import ConfigError, require, resumable
 from bapo.samples import Prompt, Sample
 
 SERVED_NAME = "bapo-policy"
-# what must agree between the learner's checkpoint and the server's model (config.json keys)
-IDENTITY = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+EXTENSION = f"{WeightLoader.__module__}.{WeightLoader.__qualname__}"  # the server's --worker-extension-cls
 UNSYNCED = -1  # the version of a server given by URL before its first sync: it may hold any weights
 RESET_TRIES = 20  # the prefix cache refuses a reset while blocks are held; it is retried this many times
 
@@ -135,141 +135,6 @@ class VLLMServerConfig(RolloutCommon):
                 )
 
 
-class WeightLoader:
-    """vLLM worker extension (``--worker-extension-cls bapo.engines.vllm_server.WeightLoader``): methods the
-    engine calls on every worker of the server through ``POST /collective_rpc``."""
-
-    def bapo_describe(self) -> dict:
-        cfg = self.model_runner.model_config
-        hf = cfg.hf_config.to_dict()
-        cache, sched = self.vllm_config.cache_config, self.vllm_config.scheduler_config
-        blocks = getattr(cache, "num_gpu_blocks", None)
-        return {
-            "max_model_len": int(cfg.max_model_len),
-            "logprobs_mode": str(cfg.logprobs_mode),
-            "generation_config": str(cfg.generation_config),
-            "kv_tokens": int(blocks * cache.block_size) if blocks else None,
-            "max_num_seqs": int(sched.max_num_seqs),
-            "positional_draws": bool(getattr(self, "use_v2_model_runner", False)) and not _on_cpu(),
-        } | {k: hf.get(k) for k in IDENTITY}
-
-    def bapo_reload(self, path: str) -> dict:
-        """Reload the staged folder ``path`` in place; returns what was read (checked against its manifest)."""
-        from vllm.platforms import current_platform
-
-        from bapo.engines.staging import Reader, reload_checked
-        from bapo.engines.vllm import _repack_lm_head
-
-        device = "cpu" if current_platform.is_cpu() else self.device
-        reader = Reader(path, device)
-        reload_checked(self, iter(reader))
-        if current_platform.is_cpu():  # a tied output layer keeps its old packed copy on CPU
-            _repack_lm_head(self)
-        return reader.check()
-
-    def bapo_fingerprint(self, path: str) -> dict:
-        """What :meth:`bapo_reload` would read from ``path``, without loading it (the GPU check's probe)."""
-        from bapo.engines.staging import Reader
-
-        reader = Reader(path)
-        for _ in reader:
-            pass
-        return reader.check()
-
-
-def _on_cpu() -> bool:
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cpu()
-
-
-class ServerError(RuntimeError):
-    """The server failed a request, or died; the message is one line."""
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _bind_error(host: str, port: int) -> str | None:
-    """Why a server cannot listen on ``host:port`` (None: it can)."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as e:
-        return f"rollout.host: {host!r} is not an address of this machine ({e.strerror})"
-    family, _, _, _, addr = infos[0]
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(addr)
-        except OSError as e:
-            if e.errno == 98:  # EADDRINUSE
-                return f"rollout.port: {host}:{port} is in use; choose another port, or 0 for any free one"
-            return f"rollout.host: cannot listen on {host}:{port} ({e.strerror or e})"
-    return None
-
-
-def _last_line(log: Path) -> str:
-    try:
-        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
-    except OSError:
-        return "(no log)"
-    errors = [ln for ln in lines if "Error" in ln or "error:" in ln]
-    return (errors or lines or ["(empty log)"])[-1][:400]
-
-
-def _group_alive(pgid: int) -> list[int]:
-    """The processes of process group ``pgid`` that have not exited (a zombie has: only its parent's wait is left).
-    Read from /proc; where there is none, whether a signal still reaches the group."""
-    proc = Path("/proc")
-    if not proc.is_dir():
-        try:
-            os.killpg(pgid, 0)
-            return [pgid]
-        except (ProcessLookupError, PermissionError):
-            return []
-    alive = []
-    for d in proc.iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-        except OSError:  # gone meanwhile
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state, ppid, pgrp, ...
-        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-            alive.append(int(d.name))
-    return alive
-
-
-def _stop_group(proc: subprocess.Popen, grace_s: float = 20.0, kill_wait_s: float = 30.0) -> None:
-    """Stop the server's whole process group and return once none of it is left: SIGTERM (vLLM shuts its engine
-    down), SIGKILL to whatever is left after ``grace_s``, then wait (up to ``kill_wait_s``) until every process
-    of the group has exited: the engine core and the workers are the wrapper's children, not ours, so waiting
-    for the wrapper alone would return while they still hold the GPU."""
-    pgid = proc.pid  # the wrapper leads a session and process group of its own
-    deadline = time.monotonic() + grace_s
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(max(0.0, deadline - time.monotonic()))
-    while _group_alive(pgid) and time.monotonic() < deadline:  # the rest of the group, on its own SIGTERM
-        time.sleep(0.05)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(5.0)
-    deadline = time.monotonic() + kill_wait_s
-    while (left := _group_alive(pgid)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if left:
-        logging.getLogger(__name__).warning(
-            "rollout=vllm_server: processes %s of the server's group outlived SIGKILL by %.0f s", left, kill_wait_s
-        )
-
-
 def staged_copies(node_ranks: int, local: int, together: bool) -> int:
     """The staged copies of the weights local rank ``local`` of a node of ``node_ranks`` makes room for: the first
     rank the node's peak (one shared copy where every rank syncs at once, ``together``; else one a rank, written
@@ -279,39 +144,7 @@ def staged_copies(node_ranks: int, local: int, together: bool) -> int:
     return 0 if together else 1
 
 
-def server_devices(gpus: str, visible: str | None, ranks: int, local: int, tp: int) -> str:
-    """This local rank's server devices: its share of ``gpus`` (indices into the parent's ``visible``
-    ``CUDA_VISIBLE_DEVICES``, or device ids when it is unset), mapped through ``visible``."""
-    ids = [g.strip() for g in gpus.split(",") if g.strip()]
-    per = len(ids) // ranks if ranks else 0
-    require(
-        per >= tp and len(ids) % ranks == 0,
-        "rollout.gpus",
-        f"{gpus!r} has {len(ids)} devices for {ranks} local ranks' servers: give a multiple of {ranks}, "
-        f"at least rollout.tensor_parallel_size={tp} each",
-    )
-    mine = ids[per * local : per * (local + 1)]
-    if not visible:
-        return ",".join(mine)
-    parent = [v.strip() for v in visible.split(",") if v.strip()]
-    bad = [g for g in mine if not g.isdigit() or int(g) >= len(parent)]
-    require(
-        not bad,
-        "rollout.gpus",
-        f"{bad} are not indices into this process's CUDA_VISIBLE_DEVICES={visible!r} (devices 0-{len(parent) - 1})",
-    )
-    return ",".join(parent[int(g)] for g in mine)
-
-
-@dataclass(eq=False)
-class _Open:
-    """A streamed request in flight: its socket, and whether its first event came (the server runs it)."""
-
-    sock: socket.socket
-    started: bool = False
-
-
-class VLLMServerRollout(RolloutEngine):
+class VLLMServerRollout(RolloutEngine, ServerHTTP):
     """Sampling through vLLM's OpenAI-compatible server."""
 
     traits = EngineTraits(
@@ -414,14 +247,6 @@ class VLLMServerRollout(RolloutEngine):
         stop.on_request(self._abandon_streams)  # a stop shuts the streams in flight: the server aborts them
         dist.before_teardown(self.close)
 
-    def _abandon_streams(self) -> None:
-        """Close every stream in flight (a stop request): the server aborts their requests, the readers give up."""
-        with self._streams_lock:
-            streams = list(self._streams)
-        for stream in streams:
-            with contextlib.suppress(OSError):
-                stream.sock.shutdown(socket.SHUT_RDWR)
-
     # ------------------------------------------------------------------ the server process
 
     def _start(self, host: str, port: int, gpus: str | None, tp: int, flags: list[str], timeout_s: float) -> str:
@@ -433,11 +258,11 @@ class VLLMServerRollout(RolloutEngine):
         local = self.local
         staging = [str(self.dir)] + ([str(self.node_dir)] if self.node_dir is not None and local == 0 else [])
         args = [
-            sys.executable, "-m", "bapo.engines.vllm_server", "--parent", str(os.getpid()),
+            sys.executable, "-m", "bapo.engines.vllm_server_process", "--parent", str(os.getpid()),
             *(a for d in staging for a in ("--staging", d)), "--",
             "--model", self.model_path, "--served-model-name", SERVED_NAME, "--host", host, "--port", str(port),
             "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
-            "--worker-extension-cls", f"{__name__}.WeightLoader", "--disable-log-stats", *flags,
+            "--worker-extension-cls", EXTENSION, "--disable-log-stats", *flags,
         ]  # fmt: skip
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")  # /collective_rpc and /reset_prefix_cache
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -492,140 +317,6 @@ class VLLMServerRollout(RolloutEngine):
         if getattr(self, "_node_cleanup", None) is not None:
             self._node_cleanup()
 
-    # ------------------------------------------------------------------ HTTP
-
-    def _get(self, url: str, timeout: float | None = None):
-        try:
-            with urllib.request.urlopen(url, timeout=timeout or self.timeout) as r:
-                return json.loads(r.read() or b"null")
-        except urllib.error.HTTPError as e:
-            raise ServerError(f"GET {url}: HTTP {e.code}: {e.read()[:300].decode(errors='replace')}") from None
-
-    def _died(self, e: BaseException) -> str:
-        died = self.proc is not None and self.proc.poll() is not None
-        return f"the server exited with code {self.proc.returncode}: {_last_line(self.log)}" if died else str(e)
-
-    def _post(self, path: str, body: dict | None = None):
-        req = urllib.request.Request(
-            self.url + path, data=json.dumps(body or {}).encode(), headers={"Content-Type": "application/json"}
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as r:
-                return json.loads(r.read() or b"null")
-        except urllib.error.HTTPError as e:
-            detail = e.read()[:400].decode(errors="replace").replace("\n", " ")
-            raise ServerError(f"rollout=vllm_server: POST {self.url}{path}: HTTP {e.code}: {detail}") from None
-        except OSError as e:
-            raise ServerError(f"rollout=vllm_server: POST {self.url}{path} failed: {self._died(e)}") from None
-
-    def _stream(self, path: str, body: dict) -> Iterator[dict]:
-        """``POST path`` with ``"stream": true``: every server-sent ``data:`` event, in order, as it comes. Until its
-        first event the request may wait in the server's queue, silent (:meth:`_collect` bounds how long the server
-        as a whole may stay silent); from then on the socket's timeout bounds this stream's silence (any byte, a
-        keep-alive comment included, restarts it)."""
-        u = urllib.parse.urlsplit(self.url)
-        conn_cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
-        conn = conn_cls(u.hostname, u.port, timeout=self.timeout)
-        stream, done = None, False
-        try:
-            stop.check()  # a stop request: no new stream
-            conn.request("POST", path, json.dumps(body | {"stream": True}), {"Content-Type": "application/json"})
-            stream = _Open(conn.sock)  # the response reads this socket (the connection may hand it over)
-            with self._streams_lock:
-                self._streams.add(stream)
-                self._last_heard = time.monotonic()
-            resp = conn.getresponse()
-            if resp.status != 200:
-                detail = resp.read()[:400].decode(errors="replace").replace("\n", " ")
-                raise ServerError(f"rollout=vllm_server: POST {self.url}{path}: HTTP {resp.status}: {detail}")
-            stream.sock.settimeout(None)  # queued: silent until the scheduler runs it
-            for raw in resp:
-                if stop.requested():
-                    raise stop.Interrupted  # closing the connection (below) makes the server abort the request
-                self._last_heard = time.monotonic()
-                line = raw.decode(errors="replace").strip()
-                if not line.startswith("data:"):
-                    continue  # blank separators and ": keep-alive" comments
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
-                    break
-                if not stream.started:  # running now: from here on, silence means a stuck server
-                    stream.started = True
-                    stream.sock.settimeout(self.timeout)
-                event = json.loads(data)
-                if "error" in event:
-                    raise ServerError(f"rollout=vllm_server: {self.url}{path}: {str(event['error'])[:400]}")
-                yield event
-        except (TimeoutError, OSError, http.client.HTTPException) as e:
-            if stop.requested():  # the stop shut the stream: the batch is given up, not failed
-                raise stop.Interrupted from None
-            if isinstance(e, TimeoutError):
-                raise ServerError(
-                    f"rollout.request_timeout_s: the server at {self.url} sent nothing for {self.timeout:g} s on a "
-                    "running request (stuck or overloaded); raise rollout.request_timeout_s if it is only slow"
-                ) from None
-            raise ServerError(f"rollout=vllm_server: POST {self.url}{path} failed: {self._died(e)}") from None
-        finally:
-            if stream is not None:
-                with self._streams_lock:
-                    self._streams.discard(stream)
-            conn.close()
-        if not done:
-            raise ServerError(f"rollout=vllm_server: POST {self.url}{path}: the stream ended before [DONE]")
-
-    def _silent(self) -> ServerError | None:
-        """The error of a server that sent nothing on any stream for ``rollout.request_timeout_s`` while requests
-        were in flight and none of them had started (a started one times out on its own socket)."""
-        with self._streams_lock:
-            waiting = [s for s in self._streams if not s.started]
-            if not waiting or len(waiting) < len(self._streams):
-                return None
-            quiet = time.monotonic() - self._last_heard
-        if quiet < self.timeout:
-            return None
-        return ServerError(
-            f"rollout.request_timeout_s: the server at {self.url} sent nothing for {self.timeout:g} s on any of "
-            f"{len(waiting)} request(s) in flight, none of them started (stuck); raise rollout.request_timeout_s "
-            "if it is only slow"
-        )
-
-    def _collect(self, jobs: list[Future]) -> list:
-        """The jobs' results, in order. At the first failure, or a server silent on every stream while none has
-        started (:meth:`_silent`), every request in flight is stopped (its socket shut, a request waiting for
-        admission refused) and that error is raised."""
-        pending = set(jobs)
-        while pending:
-            _, pending = wait(pending, timeout=min(1.0, self.timeout / 4), return_when=FIRST_EXCEPTION)
-            failed = next((j for j in jobs if j.done() and not j.cancelled() and j.exception() is not None), None)
-            err = failed.exception() if failed is not None else self._silent()
-            if err is not None:
-                self._abort(pending)
-                raise err
-        return [j.result() for j in jobs]
-
-    def _abort(self, pending: set[Future]) -> None:
-        """Stop the requests of ``pending``: queued ones cancelled, those waiting for admission refused, those in
-        flight cut off (a shut socket ends its read at once, and one opened meanwhile is shut at the next look);
-        returns when none is left running."""
-        for j in pending:
-            j.cancel()
-        self.admission.abort()
-        try:
-            while pending:
-                with self._streams_lock:
-                    streams = list(self._streams)
-                for stream in streams:
-                    with contextlib.suppress(OSError):
-                        stream.sock.shutdown(socket.SHUT_RDWR)
-                _, pending = wait(pending, timeout=0.5)
-        finally:
-            self.admission.reopen()
-
-    def _rpc(self, method: str, **kwargs):
-        out = self._post("/collective_rpc", {"method": method, "kwargs": kwargs})
-        return out.get("results", out) if isinstance(out, dict) else out
-
     def _check_model(self, max_model_len: int | None) -> dict:
         """Refuse a server whose model is not this run's, or too short, or sampling otherwise than the learner
         scores (untempered log-probs, the checkpoint's sampling defaults), or without the control routes."""
@@ -636,10 +327,7 @@ class VLLMServerRollout(RolloutEngine):
         except (OSError, ServerError) as e:
             raise ConfigError(f"rollout.url: no vLLM server answers at {self.url} ({e})") from None
         self.served = models["data"][0]["id"]
-        flags = (
-            f"--worker-extension-cls {__name__}.WeightLoader --logprobs-mode processed_logprobs "
-            "--generation-config vllm"
-        )
+        flags = f"--worker-extension-cls {EXTENSION} --logprobs-mode processed_logprobs --generation-config vllm"
         try:
             described = self._rpc("bapo_describe")
         except ServerError as e:
@@ -835,42 +523,3 @@ def _together(err: BaseException | None, doing: str) -> None:
         raise err
     if failed:
         raise ServerError(f"rollout=vllm_server: {doing} failed on rank {failed[0][0]}: {failed[0][1]}")
-
-
-# ---------------------------------------------------------------------- the server's wrapper
-
-
-def _watch_parent(parent: int, staging: list[str]) -> None:
-    """In the server: once the learner is gone (even by SIGKILL), remove its staged weights, stop as SIGTERM
-    would, then the whole group."""
-
-    def loop() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        for d in staging:
-            shutil.rmtree(d, ignore_errors=True)
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(20)
-        os.killpg(0, signal.SIGKILL)
-
-    threading.Thread(target=loop, name="bapo-parent-watch", daemon=True).start()
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m bapo.engines.vllm_server --parent PID [--staging DIR ...] -- <vllm serve flags>``: vLLM's OpenAI
-    server, stopped (and DIR removed) when process PID (the learner) is gone."""
-    import runpy
-
-    argv = sys.argv[1:] if argv is None else argv
-    usage = "usage: python -m bapo.engines.vllm_server --parent PID [--staging DIR ...] -- <vllm serve flags>"
-    if "--" not in argv or len(argv) < 3 or argv[0] != "--parent":
-        raise SystemExit(usage)
-    ours, theirs = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
-    staging = [ours[i + 1] for i, a in enumerate(ours) if a == "--staging" and i + 1 < len(ours)]
-    _watch_parent(int(ours[1]), staging)
-    sys.argv = ["vllm.entrypoints.openai.api_server", *theirs]
-    runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
-
-
-if __name__ == "__main__":
-    main()

@@ -67,7 +67,8 @@ def run(overcommit: float | None, batches: int, count: int) -> dict:
     from transformers import AutoTokenizer
 
     from bapo.engines.admission import Admission
-    from bapo.engines.vllm_server import ServerError, VLLMServerRollout
+    from bapo.engines.vllm_server import VLLMServerRollout
+    from bapo.engines.vllm_server_http import ServerError
     from tests.helpers.paths import TINY
     from tests.helpers.vllm_standin import Fake, KVScheduler, serve
 

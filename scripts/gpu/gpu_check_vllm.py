@@ -4,8 +4,8 @@ a dry run), build the learner as the loop builds it (FSDP2 meta-load in a one-ra
 temperature (0.6) and compare the engine's log-probs of its own samples with the learner's
 (``Learner.response_logp``): the mean and largest |difference| over the response tokens, and the share above 0.1.
 
-``server``: ``rollout=vllm_server`` starts its server (``python -m bapo.engines.vllm_server``: vLLM's OpenAI server
-under a parent watch); the learner makes one update (a large learning rate, so versions differ visibly) and its
+``server``: ``rollout=vllm_server`` starts its server (``python -m bapo.engines.vllm_server_process``: vLLM's OpenAI
+server under a parent watch); the learner makes one update (a large learning rate, so versions differ visibly) and its
 weights are streamed to the server (``engine.load_weights(learner.weights(), 1)``: the FSDP learner's
 ``StreamedWeights``, a staged folder, the server's reload, the prefix-cache reset). Then: whether the server holds
 exactly the learner's weights (the engine's fingerprint, :func:`server_holds_learner_weights`), the seconds of

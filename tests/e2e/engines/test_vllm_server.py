@@ -18,7 +18,8 @@ pytest.importorskip("vllm")
 
 from bapo.config import ConfigError  # noqa: E402
 from bapo.engines.staging import MANIFEST, WEIGHTS_FILE, digest, fingerprint, save_weights  # noqa: E402
-from bapo.engines.vllm_server import ServerError, VLLMServerRollout  # noqa: E402
+from bapo.engines.vllm_server import VLLMServerRollout  # noqa: E402
+from bapo.engines.vllm_server_http import ServerError  # noqa: E402
 from tests.helpers.engines import arith_prompts, assert_tagged_and_shaped, learner_logp_diff, rows  # noqa: E402  # noqa: E402
 from tests.helpers.fakes import perturbed  # noqa: E402
 from tests.helpers.paths import TINY  # noqa: E402
@@ -147,7 +148,7 @@ def test_a_server_that_cannot_start_says_why(tiny_tok):
 def _ours() -> list[str]:
     """Live processes of a server this project started (its wrapper and vLLM's engine core under it)."""
     out = subprocess.run(["ps", "-eo", "pid,pgid,args"], capture_output=True, text=True).stdout
-    return [ln for ln in out.splitlines() if "bapo.engines.vllm_server" in ln and "ps -eo" not in ln]
+    return [ln for ln in out.splitlines() if "bapo.engines.vllm_server_process" in ln and "ps -eo" not in ln]
 
 
 @pytest.mark.slow

@@ -11,7 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from bapo.engines.vllm_server import UNSYNCED, ServerError, VLLMServerRollout, server_devices
+from bapo.engines.vllm_server import UNSYNCED, VLLMServerRollout
+from bapo.engines.vllm_server_http import ServerError
+from bapo.engines.vllm_server_process import server_devices
 from bapo.infra.checks import ConfigError
 from tests.helpers.paths import TINY
 from tests.helpers.vllm_standin import Fake, KVScheduler, serve

@@ -1,98 +1,63 @@
-"""Stopping a launched server (bapo/engines/vllm_server.py ``_stop_group``): it returns once the server's whole process
-group is gone, whatever its wrapper did first. No vLLM needed: small stand-in process groups."""
+"""``rollout=vllm_server`` (bapo/engines/vllm_server.py) without vLLM: the command it starts its server with (the
+wrapper module it runs and the worker extension the server loads are named by paths that resolve; the start stops
+at ``Popen``), and the admission of its requests (bapo/engines/admission.py)."""
 
-import os
-import signal
-import subprocess
+import importlib
+import runpy
 import sys
-import textwrap
-import time
+from types import SimpleNamespace
 
 import pytest
 
-from bapo.engines.vllm_server import _group_alive, _stop_group
+from bapo.engines import vllm_server
+from bapo.engines.vllm_extension import WeightLoader
+from tests.helpers.paths import TINY
 
 
-def _ps_group(pgid: int) -> list[str]:
-    """The live processes of a group as ``ps`` sees them (zombies have exited: only their parent's wait is left)."""
-    out = subprocess.run(["ps", "-eo", "pgid=,stat=,pid="], capture_output=True, text=True).stdout.splitlines()
-    return [line for line in out if line.split()[0] == str(pgid) and not line.split()[1].startswith("Z")]
+class Started(Exception):
+    pass
 
 
-def _group(script: str, ready) -> subprocess.Popen:
-    """``script`` as a session of its own; returns once its child has written ``ready`` (its signals are set)."""
-    env = dict(os.environ, READY=str(ready))
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], start_new_session=True, env=env)
-    for _ in range(600):
-        if ready.exists():
-            return proc
-        time.sleep(0.05)
-    raise AssertionError("the stand-in never started its child")
+def _started_args(monkeypatch, tmp_path) -> list[str]:
+    """The command line ``_start`` hands to ``Popen`` for local rank 0 on this host."""
+
+    def popen(args, **kw):
+        raise Started(args)
+
+    monkeypatch.setattr(vllm_server, "_bind_error", lambda host, port: None)  # no socket in a unit test
+    monkeypatch.setattr(vllm_server.subprocess, "Popen", popen)
+    rank = SimpleNamespace(local=0, dir=tmp_path, node_dir=None, node_ranks=1, model_path=str(TINY))
+    with pytest.raises(Started) as started:
+        vllm_server.VLLMServerRollout._start(rank, "127.0.0.1", 0, None, 1, [], 1.0)
+    return started.value.args[0]
 
 
-@pytest.fixture()
-def groups():
-    made = []
-    yield made
-    for proc in made:  # whatever a failed test left
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+def _resolve(qualname: str):
+    """What vLLM loads for ``--worker-extension-cls qualname`` (its ``resolve_obj_by_qualname``: the last dot splits
+    the module from the attribute)."""
+    module, name = qualname.rsplit(".", 1)
+    return getattr(importlib.import_module(module), name)
 
 
-CHILD_IGNORES_TERM = """
-    import signal, subprocess, sys, time
-    child = ("import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-             "open(os.environ['READY'], 'w').close(); time.sleep(300)")
-    subprocess.Popen([sys.executable, "-c", child])  # the engine core: in the wrapper's group, not its caller's child
-    signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))  # the wrapper leaves at once on SIGTERM
-    time.sleep(300)
-"""
+def test_the_started_wrapper_is_a_module_whose_main_runs_as_a_script(monkeypatch, tmp_path):
+    args = _started_args(monkeypatch, tmp_path)
+    module = args[args.index("-m") + 1]
+    assert args[args.index("-m") + 2] == "--parent"
+    monkeypatch.setattr(sys, "argv", [module])  # no --parent: the wrapper's usage line, before vLLM is imported
+    monkeypatch.delitem(sys.modules, module, raising=False)  # run as a script runs it: a fresh module
+    with pytest.raises(SystemExit, match=rf"^usage: python -m {module} --parent PID"):
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
-def test_a_wrapper_that_already_exited_leaves_no_process_of_its_group(groups, tmp_path):
-    """The API process died (or exited) and its engine core lives on: stopping the server stops the rest of the
-    group too (it returned at once when the wrapper was gone, leaving the engine core on the GPU)."""
-    proc = _group(
-        """
-        import subprocess, sys
-        child = "import os, time; open(os.environ['READY'], 'w').close(); time.sleep(300)"
-        subprocess.Popen([sys.executable, "-c", child])
-        """,
-        tmp_path / "ready",
-    )
-    groups.append(proc)
-    proc.wait(30)
-    assert _ps_group(proc.pid), "the child should outlive its wrapper"
-    _stop_group(proc, grace_s=1.0)
-    assert _ps_group(proc.pid) == [] and _group_alive(proc.pid) == []
-
-
-def test_stopping_returns_once_the_engine_core_has_exited_too(groups, tmp_path):
-    """The wrapper exits on SIGTERM at once, its child ignores SIGTERM: SIGKILL after the grace, and the stop returns
-    only once the child has exited."""
-    proc = _group(CHILD_IGNORES_TERM, tmp_path / "ready")
-    groups.append(proc)
-    t0 = time.monotonic()
-    _stop_group(proc, grace_s=1.0)
-    assert _ps_group(proc.pid) == [] and proc.returncode == 0
-    assert 1.0 <= time.monotonic() - t0 < 20  # the grace was given to the child, then SIGKILL
-
-
-def test_group_alive_names_live_processes_and_not_zombies(groups, tmp_path):
-    proc = _group(CHILD_IGNORES_TERM, tmp_path / "ready")
-    groups.append(proc)
-    alive = _group_alive(proc.pid)
-    assert proc.pid in alive and len(alive) == 2
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()  # the wrapper reaped; its child (SIGKILLed, unreaped or reaped by init) is not alive either
-    for _ in range(100):
-        if not _group_alive(proc.pid):
-            break
-        time.sleep(0.05)
-    assert _group_alive(proc.pid) == []
+def test_the_worker_extension_named_to_a_server_is_the_weight_loader(monkeypatch, tmp_path):
+    args = _started_args(monkeypatch, tmp_path)
+    named = args[args.index("--worker-extension-cls") + 1]
+    # the path docs/gpu.md gives for a server a user starts, and the one a refusal names
+    assert named == vllm_server.EXTENSION == "bapo.engines.vllm_extension.WeightLoader"
+    assert _resolve(named) is WeightLoader
+    assert {"bapo_describe", "bapo_reload", "bapo_fingerprint"} <= vars(WeightLoader).keys()
+    # a user's server started with the dotted path of the engine's module loads the same class
+    assert _resolve("bapo.engines.vllm_server.WeightLoader") is WeightLoader
 
 
 # ----------------------------------------------------------------------------- admission
