@@ -10,6 +10,7 @@ import pytest
 
 from scripts.study import pack_study, study_v6, study_v6_grid
 from scripts.study.study_v5 import Run
+from tests.helpers.scripts import markdown_table
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -68,18 +69,6 @@ def _pack(tmp: Path, effects: dict, **kw) -> Path:
     return out
 
 
-def _table(text: str, head: str) -> list[dict]:
-    lines = text.splitlines()
-    at = next(i for i, ln in enumerate(lines) if ln.startswith(head))
-    cols = [c.strip() for c in lines[at].strip("|").split("|")]
-    rows = []
-    for ln in lines[at + 2 :]:
-        if not ln.startswith("|"):
-            break
-        rows.append(dict(zip(cols, (c.strip() for c in ln.strip("|").split("|")), strict=True)))
-    return rows
-
-
 def test_arms_from_the_config():
     for arm in study_v6.ARMS:
         assert study_v6.arm_of(_cfg(arm, 21)) == arm
@@ -121,7 +110,7 @@ def test_the_search_figures_weight_each_step_by_its_engaged_updates():
 def test_bapo_hurts_and_it_is_the_corners_doing(tmp_path):
     pack = _pack(tmp_path, {"bapo": -0.03, "bapo_rho05": -0.04, "corner": -0.05, "onpolicy": 0.05})
     text = study_v6.analysis(pack)
-    rows = {r["contrast"]: r for r in _table(text, "| contrast | n | mean difference")}
+    rows = {r["contrast"]: r for r in markdown_table(text, "| contrast | n | mean difference")}
     assert len(rows) == 5 and all(r["n"] == "20" for r in rows.values())
     assert rows["bapo, ρ0 = 0.4 − grpo [0.8, 1.2]"]["verdict"] == "**HURTS**"
     assert rows["bapo, ρ0 = 0.5 − grpo [0.8, 1.2]"]["verdict"] == "**HURTS**"
@@ -132,7 +121,7 @@ def test_bapo_hurts_and_it_is_the_corners_doing(tmp_path):
     # every difference has one sign: the exact p is 2 / 2^20; Holm multiplies the smallest by 5
     assert rows["bapo, ρ0 = 0.4 − grpo [0.8, 1.2]"]["exact sign-flip p"] == f"{2 / 2**20:.1e}"
     assert "- bapo, ρ0 = 0.4: the corner's doing" in text
-    checks = _table(text, "| check |")
+    checks = markdown_table(text, "| check |")
     assert [c["result"] for c in checks] == ["passes", "passes", "passes"]
     assert study_v6.analysis(pack) == text  # byte for byte from the pack
 
@@ -141,12 +130,12 @@ def test_failed_checks_take_the_verdicts_they_gate(tmp_path):
     """The rho0 = 0.5 arm that engages on 40% of updates, and an on-policy arm that is not at age 0."""
     pack = _pack(tmp_path, {"bapo": -0.03, "onpolicy": 0.05},
                  bapo_rho05={"engaged": 0.4}, onpolicy={"stale": 1})  # fmt: skip
-    rows = {r["contrast"]: r for r in _table(study_v6.analysis(pack), "| contrast | n | mean difference")}
+    rows = {r["contrast"]: r for r in markdown_table(study_v6.analysis(pack), "| contrast | n | mean difference")}
     assert "no verdict: the ρ0 = 0.5 arm" in rows["bapo, ρ0 = 0.5 − grpo [0.8, 1.2]"]["verdict"]
     assert "no verdict: the on-policy arm" in rows["grpo [0.8, 1.2] − grpo on-policy, 250 updates"]["verdict"]
     assert rows["bapo, ρ0 = 0.4 − grpo [0.8, 1.2]"]["verdict"] == "**HURTS**"  # ungated
     pack = _pack(tmp_path, {}, grpo={"clip": 0.001})  # GRPO outside the L1 regime: nothing carries a verdict
-    rows = _table(study_v6.analysis(pack), "| contrast | n | mean difference")
+    rows = markdown_table(study_v6.analysis(pack), "| contrast | n | mean difference")
     assert all("clip share is outside" in r["verdict"] for r in rows)
 
 
