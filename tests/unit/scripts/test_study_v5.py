@@ -27,6 +27,7 @@ from scripts.study.study_v5_stats import (
     sign_flip_p,
     verdict,
 )
+from tests.helpers.packs import pack_record
 from tests.helpers.scripts import markdown_table
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -157,22 +158,16 @@ def _record(arm: str, seed: int, accs: dict, *, lr=5e-4, clip=0.06, engaged=0.4,
     window = {"fixed": [0.69, 2.05], "clip_higher": [0.8, 1.28]}.get(arm, [0.8, 1.2])
     cfg = {"algo": {"name": name, "bounds": {"ratio_low": window[0], "ratio_high": window[1]}}, "seed": seed,
            "learner": {"lr": lr, "mini_batches_per_rollout": 1 if arm == "onpolicy" else 5}}  # fmt: skip
-    rows = []
-    for step in range(51):
-        row = {"step": step}
-        if step in accs:
-            row["eval/accuracy"] = accs[step]
-        if step:
-            row |= {"learner/clip_frac_pos": clip, "learner/clip_frac_neg": clip, "learner/pos_tokens": 100.0,
-                    "learner/neg_tokens": 300.0, "learner/entropy": 0.4 - step / 500, "rollout/truncated": 0.1,
-                    "clip/P": 1.0, "clip/N": 1.5, "learner/ratio_max": 2.0}  # fmt: skip
-            if arm == "bapo":
-                row |= {"bapo/search_active": engaged, "clip/high": c_high, "clip/low": 0.7}
-        rows.append(row)
-    keys = sorted({k for r in rows for k in r})
-    return {"run": f"algo={arm},seed={seed}", "config": cfg, "overrides": [], "status": status, "exception": None,
-            "checkpoint": False, "problems": [], "wall_s": 1.0, "process_s": None,
-            "metrics": {k: [r.get(k) for r in rows] for k in keys}}  # fmt: skip
+
+    def metrics(step: int) -> dict:
+        row = {"learner/clip_frac_pos": clip, "learner/clip_frac_neg": clip, "learner/pos_tokens": 100.0,
+               "learner/neg_tokens": 300.0, "learner/entropy": 0.4 - step / 500, "rollout/truncated": 0.1,
+               "clip/P": 1.0, "clip/N": 1.5, "learner/ratio_max": 2.0}  # fmt: skip
+        if arm == "bapo":
+            row |= {"bapo/search_active": engaged, "clip/high": c_high, "clip/low": 0.7}
+        return row
+
+    return pack_record(f"algo={arm},seed={seed}", cfg, accs, metrics, status=status)
 
 
 def _accs(final: float, start: float = 0.12) -> dict:

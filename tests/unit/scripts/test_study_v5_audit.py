@@ -11,40 +11,30 @@ import pytest
 from scripts.study import pack_study, study_v5_audit
 from scripts.study.study_v5 import Run
 from scripts.study.study_v5_stats import mde
+from tests.helpers.packs import pack_record
 from tests.helpers.scripts import markdown_table
 
 
-def _steps(search: dict, accs: dict) -> list[dict]:
-    """51 steps of 5 updates; ``search`` maps a step to (search_active, target_met, rho_before, rho_after)."""
-    rows = []
-    for step in range(51):
-        row = {"step": step}
-        if step in accs:
-            row["eval/accuracy"] = accs[step]
-        if step:
-            active, met, before, after = search.get(step, (0.0, 1.0, 0.45, 0.45))
-            row |= {"learner/updates": 5.0, "bapo/search_active": active, "bapo/target_met": met,
-                    "bapo/rho_before": before, "clip/rho": after, "clip/low": 0.6 + 0.3 * active,
-                    "clip/high": 1.2 + 1.8 * active, "learner/clip_frac_pos": 0.01, "learner/clip_frac_neg": 0.03,
-                    "learner/pos_tokens": 100.0, "learner/neg_tokens": 300.0, "policy/version": 5.0 * step}  # fmt: skip
-        rows.append(row)
-    return rows
-
-
 def _record(arm: str, seed: int, accs: dict, search: dict | None = None) -> dict:
+    """51 steps of 5 updates (on-policy: 1); ``search`` maps a step to (search_active, target_met, rho_before,
+    rho_after)."""
     name = {"fixed": "grpo", "onpolicy": "grpo"}.get(arm, arm)
     window = {"fixed": [0.69, 2.05], "clip_higher": [0.8, 1.28]}.get(arm, [0.8, 1.2])
     cfg = {"algo": {"name": name, "bounds": {"ratio_low": window[0], "ratio_high": window[1]}}, "seed": seed,
            "learner": {"lr": 4e-4, "mini_batches_per_rollout": 1 if arm == "onpolicy" else 5},
            "train": {"prompts_per_step": 20}, "rollout": {"n": 8}}  # fmt: skip
-    rows = _steps(search or {}, accs)
-    if arm == "onpolicy":
-        for row in rows[1:]:
-            row |= {"learner/updates": 1.0, "policy/version": float(row["step"])}
-    keys = sorted({k for r in rows for k in r})
-    return {"run": f"algo={arm},seed={seed}", "config": cfg, "overrides": [], "status": "complete", "exception": None,
-            "checkpoint": False, "problems": [], "wall_s": 1.0, "process_s": None,
-            "metrics": {k: [r.get(k) for r in rows] for k in keys}}  # fmt: skip
+
+    def metrics(step: int) -> dict:
+        active, met, before, after = (search or {}).get(step, (0.0, 1.0, 0.45, 0.45))
+        row = {"learner/updates": 5.0, "bapo/search_active": active, "bapo/target_met": met,
+               "bapo/rho_before": before, "clip/rho": after, "clip/low": 0.6 + 0.3 * active,
+               "clip/high": 1.2 + 1.8 * active, "learner/clip_frac_pos": 0.01, "learner/clip_frac_neg": 0.03,
+               "learner/pos_tokens": 100.0, "learner/neg_tokens": 300.0, "policy/version": 5.0 * step}  # fmt: skip
+        if arm == "onpolicy":
+            row |= {"learner/updates": 1.0, "policy/version": float(step)}
+        return row
+
+    return pack_record(f"algo={arm},seed={seed}", cfg, accs, metrics)
 
 
 # Step 1: 2 of 5 updates engaged (0.4), 3 met (0.6): both engaged ones unmet; rho moved 5 x (0.399 - 0.400) = -0.005

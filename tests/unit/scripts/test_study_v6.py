@@ -10,6 +10,7 @@ import pytest
 
 from scripts.study import pack_study, study_v6, study_v6_grid
 from scripts.study.study_v5 import Run
+from tests.helpers.packs import pack_record
 from tests.helpers.scripts import markdown_table
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -34,26 +35,22 @@ def _record(arm: str, seed: int, level: float, *, engaged=0.8, reached=0.0, clip
     onpol = arm == "onpolicy"
     steps, per = (250, 1) if onpol else (50, 5)
     every = 50 if onpol else 10
-    rows = []
-    for step in range(steps + 1):
-        row = {"step": step}
-        if step % every == 0:
-            row["eval/accuracy"] = 0.1 if step == 0 else level
-        if step:
-            row |= {"policy/version": float(step * per), "learner/clip_frac_pos": clip,
-                    "learner/clip_frac_neg": clip, "learner/pos_tokens": 100.0, "learner/neg_tokens": 300.0,
-                    "learner/entropy": 0.4, "clip/P": 1.0, "clip/N": 1.5, "learner/ratio_max": 2.0,
-                    "buffer/staleness_max": float(stale)}  # fmt: skip
-            if arm.startswith("bapo"):
-                row |= {"bapo/search_active": engaged, "clip/low": 0.9, "clip/high": 3.0, "bapo/reach": 0.03,
-                        "bapo/beyond_bounds": 0.01}  # fmt: skip
-                if engaged:
-                    row |= {"bapo/target_reached": reached, "bapo/rho_moved": 0.0002}
-        rows.append(row)
-    keys = sorted({k for r in rows for k in r})
-    return {"run": study_v6_grid.run_name(CELL[arm], seed), "config": _cfg(arm, seed), "overrides": [],
-            "status": status, "exception": None, "checkpoint": False, "problems": [], "wall_s": 1.0,
-            "process_s": None, "metrics": {k: [r.get(k) for r in rows] for k in keys}}  # fmt: skip
+
+    def metrics(step: int) -> dict:
+        row = {"policy/version": float(step * per), "learner/clip_frac_pos": clip,
+               "learner/clip_frac_neg": clip, "learner/pos_tokens": 100.0, "learner/neg_tokens": 300.0,
+               "learner/entropy": 0.4, "clip/P": 1.0, "clip/N": 1.5, "learner/ratio_max": 2.0,
+               "buffer/staleness_max": float(stale)}  # fmt: skip
+        if arm.startswith("bapo"):
+            row |= {"bapo/search_active": engaged, "clip/low": 0.9, "clip/high": 3.0, "bapo/reach": 0.03,
+                    "bapo/beyond_bounds": 0.01}  # fmt: skip
+            if engaged:
+                row |= {"bapo/target_reached": reached, "bapo/rho_moved": 0.0002}
+        return row
+
+    accs = {step: 0.1 if step == 0 else level for step in range(0, steps + 1, every)}
+    run = study_v6_grid.run_name(CELL[arm], seed)
+    return pack_record(run, _cfg(arm, seed), accs, metrics, steps=steps, status=status)
 
 
 def _pack(tmp: Path, effects: dict, **kw) -> Path:
