@@ -34,6 +34,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from scripts.build.standin import write_standin
+from tests.helpers.config import differing_keys
 from tests.helpers.metrics import rows, untimed
 from tests.helpers.processes import python_for
 from tests.helpers.runs import killed_after_step_3
@@ -129,20 +130,9 @@ def _compose(config_name: str, over: list[str]):
         return compose(config_name=config_name, overrides=over)
 
 
-def _flat(node, prefix: str = "") -> dict:
-    if isinstance(node, dict):
-        out = {}
-        for k, v in node.items():
-            out |= _flat(v, f"{prefix}{k}.")
-        return out or {prefix[:-1]: {}}
-    return {prefix[:-1]: node}
-
-
 def changed_keys(config_name: str, user: list[str], sizes: dict[str, str]) -> set[str]:
     """The keys whose (unresolved) values differ between the user's command and the rehearsal's."""
-    a = _flat(OmegaConf.to_container(_compose(config_name, user), resolve=False))
-    b = _flat(OmegaConf.to_container(_compose(config_name, [*user, *sized(sizes)]), resolve=False))
-    return {k for k in a.keys() | b.keys() if a.get(k, KeyError) != b.get(k, KeyError)}
+    return differing_keys(_compose(config_name, user), _compose(config_name, [*user, *sized(sizes)]))
 
 
 def variant(user: list[str], engine: str) -> list[str]:

@@ -89,18 +89,11 @@ def compositions() -> dict[str, tuple[str, list[str]]]:
     return out
 
 
-def flatten(node, prefix: str = "") -> dict:
-    if isinstance(node, dict):
-        out: dict = {}
-        for k, v in node.items():
-            out |= flatten(v, f"{prefix}{k}.")
-        return out or {prefix[:-1]: {}}
-    return {prefix[:-1]: node}
-
-
 def compose_flat(config_name: str, overrides: list[str]) -> dict:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
+
+    from tests.helpers.config import flatten  # here: run as a script (--record), the repository joins sys.path first
 
     if config_name == "eval_config":
         import importlib

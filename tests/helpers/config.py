@@ -18,6 +18,25 @@ def compose(*overrides: str):
         return hydra_compose(config_name="config", overrides=list(overrides))
 
 
+def flatten(node, prefix: str = "") -> dict:
+    """A nested container (``OmegaConf.to_container``) as {dotted key: leaf}; an empty mapping is a leaf, ``{}``."""
+    if isinstance(node, dict):
+        out: dict = {}
+        for k, v in node.items():
+            out |= flatten(v, f"{prefix}{k}.")
+        return out or {prefix[:-1]: {}}
+    return {prefix[:-1]: node}
+
+
+def differing_keys(a, b) -> set[str]:
+    """The dotted keys whose unresolved values differ between the composed configs ``a`` and ``b`` (a key that only
+    one of them has counts)."""
+    from omegaconf import OmegaConf
+
+    x, y = (flatten(OmegaConf.to_container(c, resolve=False)) for c in (a, b))
+    return {k for k in x.keys() | y.keys() if x.get(k, KeyError) != y.get(k, KeyError)}
+
+
 def smoke_cfg(overrides):
     """``compose`` of the smoke-sized debug run (``debug=smoke``) with the list ``overrides``."""
     return compose("debug=smoke", *overrides)

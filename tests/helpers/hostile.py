@@ -51,15 +51,20 @@ def alias_bomb(folder: Path) -> Path:
     return export(folder, "\n".join(lines) + "\n" + trained_config())
 
 
-def template(source: str) -> Callable[[Path], Path]:
-    """An export whose chat template is ``source``."""
+def with_file(name: str, text: str) -> Callable[[Path], Path]:
+    """An export whose file ``name`` holds ``text`` (in place of the export's own, if it has one)."""
 
     def build(folder: Path) -> Path:
         out = export(folder)
-        (out / "chat_template.jinja").write_text(source)
+        (out / name).write_text(text)
         return out
 
     return build
+
+
+def template(source: str) -> Callable[[Path], Path]:
+    """An export whose chat template is ``source``."""
+    return with_file("chat_template.jinja", source)
 
 
 LOOP = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}hi"
@@ -107,12 +112,8 @@ def index_outside(folder: Path) -> Path:
 
 
 def generation_config(text: str) -> Callable[[Path], Path]:
-    def build(folder: Path) -> Path:
-        out = export(folder)
-        (out / "generation_config.json").write_text(text)
-        return out
-
-    return build
+    """An export whose generation_config.json holds ``text``."""
+    return with_file("generation_config.json", text)
 
 
 # name -> (builder, what eval.py's error line names)

@@ -1,4 +1,4 @@
-"""The repository's scripts/ as the tests load them."""
+"""The repository's scripts/ as the tests load them, and the Markdown tables their reports write."""
 
 import importlib.util
 import sys
@@ -27,3 +27,17 @@ def assert_measure_refuses_other_folders(measure_built, empty: Path, other: Path
         measure_built(empty)
     with pytest.raises(SystemExit, match=built_by):
         measure_built(other)
+
+
+def markdown_table(text: str, head: str) -> list[dict[str, str]]:
+    """The rows of the Markdown table in ``text`` whose header line starts with ``head``, as dicts from the header's
+    cells to the row's (stripped); the table ends at the first line that does not start with ``|``."""
+    lines = text.splitlines()
+    at = next(i for i, ln in enumerate(lines) if ln.startswith(head))
+    cols = [c.strip() for c in lines[at].strip("|").split("|")]
+    rows = []
+    for ln in lines[at + 2 :]:
+        if not ln.startswith("|"):
+            break
+        rows.append(dict(zip(cols, (c.strip() for c in ln.strip("|").split("|")), strict=True)))
+    return rows

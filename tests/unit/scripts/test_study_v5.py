@@ -27,6 +27,8 @@ from scripts.study.study_v5_stats import (
     sign_flip_p,
     verdict,
 )
+from tests.helpers.packs import pack_record
+from tests.helpers.scripts import markdown_table
 
 ROOT = Path(__file__).resolve().parents[3]
 V5 = ROOT / "docs" / "study" / "v5"
@@ -156,22 +158,16 @@ def _record(arm: str, seed: int, accs: dict, *, lr=5e-4, clip=0.06, engaged=0.4,
     window = {"fixed": [0.69, 2.05], "clip_higher": [0.8, 1.28]}.get(arm, [0.8, 1.2])
     cfg = {"algo": {"name": name, "bounds": {"ratio_low": window[0], "ratio_high": window[1]}}, "seed": seed,
            "learner": {"lr": lr, "mini_batches_per_rollout": 1 if arm == "onpolicy" else 5}}  # fmt: skip
-    rows = []
-    for step in range(51):
-        row = {"step": step}
-        if step in accs:
-            row["eval/accuracy"] = accs[step]
-        if step:
-            row |= {"learner/clip_frac_pos": clip, "learner/clip_frac_neg": clip, "learner/pos_tokens": 100.0,
-                    "learner/neg_tokens": 300.0, "learner/entropy": 0.4 - step / 500, "rollout/truncated": 0.1,
-                    "clip/P": 1.0, "clip/N": 1.5, "learner/ratio_max": 2.0}  # fmt: skip
-            if arm == "bapo":
-                row |= {"bapo/search_active": engaged, "clip/high": c_high, "clip/low": 0.7}
-        rows.append(row)
-    keys = sorted({k for r in rows for k in r})
-    return {"run": f"algo={arm},seed={seed}", "config": cfg, "overrides": [], "status": status, "exception": None,
-            "checkpoint": False, "problems": [], "wall_s": 1.0, "process_s": None,
-            "metrics": {k: [r.get(k) for r in rows] for k in keys}}  # fmt: skip
+
+    def metrics(step: int) -> dict:
+        row = {"learner/clip_frac_pos": clip, "learner/clip_frac_neg": clip, "learner/pos_tokens": 100.0,
+               "learner/neg_tokens": 300.0, "learner/entropy": 0.4 - step / 500, "rollout/truncated": 0.1,
+               "clip/P": 1.0, "clip/N": 1.5, "learner/ratio_max": 2.0}  # fmt: skip
+        if arm == "bapo":
+            row |= {"bapo/search_active": engaged, "clip/high": c_high, "clip/low": 0.7}
+        return row
+
+    return pack_record(f"algo={arm},seed={seed}", cfg, accs, metrics, status=status)
 
 
 def _accs(final: float, start: float = 0.12) -> dict:
@@ -192,19 +188,6 @@ def _level(tmp: Path, level: str, bapo_gain: float, **kw) -> None:
         if seed <= 10:
             records.append(_record("onpolicy", seed, _accs(base - 0.01), **kw))
     pack_study.write_pack(f"multirun/study_v5/{level}", records, tmp / level / "runs.jsonl.gz")
-
-
-def _table(text: str, head: str) -> list[dict]:
-    """The rows of the Markdown table whose header starts with ``head``, as dicts."""
-    lines = text.splitlines()
-    at = next(i for i, ln in enumerate(lines) if ln.startswith(head))
-    cols = [c.strip() for c in lines[at].strip("|").split("|")]
-    rows = []
-    for ln in lines[at + 2 :]:
-        if not ln.startswith("|"):
-            break
-        rows.append(dict(zip(cols, (c.strip() for c in ln.strip("|").split("|")), strict=True)))
-    return rows
 
 
 def test_arms_from_the_config():
@@ -241,26 +224,26 @@ def test_analysis_of_a_level_that_helps_one_that_fails_its_check_and_one_not_run
     _level(tmp_path, "L2", 0.05)  # bapo = fixed window = grpo + 0.05 on every seed
     _level(tmp_path, "L3", -0.05, lr=1e-3, clip=0.01)  # clips 1%: outside [7.5%, 30%]
     text = study_v5.analysis(tmp_path)
-    checks = {r["level"]: r for r in _table(text, "| level | lr | grpo's clip share")}
+    checks = {r["level"]: r for r in markdown_table(text, "| level | lr | grpo's clip share")}
     assert checks["L2"]["c in window"] == "yes" and checks["L2"]["search check"] == "yes"
     assert (
         checks["L3"]["c in window"] == "**no**"
         and checks["L1"]["grpo's clip share c, steps 1-10 (mean [t 95%], n)"] == "not run"
     )
-    primary = {(r["level"], r["contrast"]): r for r in _table(text, "| level | contrast | n |")}
+    primary = {(r["level"], r["contrast"]): r for r in markdown_table(text, "| level | contrast | n |")}
     row = primary[("L2", "bapo − grpo")]
     # 20 equal differences: only the all-plus and all-minus sign vectors reach |S|: p = 2 / 2^20 = 1.9e-06; Holm over
     # six with L1's two at p = 1 and L3's two at p = 2 / 2^20 too: the four smallest tie, 6p = 1.1e-05
     assert (row["n"], row["exact sign-flip p"], row["Holm p (over 6)"]) == ("20", "1.9e-06", "1.1e-05")
     assert row["mean difference [paired-t 95%]"] == "+0.050 [+0.050, +0.050]"
     assert primary[("L1", "bapo − grpo")]["n"] == "0" and primary[("L1", "bapo − grpo")]["Holm p (over 6)"] == "—"
-    verdicts = {r["level"]: r["verdict"] for r in _table(text, "| level | lr | verdict |")}
+    verdicts = {r["level"]: r["verdict"] for r in markdown_table(text, "| level | lr | verdict |")}
     assert verdicts == {"L1": "**not run**", "L2": "**HELPS**", "L3": "**no verdict (manipulation check failed)**"}
-    mechanism = {r["level"]: r for r in _table(text, "| level | n | bapo − fixed window")}
+    mechanism = {r["level"]: r for r in markdown_table(text, "| level | n | bapo − fixed window")}
     assert mechanism["L2"]["reading"] == "the window's width, not the adaptive search"
-    collapse = {r["level"]: r for r in _table(text, "| level | bapo collapsed |")}
+    collapse = {r["level"]: r for r in markdown_table(text, "| level | bapo collapsed |")}
     assert collapse["L2"]["bapo collapsed"] == "0 of 20" and collapse["L2"]["Fisher p, bapo vs grpo"] == "1.0000"
-    harm = {r["level"]: r for r in _table(text, "| level | final: grpo (5 updates)")}
+    harm = {r["level"]: r for r in markdown_table(text, "| level | final: grpo (5 updates)")}
     assert harm["L2"]["n"] == "10" and harm["L2"]["final: grpo (5 updates) − grpo on-policy [paired-t 95%]"].startswith(
         "+0.010"
     )
@@ -272,10 +255,10 @@ def test_analysis_is_inert_when_the_arms_are_one_run_and_a_missing_seed_unpairs(
     kept = [r for r in records if r["run"] != "algo=bapo,seed=20"]
     pack_study.write_pack(sweep, kept, tmp_path / "L1" / "runs.jsonl.gz")
     text = study_v5.analysis(tmp_path)
-    primary = {(r["level"], r["contrast"]): r for r in _table(text, "| level | contrast | n |")}
+    primary = {(r["level"], r["contrast"]): r for r in markdown_table(text, "| level | contrast | n |")}
     assert primary[("L1", "bapo − clip_higher")]["n"] == "19"
     assert primary[("L1", "bapo − clip_higher")]["exact sign-flip p"] == "1.0000"  # all differences 0
-    assert {r["level"]: r["verdict"] for r in _table(text, "| level | lr | verdict |")}["L1"] == "**INERT**"
+    assert {r["level"]: r["verdict"] for r in markdown_table(text, "| level | lr | verdict |")}["L1"] == "**INERT**"
 
 
 # ------------------------------------------------------------------------------------------- the grid driver

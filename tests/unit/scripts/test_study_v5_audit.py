@@ -11,39 +11,30 @@ import pytest
 from scripts.study import pack_study, study_v5_audit
 from scripts.study.study_v5 import Run
 from scripts.study.study_v5_stats import mde
-
-
-def _steps(search: dict, accs: dict) -> list[dict]:
-    """51 steps of 5 updates; ``search`` maps a step to (search_active, target_met, rho_before, rho_after)."""
-    rows = []
-    for step in range(51):
-        row = {"step": step}
-        if step in accs:
-            row["eval/accuracy"] = accs[step]
-        if step:
-            active, met, before, after = search.get(step, (0.0, 1.0, 0.45, 0.45))
-            row |= {"learner/updates": 5.0, "bapo/search_active": active, "bapo/target_met": met,
-                    "bapo/rho_before": before, "clip/rho": after, "clip/low": 0.6 + 0.3 * active,
-                    "clip/high": 1.2 + 1.8 * active, "learner/clip_frac_pos": 0.01, "learner/clip_frac_neg": 0.03,
-                    "learner/pos_tokens": 100.0, "learner/neg_tokens": 300.0, "policy/version": 5.0 * step}  # fmt: skip
-        rows.append(row)
-    return rows
+from tests.helpers.packs import pack_record
+from tests.helpers.scripts import markdown_table
 
 
 def _record(arm: str, seed: int, accs: dict, search: dict | None = None) -> dict:
+    """51 steps of 5 updates (on-policy: 1); ``search`` maps a step to (search_active, target_met, rho_before,
+    rho_after)."""
     name = {"fixed": "grpo", "onpolicy": "grpo"}.get(arm, arm)
     window = {"fixed": [0.69, 2.05], "clip_higher": [0.8, 1.28]}.get(arm, [0.8, 1.2])
     cfg = {"algo": {"name": name, "bounds": {"ratio_low": window[0], "ratio_high": window[1]}}, "seed": seed,
            "learner": {"lr": 4e-4, "mini_batches_per_rollout": 1 if arm == "onpolicy" else 5},
            "train": {"prompts_per_step": 20}, "rollout": {"n": 8}}  # fmt: skip
-    rows = _steps(search or {}, accs)
-    if arm == "onpolicy":
-        for row in rows[1:]:
-            row |= {"learner/updates": 1.0, "policy/version": float(row["step"])}
-    keys = sorted({k for r in rows for k in r})
-    return {"run": f"algo={arm},seed={seed}", "config": cfg, "overrides": [], "status": "complete", "exception": None,
-            "checkpoint": False, "problems": [], "wall_s": 1.0, "process_s": None,
-            "metrics": {k: [r.get(k) for r in rows] for k in keys}}  # fmt: skip
+
+    def metrics(step: int) -> dict:
+        active, met, before, after = (search or {}).get(step, (0.0, 1.0, 0.45, 0.45))
+        row = {"learner/updates": 5.0, "bapo/search_active": active, "bapo/target_met": met,
+               "bapo/rho_before": before, "clip/rho": after, "clip/low": 0.6 + 0.3 * active,
+               "clip/high": 1.2 + 1.8 * active, "learner/clip_frac_pos": 0.01, "learner/clip_frac_neg": 0.03,
+               "learner/pos_tokens": 100.0, "learner/neg_tokens": 300.0, "policy/version": 5.0 * step}  # fmt: skip
+        if arm == "onpolicy":
+            row |= {"learner/updates": 1.0, "policy/version": float(step)}
+        return row
+
+    return pack_record(f"algo={arm},seed={seed}", cfg, accs, metrics)
 
 
 # Step 1: 2 of 5 updates engaged (0.4), 3 met (0.6): both engaged ones unmet; rho moved 5 x (0.399 - 0.400) = -0.005
@@ -80,18 +71,6 @@ def test_a_runs_peak_is_its_earliest_highest_evaluation():
     assert study_v5_audit.peak_step(run({})) is None
 
 
-def _table(text: str, head: str) -> list[dict]:
-    lines = text.splitlines()
-    at = next(i for i, ln in enumerate(lines) if ln.startswith(head))
-    cols = [c.strip() for c in lines[at].strip("|").split("|")]
-    rows = []
-    for ln in lines[at + 2 :]:
-        if not ln.startswith("|"):
-            break
-        rows.append(dict(zip(cols, (c.strip() for c in ln.strip("|").split("|")), strict=True)))
-    return rows
-
-
 @pytest.fixture(scope="module")
 def audit_text(tmp_path_factory):
     """Level L1 only, seeds 1-4 with base = 0.05 + 0.01 x seed: grpo ends at base, clip_higher at base + 0.004, bapo
@@ -115,7 +94,7 @@ def audit_text(tmp_path_factory):
 
 
 def test_the_search_table(audit_text):
-    (row,) = _table(audit_text, "| level | runs | updates | engaged |")
+    (row,) = markdown_table(audit_text, "| level | runs | updates | engaged |")
     # 4 runs x 250 updates; 4 x 5 engaged, 4 x 3 unmet: 8 of 20 reached
     assert (row["level"], row["runs"], row["updates"], row["engaged"]) == ("L1", "4", "1000", "20 (2.0%)")
     assert row["engaged that reached ρ0"] == "8 of 20 (40.00%)"
@@ -128,7 +107,7 @@ def test_the_search_table(audit_text):
 
 
 def test_the_floor_table(audit_text):
-    (row,) = _table(audit_text, "| level | stale runs (4 arms) |")
+    (row,) = markdown_table(audit_text, "| level | stale runs (4 arms) |")
     # finals: grpo 0.06-0.09, clip_higher 0.064-0.094, bapo 0.07, 0.06, 0.10, 0.09, fixed 0.015-0.045
     assert row["final accuracy: lowest, highest"] == "0.0150, 0.1000" and row["its range"] == "0.0850"
     assert row["final below 0.02"] == "1 of 16"  # the fixed window's seed 1
@@ -136,7 +115,7 @@ def test_the_floor_table(audit_text):
 
 
 def test_the_detectable_effect_table(audit_text):
-    rows = {r["contrast"]: r for r in _table(audit_text, "| level | contrast | n | sd of differences |")}
+    rows = {r["contrast"]: r for r in markdown_table(audit_text, "| level | contrast | n | sd of differences |")}
     # bapo - grpo = (0.01, -0.01, 0.02, 0.00): mean 0.005, sd sqrt((0.005^2 + 0.015^2 + 0.015^2 + 0.005^2) / 3)
     sd = math.sqrt((0.005**2 + 0.015**2 + 0.015**2 + 0.005**2) / 3)
     row = rows["bapo − grpo"]
@@ -147,7 +126,7 @@ def test_the_detectable_effect_table(audit_text):
 
 
 def test_the_wide_window_table(audit_text):
-    rows = {r["contrast"]: r for r in _table(audit_text, "| level | contrast | final (step 50)")}
+    rows = {r["contrast"]: r for r in markdown_table(audit_text, "| level | contrast | final (step 50)")}
     assert rows["grpo − fixed [0.69, 2.05]"]["final (step 50) [paired-t 95%]"] == "+0.045 [+0.045, +0.045], n=4"
     assert rows["clip_higher − fixed [0.69, 2.05]"]["final (step 50) [paired-t 95%]"].startswith("+0.049")
     # bapo - fixed = d + 0.045 = (0.055, 0.035, 0.065, 0.045): mean 0.050
@@ -157,7 +136,7 @@ def test_the_wide_window_table(audit_text):
 
 
 def test_the_update_count_table(audit_text):
-    rows = {r["arm"]: r for r in _table(audit_text, "| level | arm | runs | updates a step |")}
+    rows = {r["arm"]: r for r in markdown_table(audit_text, "| level | arm | runs | updates a step |")}
     assert [rows["grpo"][k] for k in ("updates a step", "samples an update", "policy version at step 50")] == [
         "5", "32", "250"]  # fmt: skip
     assert [rows["grpo on-policy (1 update)"][k] for k in ("updates a step", "samples an update")] == ["1", "160"]

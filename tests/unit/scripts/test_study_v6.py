@@ -10,6 +10,8 @@ import pytest
 
 from scripts.study import pack_study, study_v6, study_v6_grid
 from scripts.study.study_v5 import Run
+from tests.helpers.packs import pack_record
+from tests.helpers.scripts import markdown_table
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -33,26 +35,22 @@ def _record(arm: str, seed: int, level: float, *, engaged=0.8, reached=0.0, clip
     onpol = arm == "onpolicy"
     steps, per = (250, 1) if onpol else (50, 5)
     every = 50 if onpol else 10
-    rows = []
-    for step in range(steps + 1):
-        row = {"step": step}
-        if step % every == 0:
-            row["eval/accuracy"] = 0.1 if step == 0 else level
-        if step:
-            row |= {"policy/version": float(step * per), "learner/clip_frac_pos": clip,
-                    "learner/clip_frac_neg": clip, "learner/pos_tokens": 100.0, "learner/neg_tokens": 300.0,
-                    "learner/entropy": 0.4, "clip/P": 1.0, "clip/N": 1.5, "learner/ratio_max": 2.0,
-                    "buffer/staleness_max": float(stale)}  # fmt: skip
-            if arm.startswith("bapo"):
-                row |= {"bapo/search_active": engaged, "clip/low": 0.9, "clip/high": 3.0, "bapo/reach": 0.03,
-                        "bapo/beyond_bounds": 0.01}  # fmt: skip
-                if engaged:
-                    row |= {"bapo/target_reached": reached, "bapo/rho_moved": 0.0002}
-        rows.append(row)
-    keys = sorted({k for r in rows for k in r})
-    return {"run": study_v6_grid.run_name(CELL[arm], seed), "config": _cfg(arm, seed), "overrides": [],
-            "status": status, "exception": None, "checkpoint": False, "problems": [], "wall_s": 1.0,
-            "process_s": None, "metrics": {k: [r.get(k) for r in rows] for k in keys}}  # fmt: skip
+
+    def metrics(step: int) -> dict:
+        row = {"policy/version": float(step * per), "learner/clip_frac_pos": clip,
+               "learner/clip_frac_neg": clip, "learner/pos_tokens": 100.0, "learner/neg_tokens": 300.0,
+               "learner/entropy": 0.4, "clip/P": 1.0, "clip/N": 1.5, "learner/ratio_max": 2.0,
+               "buffer/staleness_max": float(stale)}  # fmt: skip
+        if arm.startswith("bapo"):
+            row |= {"bapo/search_active": engaged, "clip/low": 0.9, "clip/high": 3.0, "bapo/reach": 0.03,
+                    "bapo/beyond_bounds": 0.01}  # fmt: skip
+            if engaged:
+                row |= {"bapo/target_reached": reached, "bapo/rho_moved": 0.0002}
+        return row
+
+    accs = {step: 0.1 if step == 0 else level for step in range(0, steps + 1, every)}
+    run = study_v6_grid.run_name(CELL[arm], seed)
+    return pack_record(run, _cfg(arm, seed), accs, metrics, steps=steps, status=status)
 
 
 def _pack(tmp: Path, effects: dict, **kw) -> Path:
@@ -66,18 +64,6 @@ def _pack(tmp: Path, effects: dict, **kw) -> Path:
     out = tmp / "runs.jsonl.gz"
     pack_study.write_pack(study_v6_grid.SWEEP, records, out)
     return out
-
-
-def _table(text: str, head: str) -> list[dict]:
-    lines = text.splitlines()
-    at = next(i for i, ln in enumerate(lines) if ln.startswith(head))
-    cols = [c.strip() for c in lines[at].strip("|").split("|")]
-    rows = []
-    for ln in lines[at + 2 :]:
-        if not ln.startswith("|"):
-            break
-        rows.append(dict(zip(cols, (c.strip() for c in ln.strip("|").split("|")), strict=True)))
-    return rows
 
 
 def test_arms_from_the_config():
@@ -121,7 +107,7 @@ def test_the_search_figures_weight_each_step_by_its_engaged_updates():
 def test_bapo_hurts_and_it_is_the_corners_doing(tmp_path):
     pack = _pack(tmp_path, {"bapo": -0.03, "bapo_rho05": -0.04, "corner": -0.05, "onpolicy": 0.05})
     text = study_v6.analysis(pack)
-    rows = {r["contrast"]: r for r in _table(text, "| contrast | n | mean difference")}
+    rows = {r["contrast"]: r for r in markdown_table(text, "| contrast | n | mean difference")}
     assert len(rows) == 5 and all(r["n"] == "20" for r in rows.values())
     assert rows["bapo, ρ0 = 0.4 − grpo [0.8, 1.2]"]["verdict"] == "**HURTS**"
     assert rows["bapo, ρ0 = 0.5 − grpo [0.8, 1.2]"]["verdict"] == "**HURTS**"
@@ -132,7 +118,7 @@ def test_bapo_hurts_and_it_is_the_corners_doing(tmp_path):
     # every difference has one sign: the exact p is 2 / 2^20; Holm multiplies the smallest by 5
     assert rows["bapo, ρ0 = 0.4 − grpo [0.8, 1.2]"]["exact sign-flip p"] == f"{2 / 2**20:.1e}"
     assert "- bapo, ρ0 = 0.4: the corner's doing" in text
-    checks = _table(text, "| check |")
+    checks = markdown_table(text, "| check |")
     assert [c["result"] for c in checks] == ["passes", "passes", "passes"]
     assert study_v6.analysis(pack) == text  # byte for byte from the pack
 
@@ -141,12 +127,12 @@ def test_failed_checks_take_the_verdicts_they_gate(tmp_path):
     """The rho0 = 0.5 arm that engages on 40% of updates, and an on-policy arm that is not at age 0."""
     pack = _pack(tmp_path, {"bapo": -0.03, "onpolicy": 0.05},
                  bapo_rho05={"engaged": 0.4}, onpolicy={"stale": 1})  # fmt: skip
-    rows = {r["contrast"]: r for r in _table(study_v6.analysis(pack), "| contrast | n | mean difference")}
+    rows = {r["contrast"]: r for r in markdown_table(study_v6.analysis(pack), "| contrast | n | mean difference")}
     assert "no verdict: the ρ0 = 0.5 arm" in rows["bapo, ρ0 = 0.5 − grpo [0.8, 1.2]"]["verdict"]
     assert "no verdict: the on-policy arm" in rows["grpo [0.8, 1.2] − grpo on-policy, 250 updates"]["verdict"]
     assert rows["bapo, ρ0 = 0.4 − grpo [0.8, 1.2]"]["verdict"] == "**HURTS**"  # ungated
     pack = _pack(tmp_path, {}, grpo={"clip": 0.001})  # GRPO outside the L1 regime: nothing carries a verdict
-    rows = _table(study_v6.analysis(pack), "| contrast | n | mean difference")
+    rows = markdown_table(study_v6.analysis(pack), "| contrast | n | mean difference")
     assert all("clip share is outside" in r["verdict"] for r in rows)
 
 
