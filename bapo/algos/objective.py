@@ -4,7 +4,10 @@ The learner holds no RL math; it runs one :class:`Objective` and only decides
 *when* each part runs (see ``bapo/learner/learner.py``):
 
 - ``choose(ratio, adv, mask, old_logp, *, reduce_sum=None) -> (params, stats)``
-  picks the loss's per-update parameters from per-token scalars (detached). Its
+  picks the loss's per-update parameters from per-token scalars (detached): the
+  update's (or micro-batch's) real tokens as 1-D tensors and ``mask`` a float tensor
+  of ones over them; ``reduce_sum`` sums a float64 tensor over the data-parallel
+  ranks (None on one rank). Its
   stats are already named for the logger: every algorithm reports its clip window
   as ``clip/low``, ``clip/high``, and the positive share of the loss at that window
   as ``clip/rho`` (BAPO.md eq. 8), so they can be compared; a chooser's own

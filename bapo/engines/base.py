@@ -215,9 +215,10 @@ def constructor_kwargs(cls: type, cfg, ctx: EngineContext) -> dict[str, Any]:
     """The :class:`SamplingDefaults` and the keyword-only arguments of ``cls``'s constructor, each taken by its
     name from the typed rollout config ``cfg`` (an engine's YAML keys are its constructor's arguments) or from
     ``ctx`` (``dtype``, ``seed``, ``max_model_len``, ``top_p``, ``logprobs``, ``syncs_together``): an engine takes
-    the context its constructor names. An argument that neither has, or that both have, is a TypeError naming it."""
-    params = inspect.signature(cls.__init__).parameters.values()
-    names = [f.name for f in fields(SamplingDefaults)] + [p.name for p in params if p.kind is p.KEYWORD_ONLY]
+    the context its constructor names. A constructor that passes ``**kwargs`` on (a subclass adding a key to its
+    parent engine's) takes its parents' keyword-only arguments too, up the class hierarchy to the first constructor
+    without ``**kwargs``. An argument that neither has, or that both have, is a TypeError naming it."""
+    names = [f.name for f in fields(SamplingDefaults)] + keyword_only(cls)
     out: dict[str, Any] = {}
     for name in dict.fromkeys(names):
         sources = [s for s in (cfg, ctx) if hasattr(s, name)]
@@ -226,6 +227,20 @@ def constructor_kwargs(cls: type, cfg, ctx: EngineContext) -> dict[str, Any]:
             raise TypeError(f"{cls.__name__}({name}=...): {where} the rollout config and the EngineContext name it")
         out[name] = getattr(sources[0], name)
     return out
+
+
+def keyword_only(cls: type) -> list[str]:
+    """The keyword-only arguments of ``cls.__init__`` and, where it takes ``**kwargs``, of the constructors above
+    it in the method resolution order that it may pass them on to."""
+    names: list[str] = []
+    for klass in cls.__mro__:
+        if not issubclass(klass, RolloutEngine) or "__init__" not in vars(klass):
+            continue
+        params = inspect.signature(vars(klass)["__init__"]).parameters.values()
+        names += [p.name for p in params if p.kind is p.KEYWORD_ONLY]
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            break
+    return names
 
 
 def pad_id_of(tokenizer) -> int:

@@ -43,9 +43,17 @@ def batch(seed: int = 0, drift: float = 0.3):
     return logp.requires_grad_(True), old, adv, mask
 
 
+def choose_as_the_learner(obj, ratio, adv, mask, old):
+    """``obj.choose`` called as ``Learner._choose`` calls it: the update's masked tokens as 1-D tensors, a float mask
+    of ones, and ``reduce_sum`` (None: one rank)."""
+    m = mask.bool()
+    r, a, o = ratio[m], adv[m], old[m]
+    return obj.choose(r, a, torch.ones_like(r), o, reduce_sum=None)
+
+
 def step(obj, logp, old, adv, mask):
     ratio = torch.exp(logp.detach() - old)
-    params, stats = obj.choose(ratio, adv, mask, old)
+    params, stats = choose_as_the_learner(obj, ratio, adv, mask, old)
     loss, loss_stats = obj.loss(LossInputs(logp, old, adv, mask), **params, **obj.loss_kw)
     (grad,) = torch.autograd.grad(loss, logp)
     return loss, grad, stats, loss_stats

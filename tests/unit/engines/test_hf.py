@@ -220,3 +220,21 @@ def test_build_rollout_makes_the_configured_engine(tiny_model, tiny_tok):
         build_rollout(cfg, path=str(TINY), tokenizer=tiny_tok, model=tiny_model, top_p=0.5)
     with pytest.raises(ConfigError, match=r"^rollout\.engine:"):
         build_rollout(SimpleNamespace(engine="tgi"), path=str(TINY), tokenizer=tiny_tok)
+
+
+def test_a_subclass_that_passes_kwargs_on_takes_its_parents_yaml_keys():
+    # docs/extending.md's new engine adds a key to HF's: its constructor takes `log_every` and passes the rest on.
+    # Every key of the parent's YAML must still reach the parent (before: batch_size and decode were dropped, and
+    # HFRollout fell back to its own defaults with no error).
+    from bapo.engines.base import EngineContext, constructor_kwargs
+
+    class Logged(HFRollout):
+        def __init__(self, model, tokenizer, *, log_every: int, **kwargs):
+            super().__init__(model, tokenizer, **kwargs)
+            self.log_every = log_every
+
+    cfg = SimpleNamespace(n=2, temperature=1.0, max_new_tokens=8, batch_size=7, decode="generate", log_every=3)
+    got = constructor_kwargs(Logged, cfg, EngineContext(path="", tokenizer=None))
+    assert (got["batch_size"], got["decode"], got["log_every"]) == (7, "generate", 3)
+    plain = constructor_kwargs(HFRollout, cfg, EngineContext(path="", tokenizer=None))
+    assert "log_every" not in plain and plain["batch_size"] == 7
