@@ -47,8 +47,8 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    if "--plan" in sys.argv[1:]:  # composed by bapo.plan with the same overrides, before Hydra makes a run folder
-        from bapo.plan import cli
+    if "--plan" in sys.argv[1:]:  # composed by bapo.entry.plan with the same overrides, before Hydra's run folder
+        from bapo.entry.plan import cli
 
         sys.exit(cli(sys.argv[1:]))
     from bapo.entry.cli import hydra_entry

@@ -47,7 +47,7 @@ from bapo.infra.paths import EXPORT_CONFIG
 from bapo.infra.seeding import derive_seed, seed_everything
 from bapo.infra.tracking import MetricsLogger, NullLogger, check_wandb, truncate_metrics
 from bapo.learner import TrainingDiverged
-from bapo.plan import check_one_gpu
+from bapo.plan.verdict import check_one_gpu
 
 log = logging.getLogger(__name__)
 
