@@ -372,13 +372,14 @@ def _validated(cfg, world: int, run_dir):
 
 def _validated_eval(cfg, overrides: Sequence[str]) -> None:
     """eval.py's config and sets, checked once before its ranks start (each rank adopts the run again)."""
-    from bapo.eval import evaluate as ev
+    from bapo.eval.adopt import adopt_run
+    from bapo.eval.job import build_job, load_evalset
 
     mine = copy.deepcopy(cfg)
-    ev.adopt_run(mine, overrides)
-    job = ev.build_job(mine)
+    adopt_run(mine, overrides)
+    job = build_job(mine)
     for s in job.sets.values():
-        ev.load_evalset(s, limit=job.run.limit)
+        load_evalset(s, limit=job.run.limit)
 
 
 def _nodes(lc: LauncherConfig) -> tuple[int, str | None, str | None]:
