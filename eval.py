@@ -148,8 +148,9 @@ def _evaluate(cfg: DictConfig, run_dir, job, source, problems: dict, log) -> dic
 def main(cfg: DictConfig) -> None:
     import os
 
-    from bapo.entry.cli import guarded, hydra_files, launch_here, refuse_training_run
+    from bapo.entry.cli import guarded, hydra_files, refuse_training_run
     from bapo.entry.launch import announce, watch_launcher
+    from bapo.entry.launch_step import launch_here
     from bapo.infra.dist import from_slurm
 
     watch_launcher()  # a rank this command's launch started ends with its launcher (bapo.entry.launch)

@@ -22,8 +22,9 @@ from omegaconf import DictConfig
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from bapo.entry.cli import guarded, hydra_files, launch_here
+    from bapo.entry.cli import guarded, hydra_files
     from bapo.entry.launch import announce, watch_launcher
+    from bapo.entry.launch_step import launch_here
     from bapo.entry.sweep import cell_of, default_resume
     from bapo.infra.dist import from_slurm
     from bapo.loop import run
