@@ -36,7 +36,8 @@ folder is refused at once; so is a training run's folder, whose ``.hydra/`` is t
 beside it with ``hydra.run.dir=<run>/eval``). Bad input is one line, ``error: ConfigError: <key>: ...``, exit
 status 2, and leaves no run folder behind (bapo/entry/cli.py). This is evaluation's composition root,
 as bapo/loop.py is training's: it alone builds the engines (the rollout engine and the training
-verifier) and hands them to bapo/eval/evaluate.py.
+verifier) and hands them to bapo/eval/evaluate.py (its job's config: bapo/eval/job.py; a run's
+settings: bapo/eval/adopt.py; the reports: bapo/eval/report.py).
 """
 
 from collections.abc import Sequence
@@ -52,16 +53,17 @@ def run(cfg: DictConfig, run_dir, overrides: Sequence[str] = ()) -> dict:
     overrides), which win over a training run's settings."""
     import logging
 
-    from bapo.eval import evaluate as ev
+    from bapo.eval.adopt import adopt_run
+    from bapo.eval.job import build_job, load_evalset
     from bapo.infra import dist
 
     log = logging.getLogger("eval")
-    source = ev.adopt_run(cfg, overrides)  # a training run's settings, before anything is validated or loaded
-    job = ev.build_job(cfg)
+    source = adopt_run(cfg, overrides)  # a training run's settings, before anything is validated or loaded
+    job = build_job(cfg)
     from bapo.engines import check_engine
 
     check_engine(job.rollout)  # vLLM not installed: one line, before the model loads
-    problems = {name: ev.load_evalset(s, limit=job.run.limit) for name, s in job.sets.items()}  # before loading
+    problems = {name: load_evalset(s, limit=job.run.limit) for name, s in job.sets.items()}  # before loading
     finished = False
     try:
         results = _evaluate(cfg, run_dir, job, source, problems, log)
@@ -75,7 +77,10 @@ def _evaluate(cfg: DictConfig, run_dir, job, source, problems: dict, log) -> dic
     """:func:`run`'s body, once the config is valid: join the ranks, load, sample, grade, report."""
     from bapo.config import ConfigError
     from bapo.engines import build_rollout, engine_traits
-    from bapo.eval import evaluate as ev
+    from bapo.eval.adopt import checkpoint_weights
+    from bapo.eval.evaluate import evaluate_set, prepare_set
+    from bapo.eval.job import eval_prompt_limit, model_context
+    from bapo.eval.report import write_results, write_samples
     from bapo.infra import dist
     from bapo.infra.artifacts import check_model_folder
     from bapo.modeling import attention_kernel, load_model, load_tokenizer, model_path, pick_device
@@ -92,14 +97,14 @@ def _evaluate(cfg: DictConfig, run_dir, job, source, problems: dict, log) -> dic
     check_model_folder(path, key, trust_remote_code=m.trust_remote_code)  # a damaged or hostile one: one line
     try:
         tok = load_tokenizer(path, trust_remote_code=m.trust_remote_code)
-        context = ev.model_context(path, trust_remote_code=m.trust_remote_code)
+        context = model_context(path, trust_remote_code=m.trust_remote_code)
     except (OSError, ValueError) as e:
         raise ConfigError(f"{key}: {path}: {str(e).splitlines()[0]}") from None
-    limit = ev.eval_prompt_limit(r.max_prompt_tokens, r.max_new_tokens, context)
+    limit = eval_prompt_limit(r.max_prompt_tokens, r.max_new_tokens, context)
     why = f"the model's context of {context} tokens - max_new_tokens={r.max_new_tokens}, and max_prompt_tokens"
     why += f"={r.max_prompt_tokens}"
     sets = {
-        name: ev.prepare_set(name, p, tok, instruction=r.instruction, max_prompt_tokens=limit, limit_keys=why)
+        name: prepare_set(name, p, tok, instruction=r.instruction, max_prompt_tokens=limit, limit_keys=why)
         for name, p in problems.items()
     }
     log.info("model %s; sets %s", path, {name: len(s.prompts) for name, s in sets.items()})
@@ -119,18 +124,18 @@ def _evaluate(cfg: DictConfig, run_dir, job, source, problems: dict, log) -> dic
         max_model_len=None if limit is None else limit + r.max_new_tokens,
     )  # fmt: skip
     if rollout.version != 0:  # a server given by URL holds whatever it last loaded: the checkpoint's weights first
-        rollout.load_weights(ev.checkpoint_weights(path), 0)
+        rollout.load_weights(checkpoint_weights(path), 0)
     config = OmegaConf.to_container(cfg, resolve=True) | (source.record() if source else {"model_path": path})
     results = {}
     with build_verifier(job.reward) as verifier:
         for name, s in sets.items():
-            res = ev.evaluate_set(
+            res = evaluate_set(
                 rollout, verifier, s, k=r.k, temperature=r.temperature, max_distinct=r.maj_max_distinct, seed=r.seed
             )
             results[name] = res
             if main:  # every rank has the same results (gathered); one writes them
-                ev.write_samples(run_dir / f"samples_{name}.jsonl", res.samples)
-                ev.write_results(run_dir, results, k=r.k, config=config)  # after each set: a crash keeps what is done
+                write_samples(run_dir / f"samples_{name}.jsonl", res.samples)
+                write_results(run_dir, results, k=r.k, config=config)  # after each set: a crash keeps what is done
                 log.info(
                     "%s: %s skipped=%d", name, " ".join(f"{k}={v:.3f}" for k, v in res.metrics.items()), res.skipped
                 )
@@ -143,8 +148,9 @@ def _evaluate(cfg: DictConfig, run_dir, job, source, problems: dict, log) -> dic
 def main(cfg: DictConfig) -> None:
     import os
 
-    from bapo.entry.cli import guarded, hydra_files, launch_here, refuse_training_run
+    from bapo.entry.cli import guarded, hydra_files, refuse_training_run
     from bapo.entry.launch import announce, watch_launcher
+    from bapo.entry.launch_step import launch_here
     from bapo.infra.dist import from_slurm
 
     watch_launcher()  # a rank this command's launch started ends with its launcher (bapo.entry.launch)

@@ -22,8 +22,9 @@ from omegaconf import DictConfig
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from bapo.entry.cli import guarded, hydra_files, launch_here
+    from bapo.entry.cli import guarded, hydra_files
     from bapo.entry.launch import announce, watch_launcher
+    from bapo.entry.launch_step import launch_here
     from bapo.entry.sweep import cell_of, default_resume
     from bapo.infra.dist import from_slurm
     from bapo.loop import run
@@ -47,8 +48,8 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    if "--plan" in sys.argv[1:]:  # composed by bapo.plan with the same overrides, before Hydra makes a run folder
-        from bapo.plan import cli
+    if "--plan" in sys.argv[1:]:  # composed by bapo.entry.plan with the same overrides, before Hydra's run folder
+        from bapo.entry.plan import cli
 
         sys.exit(cli(sys.argv[1:]))
     from bapo.entry.cli import hydra_entry

@@ -24,7 +24,8 @@ from bapo.algos import build_objective
 from bapo.config import RunConfig, build, prompt_limit
 from bapo.data.loading import LoadReport, PromptStream, problem_sources, render_prompts
 from bapo.engines import build_rollout, engine_traits
-from bapo.eval.evaluate import load_evalset, named_set, prepare_set
+from bapo.eval.evaluate import prepare_set
+from bapo.eval.job import load_evalset, named_set
 from bapo.experience.buffer import ReplayBuffer
 from bapo.infra import dist
 from bapo.learner import Learner, frozen_dtype, master_dtype

@@ -208,7 +208,8 @@ def check_combinations(rc: RunConfig, world: int | None = None) -> None:
     """Combinations of keys that no stage supports, refused at startup with every key involved named.
 
     ``world``: the number of torchrun ranks (default: ``$WORLD_SIZE``, 1 without torchrun). Whether the run fits
-    the GPUs it is given is the memory plan's to say (``bapo.plan.check_one_gpu``, the launch), not the config's."""
+    the GPUs it is given is the memory plan's to say (``bapo.plan.verdict.check_one_gpu``, the launch), not the
+    config's."""
     world = int(os.environ.get("WORLD_SIZE", "1")) if world is None else world
     fsdp = rc.learner.kind == "fsdp"
     sleeps = engine_traits(rc.rollout.engine).can_sleep and getattr(rc.rollout, "enable_sleep_mode", False)

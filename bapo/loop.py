@@ -47,7 +47,7 @@ from bapo.infra.paths import EXPORT_CONFIG
 from bapo.infra.seeding import derive_seed, seed_everything
 from bapo.infra.tracking import MetricsLogger, NullLogger, check_wandb, truncate_metrics
 from bapo.learner import TrainingDiverged
-from bapo.plan import check_one_gpu
+from bapo.plan.verdict import check_one_gpu
 
 log = logging.getLogger(__name__)
 
@@ -73,25 +73,25 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
 def train(rc: RunConfig, cfg: DictConfig) -> dict:
     """:func:`run`'s body: the run folder, the stages, the steps."""
     with rundir.RunFolder.open(rc.run_dir) if dist.is_main() else contextlib.nullcontext() as folder:
-        plan, changes = plan_start(rc, cfg)  # refuses a wrong start, or incompatible changes, before any write
-        if plan.kind == "complete":
+        decision, changes = decide_start(rc, cfg)  # refuses a wrong start, or incompatible changes, before any write
+        if decision.kind == "complete":
             return json.loads((rc.run_dir / "final_metrics.json").read_text())
         seed_everything(rc.seed)
         s = build_stages(rc, cfg)
         start, metrics, pending = 0, {}, None
-        if plan.kind == "resume":
-            start, pending = checkpoint.restore_run(plan.checkpoint, learner=s.learner, source=s.source,
+        if decision.kind == "resume":
+            start, pending = checkpoint.restore_run(decision.checkpoint, learner=s.learner, source=s.source,
                                                     **shared_state(s))  # fmt: skip
             pending = None if pending is None else StepProgress.from_state(pending)
             inside = f", inside step {start + 1} ({len(pending.updates)} updates made)" if pending else ""
-            log.info("resumed from %s at step %d%s (policy version %d)", plan.checkpoint, start, inside,
+            log.info("resumed from %s at step %d%s (policy version %d)", decision.checkpoint, start, inside,
                      s.learner.version)  # fmt: skip
         if dist.is_main():
-            if plan.clear:
+            if decision.clear:
                 folder.clear()
             checkpoint.clean_partial(rc.run_dir / "checkpoints")  # leftovers of a write a kill interrupted
-            if plan.kind == "resume":
-                metrics = truncate_metrics(rc.run_dir, plan.source_run, start)
+            if decision.kind == "resume":
+                metrics = truncate_metrics(rc.run_dir, decision.source_run, start)
                 rundir.record_changes(rc.run_dir, changes, start)
             (rc.run_dir / "final_metrics.json").unlink(missing_ok=True)  # written again when this run completes
             (rc.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
@@ -102,7 +102,7 @@ def train(rc: RunConfig, cfg: DictConfig) -> dict:
         try:
             with stop.handling(s.interrupt.set), stop.shared():
                 s.source.offer_weights(s.learner)
-                if start == 0 and plan.kind != "resume":
+                if start == 0 and decision.kind != "resume":
                     metrics = {"data/skipped_rows": float(s.report.skipped)} | evaluate_now(rc, s, 0)
                     logger.log(metrics, step=0)
                 s.source.start()
@@ -145,24 +145,24 @@ def train(rc: RunConfig, cfg: DictConfig) -> dict:
 # ----------------------------------------------------------------------------- building
 
 
-def plan_start(rc: RunConfig, cfg: DictConfig) -> tuple[rundir.StartPlan, list]:
+def decide_start(rc: RunConfig, cfg: DictConfig) -> tuple[rundir.StartDecision, list]:
     """How this run starts in its folder (rank 0 decides, the other ranks follow), and the config changes a
     resume records. Refusals (another run's files, incompatible changes) come before anything is written."""
-    plan, changes = None, []
+    decision, changes = None, []
     if dist.is_main():
-        plan = rundir.plan_start(
+        decision = rundir.start_decision(
             rc.run_dir,
             resume=rc.resume,
             overwrite=rc.overwrite,
             steps=rc.train.steps,
             find_latest=checkpoint.latest_intact,
         )
-        saved = rundir.saved_config(plan.source_run) if plan.kind == "resume" else None
+        saved = rundir.saved_config(decision.source_run) if decision.kind == "resume" else None
         if saved is not None:
             changes = rundir.resume_changes(saved, OmegaConf.to_container(cfg, resolve=True))
-        elif plan.kind == "resume":
-            log.warning("%s has no config.yaml: the resumed run's config cannot be compared", plan.source_run)
-    return dist.broadcast_object((plan, changes))
+        elif decision.kind == "resume":
+            log.warning("%s has no config.yaml: the resumed run's config cannot be compared", decision.source_run)
+    return dist.broadcast_object((decision, changes))
 
 
 def shared_state(s: Stages) -> dict:

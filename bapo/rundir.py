@@ -9,13 +9,13 @@ Order of a start (the loop wires it; nothing here reads the loop's state):
    error message only, so a stale file left by a dead run never blocks). ``train.py`` takes it first of all,
    before the config is validated (``bapo.entry.cli.guarded``): a start refused because another run holds the
    folder then leaves it exactly as it was; the loop's own open of the same folder shares that lock;
-3. :func:`plan_start` decides fresh / resume-from-checkpoint / nothing-to-do, logs it in one line, and refuses
+3. :func:`start_decision` decides fresh / resume-from-checkpoint / nothing-to-do, logs it in one line, and refuses
    a fresh start over another run's checkpoints or metrics unless ``overwrite=true``;
 4. a resume compares the run's ``config.yaml`` with the new composition (:func:`resume_changes`): harmless
    keys are recorded (:func:`record_changes`), anything else is refused, still before any file is modified;
 5. only then does the loop modify the folder (:meth:`RunFolder.clear` for an overwrite, config.yaml, ...).
 
-Under torchrun the ranks share rank 0's folder: only rank 0 opens it and plans; the others follow its plan.
+Under torchrun the ranks share rank 0's folder: only rank 0 opens it and decides; the others follow its decision.
 ``flock`` works across hosts on NFSv4 (emulated with POSIX locks) and on Lustre mounted with ``-o flock``.
 """
 
@@ -225,7 +225,7 @@ class RunFolder:
 
 
 @dataclasses.dataclass(frozen=True)
-class StartPlan:
+class StartDecision:
     """What a start does in its run folder.
 
     ``kind``: ``fresh`` (train from step 0), ``resume`` (load ``checkpoint``) or ``complete`` (nothing to do).
@@ -290,14 +290,14 @@ def _refuse_reuse(run_dir: Path, found: list[str], why: str) -> ConfigError:
     )
 
 
-def plan_start(
+def start_decision(
     run_dir: str | Path,
     *,
     resume: str | None,
     overwrite: bool,
     steps: int,
     find_latest: Callable[[Path], Path | None] | None = None,
-) -> StartPlan:
+) -> StartDecision:
     """Decide how a run starts in ``run_dir`` (held with :class:`RunFolder`), log it in one line, touch nothing.
 
     ``resume``: null (fresh), ``auto`` (the newest checkpoint in this folder; fresh if there is none; nothing
@@ -318,35 +318,35 @@ def plan_start(
     if resume == "auto":
         if overwrite:
             raise ConfigError("resume=auto continues this run folder's run and overwrite=true deletes it: choose one")
-        return _plan_auto(run_dir, found, steps, find_latest)
+        return _decide_auto(run_dir, found, steps, find_latest)
     if resume is not None:
-        return _plan_path(run_dir, found, Path(resume), overwrite, find_latest)
+        return _decide_path(run_dir, found, Path(resume), overwrite, find_latest)
     if found and not overwrite:
         raise _refuse_reuse(run_dir, found, "resume=null starts a fresh run")
     if found:
         log.info("%s: overwrite=true: removing the previous run (%s), starting fresh", run_dir, ", ".join(found))
     else:
         log.info("%s: starting fresh (resume=null)", run_dir)
-    return StartPlan("fresh", clear=bool(found))
+    return StartDecision("fresh", clear=bool(found))
 
 
-def _plan_auto(run_dir: Path, found: list[str], steps: int, find_latest: Callable) -> StartPlan:
+def _decide_auto(run_dir: Path, found: list[str], steps: int, find_latest: Callable) -> StartDecision:
     """resume=auto: nothing to do, the newest checkpoint here, or a fresh start over an earlier attempt's files."""
     if (run_dir / "final_metrics.json").is_file() and (last := last_logged_step(run_dir)) >= steps:
         log.info("%s is complete (final_metrics.json, step %d >= train.steps=%d): nothing to do", run_dir, last, steps)
-        return StartPlan("complete")
+        return StartDecision("complete")
     ckpt_dir = run_dir / "checkpoints"
     ckpt = find_latest(ckpt_dir)
     if ckpt is not None:
         log.info("%s: resume=auto: resuming from %s", run_dir, ckpt)
-        return StartPlan("resume", checkpoint=Path(ckpt))
+        return StartDecision("resume", checkpoint=Path(ckpt))
     # the same run's earlier attempt, killed before its first checkpoint (a re-queued job): start it again
     extra = f", removing the earlier attempt's {', '.join(found)}" if found else ""
     log.info("%s: resume=auto found no checkpoint in %s: starting fresh%s", run_dir, ckpt_dir, extra)
-    return StartPlan("fresh", clear=bool(found))
+    return StartDecision("fresh", clear=bool(found))
 
 
-def _plan_path(run_dir: Path, found: list[str], p: Path, overwrite: bool, find_latest: Callable) -> StartPlan:
+def _decide_path(run_dir: Path, found: list[str], p: Path, overwrite: bool, find_latest: Callable) -> StartDecision:
     """resume=<path>: a checkpoint folder, or a run folder's newest checkpoint; of this run or another one."""
     ckpt = p if (p / "state.pt").is_file() else find_latest(p / "checkpoints")
     if ckpt is None:
@@ -356,12 +356,12 @@ def _plan_path(run_dir: Path, found: list[str], p: Path, overwrite: bool, find_l
         if overwrite:
             raise ConfigError(f"resume={p} is a checkpoint of {run_dir}, which overwrite=true would delete")
         log.info("%s: resuming from %s (resume=%s)", run_dir, ckpt, p)
-        return StartPlan("resume", checkpoint=ckpt)
+        return StartDecision("resume", checkpoint=ckpt)
     if found and not overwrite:
         raise _refuse_reuse(run_dir, found, f"resume={p} continues another run in this folder")
     extra = f", after removing the previous run ({', '.join(found)}) (overwrite=true)" if found else ""
     log.info("%s: continuing the run of %s from %s%s", run_dir, ckpt.parent.parent, ckpt, extra)
-    return StartPlan("resume", checkpoint=ckpt, clear=bool(found))
+    return StartDecision("resume", checkpoint=ckpt, clear=bool(found))
 
 
 # ------------------------------------------------------------------------------- config changes on resume

@@ -2,7 +2,7 @@
 the loaders are bapo/data/loading.py.
 
 Types and range checks only: the defaults live in the YAML files. ``ArithConfig`` is also the synthetic
-held-out set's spec of eval.py (``bapo.eval.evaluate.ArithSetConfig``).
+held-out set's spec of eval.py (``bapo.eval.job.ArithSetConfig``).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ the GPUs it may use (:func:`usable_devices`):
 
 * ``launcher.nproc_per_node=auto`` (the default): one rank per usable GPU (less the GPUs that launched vLLM servers
   take, ``placement=gpu_node_split``), and one process on a machine without a GPU. For training with
-  ``learner=fsdp`` the memory plan (bapo/plan.py) then picks what fits those GPUs: every rank as configured
+  ``learner=fsdp`` the memory plan (bapo/plan/) then picks what fits those GPUs: every rank as configured
   (colocated), else the learner's state on the host (``learner.cpu_offload=true``), else a refusal naming the
   smallest change that fits. ``learner=single`` trains in one process. An explicit ``placement=``, ``learner`` key
   or ``launcher`` key on the command line is never changed; the plan's verdict is then only reported.
@@ -220,11 +220,12 @@ def _check_server_gpus(cfg, devices: list[float]) -> None:
 
 def _plan_choice(cfg, devices, nnodes, endpoint, run_id, *, explicit: bool, run_dir) -> Launch:
     """learner=fsdp on GPUs, ``nproc_per_node=auto``: the memory plan picks (module docstring)."""
-    from bapo import plan
+    from bapo.entry.plan import learner_ranks
+    from bapo.plan import verdict as plan
 
     node = copy.deepcopy(cfg)
     node.placement.gpus = len(devices)
-    ranks = plan.learner_ranks(node)
+    ranks = learner_ranks(node)
     servers = len(devices) - ranks
     require(ranks >= 1 and servers < len(devices), "rollout.gpus",
             f"the vLLM servers take {servers} of this node's {len(devices)} GPUs: none is left to train")  # fmt: skip
@@ -272,7 +273,7 @@ def smallest_change(rc, world: int, gib: float, per_node: int, p, host: float | 
     host, together with that change) that makes it fit once applied: never a change that was tried and fails."""
     import dataclasses
 
-    from bapo import plan
+    from bapo.plan import verdict as plan
 
     tp = _engine_ranks(rc)
     for t in (t for t in range(tp - 1, 0, -1) if world % tp and not world % t):  # a smaller engine on these GPUs
@@ -325,7 +326,7 @@ def _fits_with(rc, change: str, world: int, gib: float, host: float | None) -> b
 
     import yaml
 
-    from bapo import plan
+    from bapo.plan import verdict as plan
 
     try:
         for key, value in ASSIGNMENT.findall(change):
@@ -371,13 +372,14 @@ def _validated(cfg, world: int, run_dir):
 
 def _validated_eval(cfg, overrides: Sequence[str]) -> None:
     """eval.py's config and sets, checked once before its ranks start (each rank adopts the run again)."""
-    from bapo.eval import evaluate as ev
+    from bapo.eval.adopt import adopt_run
+    from bapo.eval.job import build_job, load_evalset
 
     mine = copy.deepcopy(cfg)
-    ev.adopt_run(mine, overrides)
-    job = ev.build_job(mine)
+    adopt_run(mine, overrides)
+    job = build_job(mine)
     for s in job.sets.values():
-        ev.load_evalset(s, limit=job.run.limit)
+        load_evalset(s, limit=job.run.limit)
 
 
 def _nodes(lc: LauncherConfig) -> tuple[int, str | None, str | None]:

@@ -290,7 +290,7 @@ def unknown_option(e: BaseException) -> ConfigError | None:
     """Hydra's error for a config group option that does not exist (``experiment=paper_8b``) as one line naming the
     group and its closest options (``experiment: 'paper_8b' is not an option of this config group; did you mean
     paper_7b?``); None for any other error. The one rule of ``train.py`` and ``eval.py``
-    (``bapo.entry.cli.hydra_entry``) and of ``--plan`` (``bapo.plan``, through :func:`known_options`).
+    (``bapo.entry.cli.hydra_entry``) and of ``--plan`` (``bapo.entry.plan``, through :func:`known_options`).
 
     Hydra raises that error only for a group whose default is not ``optional``: an optional default skips a
     missing option, and an override keeps the default's ``optional`` flag, so ``experiment=paper_8b`` on an

@@ -7,7 +7,7 @@ The stand-in (tests/helpers/vllm_standin.py, :class:`KVScheduler`) runs completi
 sequences run while their KV cache (prompt and tokens so far) fits the server's, the newest are preempted when it
 overflows, the rest wait; every running sequence generates the same tokens a tick (decode is memory-bound, so a
 sequence's speed does not depend on how many run), so generation time is proportional to the tokens asked for.
-The server is a split placement's: 1,015,851 tokens of KV cache (bapo/plan.py's paper_7b server at 0.9 of an 80 GB
+The server is a split placement's: 1,015,851 tokens of KV cache (bapo/plan/'s paper_7b server at 0.9 of an 80 GB
 GPU) and vLLM's default ``max_num_seqs`` on such a GPU (1,024). A batch is a server's share of a paper_7b step: 64
 prompts of 100-400 tokens, n = 16 responses of at most 8,192 tokens each. Response lengths are drawn from a
 log-normal (mu 7.91, sigma 0.937) capped at 8,192: a mean of 3.5k tokens, a median of 2.7k and 12% at the cap, as
@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this tree's bapo
 from scripts.bench.harness import parser  # noqa: E402
 
 UNIT = 16  # tokens a stand-in token stands for
-KV_TOKENS = 1_015_851  # bapo/plan.py: experiment=paper_7b placement=gpu_node_split, a server's KV cache
+KV_TOKENS = 1_015_851  # bapo/plan/: experiment=paper_7b placement=gpu_node_split, a server's KV cache
 MAX_NUM_SEQS = 1024  # vLLM 0.32's default on GPUs of 70 GB and more (OpenAI server)
 MAX_NEW = 8192  # experiment=paper_7b: model.max_new_tokens
 MU, SIGMA = 7.91, 0.937  # log-normal lengths capped at MAX_NEW: mean 3.5k, median 2.7k, 12% at the cap

@@ -172,7 +172,7 @@ def meminfo() -> dict[str, int]:
 def model_bytes(ctx) -> tuple[str, int]:
     """(which model, its bf16 bytes): paper_7b's model, or the dry run's toy stand-in."""
     from bapo.modeling import arch_config
-    from bapo.plan import model_shape
+    from bapo.plan.shape import model_shape
 
     if ctx.dry:
         from scripts.gpu.gpu_check_scale import standin_arch
@@ -247,8 +247,8 @@ def launch_decision(env: dict) -> dict:
     """What ``bapo.entry.launch.decide`` chooses for ``python train.py algo=bapo model=qwen7b`` here (in this process,
     ``env`` applied): the ranks, the plan's changes and why, or the refusal's one line."""
     from bapo.entry.launch import decide
+    from bapo.entry.plan import compose
     from bapo.infra.checks import ConfigError
-    from bapo.plan import compose
 
     saved = dict(os.environ)
     os.environ.update(env)

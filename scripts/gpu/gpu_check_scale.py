@@ -267,7 +267,7 @@ def one_rank_group():
 def run_config(*overrides: str):
     """The typed config train.py would build with ``overrides`` (bapo.config.build), for a world of one."""
     from bapo.config import build
-    from bapo.plan import compose
+    from bapo.entry.plan import compose
 
     return build(compose(list(overrides)), "gpu_check")
 
@@ -341,7 +341,7 @@ def budget(ctx) -> dict:
     from bapo.algos import build_objective
     from bapo.learner import Learner, master_dtype
     from bapo.modeling import DTYPES, attention_kernel, load_model
-    from bapo.plan import make_plan
+    from bapo.plan.verdict import make_plan
 
     device = one_rank_group()
     arch = standin_arch(ctx.standin_layers, ctx.dry)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bapo.plan import cli  # noqa: E402
+from bapo.entry.plan import cli  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(cli([a for a in sys.argv[1:] if a != "--plan"], prog="scripts/gpu/plan.py"))

@@ -121,8 +121,8 @@ def check_compose(experiment: str, cells: list[str]) -> None:
     ``train.py -m`` refuses it): one ``error:`` line naming the cell."""
     from hydra.errors import HydraException
 
+    from bapo.entry.plan import compose
     from bapo.infra.checks import ConfigError
-    from bapo.plan import compose
 
     for cell in cells:
         try:

@@ -204,7 +204,8 @@ def test_the_memory_plan_and_the_launch_read_an_engines_traits_not_its_name(monk
     ``spans_ranks``: the hf engine given vLLM's traits is planned and launched as vLLM is."""
     from bapo.engines.hf import HFRollout
     from bapo.entry.launch import _engine_ranks
-    from bapo.plan import learner_ranks, setup
+    from bapo.entry.plan import learner_ranks
+    from bapo.plan.memory import setup
     from tests.helpers.config import compose, run_config
 
     rc = run_config("placement=gpu_node", "rollout=hf", "rollout.batch_size=8", "logger=none")

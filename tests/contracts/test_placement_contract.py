@@ -9,7 +9,7 @@ import pytest
 
 from bapo.config import build
 from bapo.infra.checks import ConfigError
-from bapo.plan import setup
+from bapo.plan.memory import setup
 from bapo.rollout.disaggregated import Disaggregated
 from bapo.rollout.placement import (
     PLACEMENT_CONFIGS,

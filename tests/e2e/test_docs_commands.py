@@ -179,7 +179,7 @@ def parse_train(argv: tuple[str, ...]) -> TrainCommand | None:
             args.pop(0)
         elif a == "--plan":
             plan = True
-        elif a in PLAN_OPTIONS:  # bapo/plan.py's parser: each takes a value
+        elif a in PLAN_OPTIONS:  # bapo/entry/plan.py's parser: each takes a value
             assert plan or "--plan" in args, f"train.py flag {a!r} is --plan's option"
             args.pop(0)
         elif a.startswith("-"):

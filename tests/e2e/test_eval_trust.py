@@ -63,14 +63,15 @@ def _eval_cfg(overrides: list[str]):
 def test_the_artifacts_trust_remote_code_is_never_taken(tmp_path, caplog, run_folder):
     """Before: adopt_run took the run's whole model group, trust_remote_code included, and loading the export
     imported modeling_evil.py (the marker appeared)."""
-    from bapo.eval.evaluate import adopt_run, build_job, model_context
+    from bapo.eval.adopt import adopt_run
+    from bapo.eval.job import build_job, model_context
     from bapo.modeling import load_tokenizer
 
     marker = tmp_path / "MARKER"
     folder = hostile(tmp_path / "shared", marker, run_folder=run_folder)
     over = ["eval=arith", f"checkpoint={folder}"]
     cfg = _eval_cfg(over)
-    with caplog.at_level(logging.WARNING, logger="bapo.eval.evaluate"):
+    with caplog.at_level(logging.WARNING, logger="bapo.eval.adopt"):
         settings = adopt_run(cfg, over)
     job = build_job(cfg)
     assert job.model.trust_remote_code is False and "model.trust_remote_code" not in settings.taken

@@ -7,10 +7,7 @@ import sys
 
 import pytest
 
-from bapo.eval.evaluate import (
-    build_job,
-    load_evalset,
-)
+from bapo.eval.job import build_job, load_evalset
 from tests.helpers.evaluation_runs import TINY_RUN, _cfg, _check_run_folder
 from tests.helpers.paths import ROOT
 

@@ -79,7 +79,7 @@ def test_one_rank_fsdp_matches_the_single_process_learner(tmp_path):
 def test_a_model_too_big_for_one_gpu_is_refused_without_torchrun(monkeypatch):
     import torch
 
-    from bapo import plan
+    from bapo.plan import verdict as plan
 
     rc = run_config("model=qwen7b")
     monkeypatch.setattr(plan, "cuda_available", lambda: True)

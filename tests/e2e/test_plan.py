@@ -7,8 +7,13 @@ import sys
 import pytest
 import torch
 
-from bapo import plan as P
 from bapo.learner.logprobs import peak_bytes
+from bapo.plan.shape import (
+    checkpoint_per_token,
+    head_activations_per_token,
+    layer_activations_per_token,
+    layer_backward_per_token,
+)
 from tests.helpers.paths import ROOT
 from tests.helpers.plan import measured, shape
 
@@ -32,7 +37,7 @@ TOKENS = 4096  # [tokens, hidden] fp32 is 4 MB: every activation is a mapping of
 def test_activations_per_token_per_layer_without_checkpointing():
     """Two layers against four: the two more layers' saved activations, per token, are the plan's figure."""
     per_layer = (measured(tiny_arch(4), TOKENS, False) - measured(tiny_arch(2), TOKENS, False)) / (2 * TOKENS)
-    plan = P.layer_activations_per_token(shape(tiny_arch(2)), 4)  # fp32: 25,624 bytes a token
+    plan = layer_activations_per_token(shape(tiny_arch(2)), 4)  # fp32: 25,624 bytes a token
     print(f"one layer, all saved: measured {per_layer:.0f} B/token, plan {plan}")
     assert plan == pytest.approx(per_layer, rel=0.03)
 
@@ -40,7 +45,7 @@ def test_activations_per_token_per_layer_without_checkpointing():
 @pytest.mark.slow  # models measured in subprocesses (about 10 s of CPU each)
 def test_checkpointed_activations_per_token_per_layer():
     per_layer = (measured(tiny_arch(6), TOKENS, True) - measured(tiny_arch(2), TOKENS, True)) / (4 * TOKENS)
-    plan = P.checkpoint_per_token(shape(tiny_arch(2)), 4)  # its fp32 input: 1,024 bytes a token
+    plan = checkpoint_per_token(shape(tiny_arch(2)), 4)  # its fp32 input: 1,024 bytes a token
     print(f"one layer, checkpointed: measured {per_layer:.0f} B/token, plan {plan}")
     assert plan == pytest.approx(per_layer, rel=0.15)
 
@@ -51,9 +56,9 @@ def test_checkpointed_peak_of_a_forward_and_backward(vocab):
     """The plan's activations and logits chain at their largest moment, against the whole measured peak."""
     arch = tiny_arch(2, vocab)
     s, K = shape(arch), TOKENS
-    layers = s.layers * P.checkpoint_per_token(s, 4) * K
-    chain = layers + P.head_activations_per_token(s, 4) * K + peak_bytes(K, vocab, torch.float32)
-    layer = layers + (P.layer_activations_per_token(s, 4) + P.layer_backward_per_token(s, 4)) * K
+    layers = s.layers * checkpoint_per_token(s, 4) * K
+    chain = layers + head_activations_per_token(s, 4) * K + peak_bytes(K, vocab, torch.float32)
+    layer = layers + (layer_activations_per_token(s, 4) + layer_backward_per_token(s, 4)) * K
     peak = measured(arch, K, True)
     print(f"V={vocab}: measured {peak / 2**20:.1f} MiB, plan: chain {chain / 2**20:.1f}, layer {layer / 2**20:.1f}")
     assert max(chain, layer) == pytest.approx(peak, rel=0.05)

@@ -17,7 +17,7 @@ from bapo.rundir import (
     LOCK_NAME,
     RunFolder,
     RunFolderBusy,
-    plan_start,
+    start_decision,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,9 +37,9 @@ with RunFolder.open(sys.argv[1]) as rf:
 # A second launch told to replace whatever is there (the worst case: it would delete the first run's files).
 INTRUDER = """
 import sys
-from bapo.rundir import RunFolder, plan_start
+from bapo.rundir import RunFolder, start_decision
 with RunFolder.open(sys.argv[1]) as rf:
-    plan = plan_start(rf.path, resume=None, overwrite=True, steps=1, find_latest=lambda d: None)
+    decision = start_decision(rf.path, resume=None, overwrite=True, steps=1, find_latest=lambda d: None)
     rf.clear()
     (rf.path / "metrics.jsonl").write_text("")
 print("intruded")
@@ -67,14 +67,14 @@ def launch(script: str, *args: str) -> subprocess.Popen:
     )
 
 
-# ------------------------------------------------------------------------------------- plan_start
+# ------------------------------------------------------------------------------------- start_decision
 
 
-def plan(caplog, run: Path, **kw) -> tuple:
-    """plan_start's plan and its log lines."""
+def decide(caplog, run: Path, **kw) -> tuple:
+    """start_decision's decision and its log lines."""
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="bapo.rundir"):
-        p = plan_start(run, **{"resume": None, "overwrite": False, "steps": 4} | kw)
+        p = start_decision(run, **{"resume": None, "overwrite": False, "steps": 4} | kw)
     return p, [r.getMessage() for r in caplog.records if r.name == "bapo.rundir"]
 
 

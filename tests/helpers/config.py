@@ -67,7 +67,7 @@ def _default_learner():
 #
 # The suite composes the same configurations again and again (paper_7b's config 17 times in the unit tier, each model
 # 6-10 times): one Hydra composition costs 0.2-0.5 s on 2 cores, a copy of its result 0.01 s. Every composition in
-# the test process goes through ``Hydra.compose_config`` (tests' ``compose``, plan.py's, Hydra's own ``main`` does
+# the test process goes through ``Hydra.compose_config`` (tests' ``compose``, ``--plan``'s, Hydra's own ``main`` does
 # not run here), so it is memoised there, keyed by everything the result depends on: the config sources and the
 # stamps of their files, the config name, the overrides, the run mode and flags, the working directory and the job
 # name. A failure is not stored: a bad composition raises afresh each time. Each caller gets its own deep copy.

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bapo import plan as P
+from bapo.plan.shape import ModelShape, model_shape
 from tests.helpers.paths import ROOT
 
 GiB = 2**30
@@ -70,7 +70,7 @@ def measured(arch: dict, tokens: int, ckpt: bool) -> int:
     return _measured(json.dumps(arch, sort_keys=True), tokens, ckpt)
 
 
-def shape(arch: dict) -> P.ModelShape:
+def shape(arch: dict) -> ModelShape:
     from bapo.modeling import arch_config
 
-    return P.model_shape(arch_config(arch))
+    return model_shape(arch_config(arch))

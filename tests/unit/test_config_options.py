@@ -77,16 +77,14 @@ def _schemas() -> dict[str, type]:
     stands for its group), with the schemas nested in their fields."""
     from bapo.algos import config as algos
     from bapo.config import PLAIN, VARIANTS
-    from bapo.eval import evaluate
+    from bapo.eval import job
 
     out = {g: s for g, s in PLAIN.items()}
     out |= {f"{g}[{name}]": s for g, (_, variants) in VARIANTS.items() for name, s in variants.items()}
     out |= {"algo": algos.AlgoConfig} | {f"algo.{k}": s for k, s in algos.SUBGROUPS.items()}
     out |= {f"algo.bounds[{k}]": s for k, s in algos.BOUNDS.items()}
     out |= {f"algo.correction[{k}]": s for k, s in algos.CORRECTIONS.items()}
-    out |= {
-        f"eval.py:{n}": s for n, s in vars(evaluate).items() if dataclasses.is_dataclass(s) and n.endswith("Config")
-    }
+    out |= {f"eval.py:{n}": s for n, s in vars(job).items() if dataclasses.is_dataclass(s) and n.endswith("Config")}
     return out
 
 

@@ -1,5 +1,5 @@
-"""The memory plan (bapo/plan.py): its arithmetic by hand for paper_7b, the shipped placements fit, its
-per-token figures against peaks measured on CPU, its knobs, and ``train.py --plan``."""
+"""The memory plan (bapo/plan/, its command line bapo/entry/plan.py): its arithmetic by hand for paper_7b, the
+shipped placements fit, its per-token figures against peaks measured on CPU, its knobs, and ``train.py --plan``."""
 
 import dataclasses
 import os
@@ -11,7 +11,9 @@ import pytest
 if __name__ == "__main__":  # --record, run as a script from the repository
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bapo import plan as P  # noqa: E402
+from bapo.entry import plan as P  # noqa: E402
+from bapo.plan.memory import held_snapshots  # noqa: E402
+from bapo.plan.verdict import USABLE, make_plan  # noqa: E402
 from tests.helpers.config import compose  # noqa: E402
 from tests.helpers.paths import ROOT  # noqa: E402
 from tests.helpers.plan import GiB
@@ -86,7 +88,7 @@ def test_the_stops_save_is_planned_against_the_grace():
     assert "launcher.grace_s = 60 s: TOO SHORT" in "\n".join(short.save_lines())
     over = ["train.async_rollout=true", "buffer.max_staleness=4", "rollout.enable_sleep_mode=false"]
     async_ = P.plan_for(["experiment=paper_7b", *over])
-    held = P.held_snapshots(async_.setup.rc)
+    held = held_snapshots(async_.setup.rc)
     assert held >= 1 and async_.save_bytes()[1] == 8 * (3 * 4 * N // 8) + held * 4 * N  # rank 0's snapshots
 
 
@@ -100,7 +102,7 @@ def test_every_gpu_model_config_fits_its_placement(model):
 @pytest.mark.parametrize("placement", ["gpu_node", "gpu_node_h200"])
 def test_paper_7b_fits_each_node_placement(placement):
     p = P.plan_for(["experiment=paper_7b", f"placement={placement}"])
-    assert p.fits and p.peak < p.setup.rc.placement.gpu_memory_gib * P.USABLE * GiB
+    assert p.fits and p.peak < p.setup.rc.placement.gpu_memory_gib * USABLE * GiB
     assert p.setup.tokens >= p.setup.seq  # a micro-batch holds the longest sequence
 
 
@@ -135,7 +137,7 @@ def test_kl_reference_async_snapshots_offload_and_sleep_level():
         learner=dataclasses.replace(rc.learner, old_logp="recompute"),
         buffer=dataclasses.replace(rc.buffer, max_staleness=8),
     )
-    snaps = next(i for i in P.make_plan(async_rc, world=8).host if i.what.startswith("weight snapshots"))
+    snaps = next(i for i in make_plan(async_rc, world=8).host if i.what.startswith("weight snapshots"))
     assert snaps.bytes == 3 * 8 * 7_615_616_512 * 4  # 8 // 4 updates a batch + 1 = 3 versions, 8 ranks, fp32
 
     p = P.plan_for(["model=r1_distill_qwen_32b"])
@@ -144,7 +146,7 @@ def test_kl_reference_async_snapshots_offload_and_sleep_level():
     assert offload.bytes == 16 * p.setup.shape.params  # the whole node's shards
     rc = p.setup.rc
     rc.rollout.sleep_level = 2  # discards its weights instead of copying them to the host
-    asleep = next(i for i in P.make_plan(rc, world=8).host if i.what.startswith("vLLM asleep"))
+    asleep = next(i for i in make_plan(rc, world=8).host if i.what.startswith("vLLM asleep"))
     assert asleep.bytes == 0
 
 
@@ -346,7 +348,7 @@ def _doc_blocks(text: str) -> dict[str, str]:
 @pytest.mark.skipif("WORLD_SIZE" in os.environ, reason="the documented plans assume the placement's ranks")
 def test_the_plans_in_docs_gpu_md_are_the_plans_of_today():
     """docs/gpu.md prints plans and a table of the shipped placements; they are regenerated here, so they cannot go
-    stale: after a change to bapo/plan.py, `python tests/unit/test_plan.py --record` rewrites them."""
+    stale: after a change to bapo/plan/, `python tests/unit/test_plan.py --record` rewrites them."""
     have, want = _doc_blocks(DOC.read_text()), expected_docs()
     for key, text in want.items():
         assert have.get(key) == text, (

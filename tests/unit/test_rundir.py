@@ -15,10 +15,10 @@ from bapo.rundir import (
     LOCK_NAME,
     Change,
     RunFolder,
-    plan_start,
     record_changes,
     resume_changes,
     saved_config,
+    start_decision,
 )
 
 
@@ -72,30 +72,30 @@ def test_clear_removes_the_previous_run_and_nothing_else(tmp_path):
         rf.clear()
 
 
-# ------------------------------------------------------------------------------------- plan_start
+# ------------------------------------------------------------------------------------- start_decision
 
 
-def plan(caplog, run: Path, **kw) -> tuple:
-    """plan_start's plan and its log lines."""
+def decide(caplog, run: Path, **kw) -> tuple:
+    """start_decision's decision and its log lines."""
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="bapo.rundir"):
-        p = plan_start(run, **{"resume": None, "overwrite": False, "steps": 4} | kw)
+        p = start_decision(run, **{"resume": None, "overwrite": False, "steps": 4} | kw)
     return p, [r.getMessage() for r in caplog.records if r.name == "bapo.rundir"]
 
 
 def test_a_fresh_start_is_refused_over_another_runs_checkpoints_or_metrics_and_allowed_with_overwrite(tmp_path, caplog):
     empty = tmp_path / "empty"
-    p, lines = plan(caplog, empty)
+    p, lines = decide(caplog, empty)
     assert (p.kind, p.checkpoint, p.clear) == ("fresh", None, False)
     assert lines == [f"{empty}: starting fresh (resume=null)"]
-    assert not empty.exists()  # plan_start touches nothing
+    assert not empty.exists()  # start_decision touches nothing
 
     used = tmp_path / "used"
     make_ckpt(used, 2)
     (used / "metrics.jsonl").write_text('{"step": 2}\n')
     before = snapshot(used)
     with pytest.raises(ConfigError) as e:
-        plan(caplog, used)
+        decide(caplog, used)
     msg = str(e.value)
     assert str(used) in msg and "resume=auto" in msg and "overwrite=true" in msg and "checkpoints/" in msg
     assert snapshot(used) == before
@@ -104,47 +104,47 @@ def test_a_fresh_start_is_refused_over_another_runs_checkpoints_or_metrics_and_a
     only_metrics.mkdir()
     (only_metrics / "metrics.jsonl").write_text('{"step": 0}\n')
     with pytest.raises(ConfigError, match="metrics.jsonl"):
-        plan(caplog, only_metrics)
+        decide(caplog, only_metrics)
 
-    p, lines = plan(caplog, used, overwrite=True)
+    p, lines = decide(caplog, used, overwrite=True)
     assert (p.kind, p.clear) == ("fresh", True)
     assert lines == [f"{used}: overwrite=true: removing the previous run (checkpoints/, metrics.jsonl), starting fresh"]
     with RunFolder.open(used) as rf:
         rf.clear()
     assert not (used / "checkpoints").exists() and not (used / "metrics.jsonl").exists()
-    p, _ = plan(caplog, used)  # now the folder is free for a fresh start
+    p, _ = decide(caplog, used)  # now the folder is free for a fresh start
     assert (p.kind, p.clear) == ("fresh", False)
 
 
 def test_resume_auto_decisions_each_logged_in_one_line(tmp_path, caplog):
     run = tmp_path / "run"
     run.mkdir()
-    p, lines = plan(caplog, run, resume="auto")
+    p, lines = decide(caplog, run, resume="auto")
     assert (p.kind, p.clear) == ("fresh", False)
     assert lines == [f"{run}: resume=auto found no checkpoint in {run / 'checkpoints'}: starting fresh"]
 
     (run / "metrics.jsonl").write_text('{"step": 0}\n')  # an earlier attempt died before its first checkpoint
-    p, lines = plan(caplog, run, resume="auto")
+    p, lines = decide(caplog, run, resume="auto")
     assert (p.kind, p.clear) == ("fresh", True)
     assert len(lines) == 1 and "starting fresh, removing the earlier attempt's metrics.jsonl" in lines[0]
 
     make_ckpt(run, 2)
     newest = make_ckpt(run, 3)
-    p, lines = plan(caplog, run, resume="auto")
+    p, lines = decide(caplog, run, resume="auto")
     assert (p.kind, p.checkpoint, p.clear, p.source_run) == ("resume", newest, False, run)
     assert lines == [f"{run}: resume=auto: resuming from {newest}"]
 
     (run / "metrics.jsonl").write_text('{"step": 0}\n{"step": 4}\n')
     (run / "final_metrics.json").write_text("{}")
-    p, lines = plan(caplog, run, resume="auto")
+    p, lines = decide(caplog, run, resume="auto")
     assert p.kind == "complete" and p.checkpoint is None
     assert lines == [f"{run} is complete (final_metrics.json, step 4 >= train.steps=4): nothing to do"]
 
-    p, _ = plan(caplog, run, resume="auto", steps=6)  # more steps: a complete run is extended
+    p, _ = decide(caplog, run, resume="auto", steps=6)  # more steps: a complete run is extended
     assert (p.kind, p.checkpoint) == ("resume", newest)
 
     with pytest.raises(ConfigError, match="resume=auto .* overwrite=true"):
-        plan(caplog, run, resume="auto", overwrite=True)
+        decide(caplog, run, resume="auto", overwrite=True)
 
 
 def test_resume_from_a_path_and_the_swappable_checkpoint_finder(tmp_path, caplog):
@@ -152,26 +152,26 @@ def test_resume_from_a_path_and_the_swappable_checkpoint_finder(tmp_path, caplog
     old = make_ckpt(src, 1)
     newest = make_ckpt(src, 5)
     dst = tmp_path / "dst"
-    p, lines = plan(caplog, dst, resume=str(src))
+    p, lines = decide(caplog, dst, resume=str(src))
     assert (p.kind, p.checkpoint, p.clear, p.source_run) == ("resume", newest, False, src)
     assert lines == [f"{dst}: continuing the run of {src} from {newest}"]
-    p, _ = plan(caplog, dst, resume=str(old))  # a checkpoint folder: that one
+    p, _ = decide(caplog, dst, resume=str(old))  # a checkpoint folder: that one
     assert p.checkpoint == old
 
     with pytest.raises(ConfigError, match="resume: no complete checkpoint in .*nowhere"):
-        plan(caplog, dst, resume=str(tmp_path / "nowhere"))
+        decide(caplog, dst, resume=str(tmp_path / "nowhere"))
 
     make_ckpt(dst, 9)  # dst holds a run of its own: importing another one needs overwrite
     with pytest.raises(ConfigError, match="overwrite=true"):
-        plan(caplog, dst, resume=str(src))
-    p, lines = plan(caplog, dst, resume=str(src), overwrite=True)
+        decide(caplog, dst, resume=str(src))
+    p, lines = decide(caplog, dst, resume=str(src), overwrite=True)
     assert (p.kind, p.checkpoint, p.clear) == ("resume", newest, True)
     assert "after removing the previous run (checkpoints/) (overwrite=true)" in lines[0]
 
-    p, lines = plan(caplog, dst, resume=str(dst))  # its own run folder, by path
+    p, lines = decide(caplog, dst, resume=str(dst))  # its own run folder, by path
     assert (p.kind, p.checkpoint, p.clear) == ("resume", dst / "checkpoints" / "step_000009", False)
     with pytest.raises(ConfigError, match="which overwrite=true would delete"):
-        plan(caplog, dst, resume=str(dst), overwrite=True)
+        decide(caplog, dst, resume=str(dst), overwrite=True)
 
     asked = []
 
@@ -179,7 +179,7 @@ def test_resume_from_a_path_and_the_swappable_checkpoint_finder(tmp_path, caplog
         asked.append(ckpt_dir)
         return old
 
-    p, _ = plan(caplog, src, resume="auto", find_latest=finder)
+    p, _ = decide(caplog, src, resume="auto", find_latest=finder)
     assert asked == [src / "checkpoints"] and p.checkpoint == old
 
 

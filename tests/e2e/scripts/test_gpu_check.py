@@ -288,7 +288,7 @@ def test_the_vllm_sections_dry_run_in_the_vllm_venv(tmp_path):
 def test_the_plan_is_judged_against_the_measured_peak():
     from types import SimpleNamespace
 
-    from bapo.plan import Item, Moment
+    from bapo.plan.memory import Item, Moment
 
     # the plan counts 10 GiB of torch allocations and 2.5 GiB outside them (CUDA context, vLLM's graphs)
     items = [Item("learner: fp32 master weights", 6 * GiB), Item("activations", 4 * GiB)]

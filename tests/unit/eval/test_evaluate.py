@@ -11,18 +11,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from bapo.config import ConfigError
-from bapo.eval.evaluate import (
-    EvalSet,
-    adopt_run,
-    build_job,
-    evaluate,
-    evaluate_set,
-    evaluate_sets,
-    find_checkpoint,
-    load_evalset,
-    named_set,
-    prepare_set,
-)
+from bapo.eval.adopt import adopt_run, find_checkpoint
+from bapo.eval.evaluate import EvalSet, evaluate, evaluate_set, evaluate_sets, prepare_set
+from bapo.eval.job import build_job, load_evalset, named_set
 from bapo.infra.artifacts import check_model_folder
 from bapo.reward import MathVerifier
 from bapo.samples import Problem, Sample
@@ -299,7 +290,7 @@ def _adopt(overrides: list[str]):
 def test_a_run_is_evaluated_with_its_own_settings(tmp_path, tiny_model, tiny_tok, caplog, export):
     name = "bapo_config.yaml" if export else "config.yaml"
     run = run_folder(tmp_path / "run", tiny_model, tiny_tok, *RUN, config_name=name, export=export)
-    with caplog.at_level(logging.INFO, logger="bapo.eval.evaluate"):
+    with caplog.at_level(logging.INFO, logger="bapo.eval.adopt"):
         cfg, settings, job = _adopt(["eval=arith", f"checkpoint={run}"])
     weights = run if export else run / "export"
     assert (job.run.max_new_tokens, job.run.max_prompt_tokens) == (40, 120)
@@ -318,7 +309,7 @@ def test_a_run_is_evaluated_with_its_own_settings(tmp_path, tiny_model, tiny_tok
 def test_a_command_line_override_wins_over_the_run_and_is_logged(tmp_path, tiny_model, tiny_tok, caplog):
     run = run_folder(tmp_path / "run", tiny_model, tiny_tok, *RUN)
     over = ["eval=arith", f"checkpoint={run}", "max_new_tokens=30", "model.dtype=float32", "instruction=Box it."]
-    with caplog.at_level(logging.INFO, logger="bapo.eval.evaluate"):
+    with caplog.at_level(logging.INFO, logger="bapo.eval.adopt"):
         _, settings, job = _adopt(over)
     assert (job.run.max_new_tokens, job.model.dtype, job.run.instruction) == (30, "float32", "Box it.")
     assert job.run.max_prompt_tokens == 120 and job.model.answer_fallback == "last_number"  # the rest: the run's
@@ -413,7 +404,7 @@ def test_a_split_run_is_evaluated_on_the_eval_ranks_own_engine(tmp_path, tiny_mo
 def test_the_checkpoint_weights_an_engine_is_given_are_the_exports(tmp_path, tiny_model, tiny_tok):
     import torch
 
-    from bapo.eval.evaluate import checkpoint_weights
+    from bapo.eval.adopt import checkpoint_weights
 
     run = run_folder(tmp_path / "run", tiny_model, tiny_tok)
     got = checkpoint_weights(run / "export")
