@@ -336,18 +336,15 @@ def metaload(ctx) -> dict:
     return out | {"checks": checks}
 
 
-def budget(ctx) -> dict:
-    """The update at each token budget (random weights of the stand-in's shape) against the plan's update peak."""
+def standin_learner(ctx, device: torch.device):
+    """The learner of the stand-in's shape (random weights made on ``device``), FSDP2 as the loop builds it, with
+    the stand-in's arch, the run config of the first budget and the attention kernel chosen."""
     from bapo.algos import build_objective
     from bapo.learner import Learner, master_dtype
     from bapo.modeling import DTYPES, attention_kernel, load_model
-    from bapo.plan.verdict import make_plan
 
-    device = one_rank_group()
     arch = standin_arch(ctx.standin_layers, ctx.dry)
     rc = run_config(*overrides(ctx, arch, ctx.budgets[0]))
-    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-    gpu_gib = total / GiB if total else rc.placement.gpu_memory_gib
     kernel = attention_kernel(rc.model.attn_implementation, device.type == "cuda")
     torch.manual_seed(0)
     model = load_model("", init="random", arch=dict(rc.model.arch), dtype=master_dtype(rc.learner, rc.model.dtype),
@@ -355,6 +352,17 @@ def budget(ctx) -> dict:
     learner = Learner(model, rc.learner, objective=build_objective(rc.algo), pad_id=0,
                       temperature=rc.rollout.temperature, max_response_len=rc.rollout.max_new_tokens,
                       weights_dtype=DTYPES[rc.model.dtype])  # fmt: skip
+    return learner, arch, rc, kernel
+
+
+def budget(ctx) -> dict:
+    """The update at each token budget (random weights of the stand-in's shape) against the plan's update peak."""
+    from bapo.plan.verdict import make_plan
+
+    device = one_rank_group()
+    learner, arch, rc, kernel = standin_learner(ctx, device)
+    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    gpu_gib = total / GiB if total else rc.placement.gpu_memory_gib
     out: dict[str, Any] = {"arch": arch, "attention": kernel, "gpu_memory_gib": round(gpu_gib, 1), "budgets": {}}
     warm = False
     for tokens in ctx.budgets:

@@ -31,10 +31,8 @@ from scripts.gpu.gpu_check_scale import (
     host_peak_reset,
     host_rss,
     one_rank_group,
-    overrides,
     release,
-    run_config,
-    standin_arch,
+    standin_learner,
     sync,
 )
 
@@ -43,19 +41,7 @@ SEVEN_B_BF16 = 2 * 7_615_616_512  # bytes of one staged copy of DeepSeek-R1-Dist
 
 def build(ctx, device: torch.device):
     """The learner of the stand-in's shape (random weights made on ``device``), FSDP2 as the loop builds it."""
-    from bapo.algos import build_objective
-    from bapo.learner import Learner, master_dtype
-    from bapo.modeling import DTYPES, attention_kernel, load_model
-
-    arch = standin_arch(ctx.standin_layers, ctx.dry)
-    rc = run_config(*overrides(ctx, arch, ctx.budgets[0]))
-    kernel = attention_kernel(rc.model.attn_implementation, device.type == "cuda")
-    torch.manual_seed(0)
-    model = load_model("", init="random", arch=dict(rc.model.arch), dtype=master_dtype(rc.learner, rc.model.dtype),
-                       device=device, attn_implementation=kernel)  # fmt: skip
-    learner = Learner(model, rc.learner, objective=build_objective(rc.algo), pad_id=0,
-                      temperature=rc.rollout.temperature, max_response_len=rc.rollout.max_new_tokens,
-                      weights_dtype=DTYPES[rc.model.dtype])  # fmt: skip
+    learner, arch, _, _ = standin_learner(ctx, device)
     return learner, arch
 
 
