@@ -44,7 +44,9 @@ def main(cfg: DictConfig) -> None:
     job = lambda: announce(cfg) or run(cfg, run_dir)  # noqa: E731
     metrics = guarded(job, run_dir, hold=rank0, files=files if rank0 else None, cell=cell)
     if metrics and "stopped_by_signal" in metrics:  # SIGTERM / Ctrl-C: checkpoint saved; say so the conventional way
-        sys.exit(128 + int(metrics["stopped_by_signal"]))
+        from bapo.infra.stop import leave
+
+        leave(128 + int(metrics["stopped_by_signal"]))  # a rank: at once, inside its launcher's grace
 
 
 if __name__ == "__main__":

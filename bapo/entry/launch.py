@@ -54,6 +54,7 @@ from typing import Any
 
 from bapo.engines.registry import engine_traits
 from bapo.infra.checks import ConfigError, require
+from bapo.infra.ckpt_folder import CheckpointError, latest, read_meta
 from bapo.infra.dist import LauncherConfig
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ LAYOUT_GROUPS = ("placement", "learner", "launcher")  # on the command line, the
 # What the elastic agent passes on to the ranks: the stop signals (bapo.infra.stop.STOP_SIGNALS) and SIGQUIT.
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGQUIT)
 KILLED_AFTER_GRACE = "forcefully exiting"  # what torch's agent logs when a rank outlived the grace (then SIGKILL)
+SIGNAL_PASSED_ON = "closing signal"  # what torch's agent logs as it passes a signal on to a rank
 
 
 # ----------------------------------------------------------------------------- what this machine has
@@ -485,17 +487,36 @@ class Outcome:
 
 
 class _AgentLines(logging.Filter):
-    """Drops the elastic agent's own log lines (this process prints one line of its own instead) and notes whether
-    it had to SIGKILL a rank that outlived the grace."""
+    """Drops the elastic agent's own log lines (this process prints one line of its own instead) and notes when it
+    passed a signal on to the ranks and whether it had to SIGKILL a rank that outlived the grace."""
 
     def __init__(self) -> None:
         super().__init__()
         self.killed = False
+        self.signalled: float | None = None  # time.time() of the first signal passed on
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if KILLED_AFTER_GRACE in record.getMessage():
+        message = record.getMessage()
+        if SIGNAL_PASSED_ON in message and self.signalled is None:
+            self.signalled = record.created
+        if KILLED_AFTER_GRACE in message:
             self.killed = True
         return False
+
+
+def saved_since(checkpoints: Path | None, since: float | None) -> Path | None:
+    """The newest complete checkpoint in ``checkpoints`` whose meta.json time is ``since`` or later: what a stop
+    saved before a rank was killed (a step folder appears whole, by rename; its bytes are not read here)."""
+    if checkpoints is None or since is None:
+        return None
+    newest = latest(checkpoints)
+    if newest is None:
+        return None
+    try:
+        written = read_meta(newest).get("time")
+    except CheckpointError:
+        return None
+    return newest if isinstance(written, int | float) and written >= since else None
 
 
 @contextlib.contextmanager
@@ -523,12 +544,15 @@ def start(
     env: dict[str, str | None] | None = None,
     after: str = "",
     grace_s: float = 120.0,
+    checkpoints: Path | None = None,
 ) -> Outcome:
     """Start this node's ranks of ``how`` running ``python -u script args`` through torch's elastic launcher (module
     docstring), with ``env`` added to their environment (a None value: that variable removed), and wait for them.
     ``after``: what the line of a killed rank adds (how to resume). A signal of :data:`SIGNALS` is passed on to
-    every rank, which then has ``grace_s`` seconds (``launcher.grace_s``) to save and exit before SIGKILL; when
-    one had to be killed, the outcome's line says so."""
+    every rank, which then has ``grace_s`` seconds (``launcher.grace_s``) to save and exit before SIGKILL. When one
+    had to be killed, the outcome's line says so, and whether the stop's checkpoint had been written first (a
+    checkpoint in ``checkpoints``, the run's folder of them, dated after the signal): then the work is kept, the
+    line is a warning and the code is the signal's, as for a stop that exited in time."""
     from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -569,11 +593,19 @@ def start(
     except SignalException as e:  # the agent passed it on to every rank and waited for them
         if not lines.killed:
             return Outcome(128 + int(e.sigval))
-        line = (
-            f"error: RankKilled: a rank outlived the launcher's grace after {signal.Signals(e.sigval).name} "
-            f"(launcher.grace_s={grace_s:g}) and was killed by SIGKILL: its stop did not finish saving (raise "
-            "launcher.grace_s; python train.py ... --plan prints the estimated save time)"
-        )
+        name = signal.Signals(e.sigval).name
+        kept = saved_since(checkpoints, lines.signalled)
+        if kept is not None:
+            line = (
+                f"warning: a rank was still exiting {grace_s:g} s after {name} (launcher.grace_s) and was killed by "
+                f"SIGKILL after its stop had saved {kept}: nothing was lost"
+            )
+        else:
+            line = (
+                f"error: RankKilled: a rank outlived the launcher's grace after {name} (launcher.grace_s={grace_s:g})"
+                " and was killed by SIGKILL: its stop did not finish saving (raise launcher.grace_s; python "
+                "train.py ... --plan prints the estimated save time)"
+            )
         line += f"; {after}" if after else ""
         print(line, file=sys.stderr, flush=True)
         return Outcome(128 + int(e.sigval), line)

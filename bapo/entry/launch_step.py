@@ -66,7 +66,9 @@ def launch_here(cfg: Any, hc: Any, script: str | Path, run_dir: Path, cell: Cell
         else (f"resume: the same command with resume=auto hydra.run.dir={run_dir}")
     )
     grace = float((cfg.get("launcher") or {}).get("grace_s") or 120.0)
-    outcome = launch.start(how, script, launch.rank_args(hc, run_dir, how), env, after=after, grace_s=grace)
+    checkpoints = run_dir / "checkpoints" if entry == "train" else None
+    outcome = launch.start(how, script, launch.rank_args(hc, run_dir, how), env, after=after, grace_s=grace,
+                           checkpoints=checkpoints)  # fmt: skip
     if cell is None:
         if outcome.line and run_dir.is_dir() and not only_hydra_files(run_dir):
             _append_log(run_dir, outcome.line)  # the run's log ends with why it ended
@@ -79,7 +81,8 @@ def launch_here(cfg: Any, hc: Any, script: str | Path, run_dir: Path, cell: Cell
     if outcome.line or row is None:
         stopped = outcome.code >= 128
         status = "complete" if outcome.code == 0 else "stopped" if stopped else "failed"
-        error = outcome.line or (None if outcome.code == 0 or stopped else f"error: the ranks exited {outcome.code}")
+        error = outcome.line if outcome.line and outcome.line.startswith("error:") else None
+        error = error or (None if outcome.code == 0 or stopped else f"error: the ranks exited {outcome.code}")
         row = {"status": status, "exit": outcome.code, "error": error}
         if outcome.line:
             _append_log(run_dir, outcome.line)

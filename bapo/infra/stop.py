@@ -193,3 +193,23 @@ def shared(poll_s: float = 0.5) -> Iterator[None]:
     finally:
         done.set()
         thread.join(timeout=5)
+
+
+def leave(code: int) -> None:
+    """End a run that stopped for a signal, its checkpoint written and its stages closed, with exit status ``code``.
+
+    A rank (``WORLD_SIZE`` set: torchrun, the plain launch, SLURM's tasks) leaves at once: the logs and the standard
+    streams are flushed, then ``os._exit``. Its launcher's grace counts from the signal, and what a normal exit still
+    does after the run (the interpreter's finalization: non-daemon threads joined, atexit handlers, a GPU's CUDA and
+    NCCL state torn down) can outlast the grace on a loaded or GPU node; the launcher would then SIGKILL a rank whose
+    work is saved. One process exits as usual (``sys.exit``), Hydra's job end included."""
+    import os
+    import sys
+
+    if "WORLD_SIZE" not in os.environ:
+        sys.exit(code)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)

@@ -446,6 +446,75 @@ def test_a_killed_rank_ends_the_run_with_one_line_and_a_resume_continues_exactly
     assert untimed(rows(run)) == untimed(rows(launched))
 
 
+# A rank that outlives the grace: on SIGTERM it saves (or not) and then never exits, as a rank stuck leaving its group
+HANGING_RANK = """
+import json, signal, sys, time
+from pathlib import Path
+
+run, saves = Path(sys.argv[1]), sys.argv[2] == "saves"
+
+
+def stop(signum, frame):
+    if saves:
+        step = run / "checkpoints" / "step_000003"
+        step.mkdir(parents=True)
+        (step / "state.pt").write_bytes(b"")
+        (step / "meta.json").write_text(json.dumps({"step": 3, "time": time.time(), "seq": 1}))
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    while True:
+        time.sleep(1)
+
+
+signal.signal(signal.SIGTERM, stop)
+(run / "ready").write_text("1")
+while True:
+    time.sleep(1)
+"""
+LAUNCHING = """
+import sys
+from pathlib import Path
+from bapo.entry import launch
+
+run = Path(sys.argv[1])
+out = launch.start(launch.Launch(nproc=1), run / "rank.py", [str(run), sys.argv[2]], after="resume: as before",
+                   grace_s=2, checkpoints=run / "checkpoints")
+print("CODE", out.code)
+"""
+
+
+@pytest.mark.parametrize("saves", [True, False], ids=["saved-then-stuck", "stuck-before-saving"])
+def test_a_rank_killed_after_the_grace_is_a_warning_when_its_stop_had_saved(tmp_path, saves):
+    """The launcher's one line after it SIGKILLed a rank: "nothing was lost" (the code a stop's) when a checkpoint
+    dated after the signal is there, and RankKilled when none is (an older checkpoint does not count)."""
+    old = tmp_path / "checkpoints" / "step_000001"
+    old.mkdir(parents=True)
+    (old / "state.pt").write_bytes(b"")
+    (old / "meta.json").write_text(json.dumps({"step": 1, "time": time.time() - 3600, "seq": 0}))
+    (tmp_path / "rank.py").write_text(HANGING_RANK)
+    p = subprocess.Popen([sys.executable, "-c", LAUNCHING, str(tmp_path), "saves" if saves else "stuck"], cwd=ROOT,
+                         env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        t0 = time.time()
+        while not (tmp_path / "ready").exists():
+            assert p.poll() is None and time.time() - t0 < 120, p.communicate()
+            time.sleep(0.1)
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    lines = [x for x in err.splitlines() if x.startswith(("warning: ", "error: "))]
+    assert f"CODE {128 + signal.SIGTERM}" in out, err[-3000:]
+    if saves:
+        assert lines == [
+            "warning: a rank was still exiting 2 s after SIGTERM (launcher.grace_s) and was killed by SIGKILL after "
+            f"its stop had saved {tmp_path / 'checkpoints' / 'step_000003'}: nothing was lost; resume: as before"
+        ], err[-3000:]
+    else:
+        assert len(lines) == 1 and lines[0].startswith("error: RankKilled: a rank outlived the launcher's grace "
+                                                       "after SIGTERM (launcher.grace_s=2)"), err[-3000:]  # fmt: skip
+        assert "its stop did not finish saving" in lines[0] and lines[0].endswith("; resume: as before")
+
+
 def gone_within(pids, seconds: float) -> list[int]:
     """The processes of ``pids`` still alive after up to ``seconds`` of waiting for them to end."""
     end = time.time() + seconds

@@ -10,6 +10,9 @@ import path), and sleep only when the environment asks:
 - ``algo.objective=tests.helpers.paced:objective``: the run's clipped surrogate (``algo.bounds``); each
   micro-batch's loss sleeps ``$BAPO_PACE_MICRO_S`` seconds.
 
+And ``$BAPO_PACE_EXIT_S`` makes the process's own exit that long: the engine starts a non-daemon thread that sleeps
+it, which a normal interpreter exit waits for, as a GPU rank's exit waits for its CUDA and NCCL teardown.
+
 Each counts its events in this process (``generate <k>``: its k-th generation call; ``update <m>``: its m-th
 micro-batch loss) and rank 0 writes the latest to ``$BAPO_PACE_PHASE``, so that a test sends its signal in the
 phase it means to. ``$BAPO_PACE_FROM`` (``generate 2``, ``update 5``) holds the sleeps back until that event: the
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -29,6 +33,7 @@ from bapo.algos.objective import OBJECTIVES
 from bapo.engines.hf import HFRollout
 
 TOKEN_S, MICRO_S, PHASE, FROM = "BAPO_PACE_TOKEN_S", "BAPO_PACE_MICRO_S", "BAPO_PACE_PHASE", "BAPO_PACE_FROM"
+EXIT_S = "BAPO_PACE_EXIT_S"
 _COUNTS = {"generate": 0, "update": 0}
 _PACING = [False]
 
@@ -67,6 +72,8 @@ class PacedHF(HFRollout):
     def from_config(cls, cfg, ctx):
         engine = super().from_config(cfg, ctx)
         engine.model.register_forward_pre_hook(lambda module, args: time.sleep(_pace(TOKEN_S)))
+        if float(os.environ.get(EXIT_S) or 0.0) > 0:  # the process's exit waits for this thread to end
+            threading.Thread(target=time.sleep, args=(float(os.environ[EXIT_S]),), name="paced-exit").start()
         return engine
 
     def _generate(self, *args, **kwargs):
