@@ -38,12 +38,17 @@ demo: install ## run the default job: BAPO on the tiny model (about 5 minutes on
 
 # The vLLM tests (-k vllm) live in the engine contract, the in-process engine's unit tests and the e2e engine tests
 VLLM_TESTS := tests/contracts/test_engine_contract.py tests/unit/engines tests/e2e/engines
+# A hang guard for that tier (a test: pytest-timeout's 900 s; the tier, a lost worker included: this many seconds),
+# so that a hang fails `make test` with the tests' output instead of running into CI's own limit
+VLLM_TIER_S := 1800
 
 test: install ## the whole suite, as CI runs it, on 2 xdist workers, then the vLLM tests in .venv-vllm, also on 2 (about 36 minutes in all on 2 idle cores from a fresh clone, 2026-12-05)
 	$(PY) -m pytest -n 2 --dist loadfile
 	@if [ -x $(VLLM_VENV)/bin/python ]; then \
 		echo "== vLLM engine and loop (transformers $$($(VLLM_VENV)/bin/python -c 'import transformers as t; print(t.__version__)'), $(VLLM_VENV))"; \
-		$(VLLM_VENV)/bin/python -m pytest $(VLLM_TESTS) -k vllm -n 2 --dist loadfile; \
+		timeout --kill-after=30 $(VLLM_TIER_S) $(VLLM_VENV)/bin/python -m pytest $(VLLM_TESTS) -k vllm -n 2 \
+			--dist loadfile --timeout=900 || { rc=$$?; [ $$rc -lt 124 ] || echo "error: the vLLM tier ran past \
+$(VLLM_TIER_S) s (it takes about 5 minutes): a test or a worker hung; the last lines above name it"; exit $$rc; }; \
 	fi
 
 test-fast: install ## every test not marked slow (unit, contracts, golden, the quick e2e; pytest -m "not slow", 2 xdist workers): about 4 minutes on 2 idle cores (248 s, 2026-12-05)

@@ -138,7 +138,7 @@ UNIT_TIMEOUT_S = 60
 
 
 def pytest_collection_modifyitems(config, items):
-    timeout = config.pluginmanager.hasplugin("timeout")  # pytest-timeout (the dev extra); absent in .venv-vllm
+    timeout = config.pluginmanager.hasplugin("timeout")  # pytest-timeout (the dev extra, in .venv-vllm too)
     for item in items:
         rel = item.path.relative_to(ROOT / "tests")
         tier = TIERS.get(rel.parts[0])
