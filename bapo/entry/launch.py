@@ -54,7 +54,7 @@ from typing import Any
 
 from bapo.engines.registry import engine_traits
 from bapo.infra.checks import ConfigError, require
-from bapo.infra.ckpt_folder import CheckpointError, latest, read_meta
+from bapo.infra.ckpt_folder import written_since
 from bapo.infra.dist import LauncherConfig
 
 log = logging.getLogger(__name__)
@@ -497,26 +497,9 @@ class _AgentLines(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        if SIGNAL_PASSED_ON in message and self.signalled is None:
-            self.signalled = record.created
-        if KILLED_AFTER_GRACE in message:
-            self.killed = True
+        self.signalled = self.signalled or (record.created if SIGNAL_PASSED_ON in message else None)
+        self.killed = self.killed or KILLED_AFTER_GRACE in message
         return False
-
-
-def saved_since(checkpoints: Path | None, since: float | None) -> Path | None:
-    """The newest complete checkpoint in ``checkpoints`` whose meta.json time is ``since`` or later: what a stop
-    saved before a rank was killed (a step folder appears whole, by rename; its bytes are not read here)."""
-    if checkpoints is None or since is None:
-        return None
-    newest = latest(checkpoints)
-    if newest is None:
-        return None
-    try:
-        written = read_meta(newest).get("time")
-    except CheckpointError:
-        return None
-    return newest if isinstance(written, int | float) and written >= since else None
 
 
 @contextlib.contextmanager
@@ -549,10 +532,9 @@ def start(
     """Start this node's ranks of ``how`` running ``python -u script args`` through torch's elastic launcher (module
     docstring), with ``env`` added to their environment (a None value: that variable removed), and wait for them.
     ``after``: what the line of a killed rank adds (how to resume). A signal of :data:`SIGNALS` is passed on to
-    every rank, which then has ``grace_s`` seconds (``launcher.grace_s``) to save and exit before SIGKILL. When one
-    had to be killed, the outcome's line says so, and whether the stop's checkpoint had been written first (a
-    checkpoint in ``checkpoints``, the run's folder of them, dated after the signal): then the work is kept, the
-    line is a warning and the code is the signal's, as for a stop that exited in time."""
+    every rank, which then has ``grace_s`` seconds (``launcher.grace_s``) to save and exit before SIGKILL. A rank
+    killed after its stop saved (a checkpoint in ``checkpoints`` dated after the signal) is a warning line and the
+    signal's exit code, as a stop that exited in time; killed before, the line is ``RankKilled``."""
     from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -594,18 +576,15 @@ def start(
         if not lines.killed:
             return Outcome(128 + int(e.sigval))
         name = signal.Signals(e.sigval).name
-        kept = saved_since(checkpoints, lines.signalled)
-        if kept is not None:
-            line = (
-                f"warning: a rank was still exiting {grace_s:g} s after {name} (launcher.grace_s) and was killed by "
-                f"SIGKILL after its stop had saved {kept}: nothing was lost"
-            )
-        else:
-            line = (
-                f"error: RankKilled: a rank outlived the launcher's grace after {name} (launcher.grace_s={grace_s:g})"
-                " and was killed by SIGKILL: its stop did not finish saving (raise launcher.grace_s; python "
-                "train.py ... --plan prints the estimated save time)"
-            )
+        kept = written_since(checkpoints, lines.signalled) if checkpoints and lines.signalled else None
+        line = (
+            f"warning: a rank was still exiting {grace_s:g} s after {name} (launcher.grace_s) and was killed by "
+            f"SIGKILL after its stop had saved {kept}: nothing was lost"
+            if kept
+            else f"error: RankKilled: a rank outlived the launcher's grace after {name} (launcher.grace_s="
+            f"{grace_s:g}) and was killed by SIGKILL: its stop did not finish saving (raise launcher.grace_s; python "
+            "train.py ... --plan prints the estimated save time)"
+        )
         line += f"; {after}" if after else ""
         print(line, file=sys.stderr, flush=True)
         return Outcome(128 + int(e.sigval), line)

@@ -113,6 +113,17 @@ def latest(ckpt_dir: Path, lineage: str | None = None) -> Path | None:
     return rows[0] if rows else None
 
 
+def written_since(ckpt_dir: Path, since: float) -> Path | None:
+    """The newest complete-looking checkpoint whose meta.json time is ``since`` (``time.time()``) or later, unverified
+    (a step folder appears whole, by rename): what a stop saved before its rank was killed, for the launcher's line."""
+    newest = latest(ckpt_dir)
+    try:
+        written = read_meta(newest).get("time") if newest is not None else None
+    except CheckpointError:
+        return None
+    return newest if isinstance(written, int | float) and written >= since else None
+
+
 def latest_intact(ckpt_dir: Path, lineage: str | None = None) -> Path | None:
     """The most recently written checkpoint that passes :func:`verify`, skipping damaged ones with a warning.
 

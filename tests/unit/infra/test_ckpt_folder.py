@@ -144,6 +144,21 @@ def test_latest_intact_skips_a_damaged_newest_checkpoint_with_a_warning(tmp_path
     assert ckpt_folder.latest(tmp_path) == tmp_path / "step_000003"  # unverified: just the newest
 
 
+def test_written_since_is_the_newest_checkpoint_dated_at_or_after_the_time(tmp_path):
+    """What the launcher asks after it SIGKILLed a rank: did the stop save first? The newest checkpoint's own
+    meta.json time decides (an unreadable one is skipped); an older one or a missing folder is no."""
+    assert ckpt_folder.written_since(tmp_path / "none", 0.0) is None
+    first = commit(tmp_path, 1)
+    at = ckpt_folder.read_meta(first)["time"]
+    assert ckpt_folder.written_since(tmp_path, at) == first
+    assert ckpt_folder.written_since(tmp_path, at + 1.0) is None
+    second = commit(tmp_path, 2)
+    later = ckpt_folder.read_meta(second)["time"]
+    assert ckpt_folder.written_since(tmp_path, later) == second and ckpt_folder.written_since(tmp_path, at) == second
+    (second / "meta.json").write_text("{not json")  # unreadable: the newest readable one is asked instead
+    assert ckpt_folder.written_since(tmp_path, later) is None and ckpt_folder.written_since(tmp_path, at) == first
+
+
 def test_latest_intact_refuses_to_start_over_when_every_checkpoint_is_damaged(tmp_path, caplog):
     assert ckpt_folder.latest_intact(tmp_path / "none") is None
     commit(tmp_path, 1)
