@@ -42,7 +42,7 @@ VLLM_TESTS := tests/contracts/test_engine_contract.py tests/unit/engines tests/e
 # so that a hang fails `make test` with the tests' output instead of running into CI's own limit
 VLLM_TIER_S := 1800
 
-test: install ## the whole suite, as CI runs it, on 2 xdist workers, then the vLLM tests in .venv-vllm, also on 2 (about 36 minutes in all on 2 idle cores from a fresh clone, 2026-12-05)
+test: install ## the whole suite, as CI runs it, on 2 xdist workers, then the vLLM tests in .venv-vllm, also on 2 (about 44 minutes in all on 2 idle cores from a fresh clone, 2026-12-06: 38.6 for the first pass, 5.2 for the vLLM tier)
 	$(PY) -m pytest -n 2 --dist loadfile
 	@if [ -x $(VLLM_VENV)/bin/python ]; then \
 		echo "== vLLM engine and loop (transformers $$($(VLLM_VENV)/bin/python -c 'import transformers as t; print(t.__version__)'), $(VLLM_VENV))"; \
