@@ -147,8 +147,8 @@ def test_a_server_that_cannot_start_says_why(tiny_tok):
 
 def _ours() -> list[str]:
     """Live processes of a server this project started (its wrapper and vLLM's engine core under it)."""
-    out = subprocess.run(["ps", "-eo", "pid,pgid,args"], capture_output=True, text=True).stdout
-    return [ln for ln in out.splitlines() if "bapo.engines.vllm_server_process" in ln and "ps -eo" not in ln]
+    out = subprocess.run(["ps", "-ww", "-eo", "pid,pgid,args"], capture_output=True, text=True).stdout
+    return [ln for ln in out.splitlines() if "bapo.engines.vllm_server_process" in ln and " ps -ww " not in f" {ln} "]
 
 
 @pytest.mark.slow
@@ -179,7 +179,7 @@ def test_a_learner_killed_by_sigkill_takes_its_server_down(tmp_path, tiny_tok):
 def _alive(group: str) -> list[str]:
     """The processes of process group ``group`` still running (exited ones the machine's init has not reaped yet,
     state Z, are gone: they hold no memory and run nothing)."""
-    out = subprocess.run(["ps", "-o", "pid,stat,args", "-g", group], capture_output=True, text=True).stdout
+    out = subprocess.run(["ps", "-ww", "-o", "pid,stat,args", "-g", group], capture_output=True, text=True).stdout
     return [ln for ln in out.splitlines()[1:] if not ln.split()[1].startswith("Z")]
 
 
