@@ -95,6 +95,7 @@ SERVED_NAME = "bapo-policy"
 EXTENSION = f"{WeightLoader.__module__}.{WeightLoader.__qualname__}"  # the server's --worker-extension-cls
 UNSYNCED = -1  # the version of a server given by URL before its first sync: it may hold any weights
 RESET_TRIES = 20  # the prefix cache refuses a reset while blocks are held; it is retried this many times
+UNIX_PATH_MAX = 107  # the longest path a unix socket may bind (sun_path: 108 bytes, its NUL included)
 
 
 @dataclass
@@ -257,6 +258,14 @@ class VLLMServerRollout(RolloutEngine, ServerHTTP):
             raise ConfigError(why)
         local = self.local
         staging = [str(self.dir)] + ([str(self.node_dir)] if self.node_dir is not None and local == 0 else [])
+        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")  # /collective_rpc and /reset_prefix_cache
+        # vLLM's ZMQ sockets (ipc://<VLLM_RPC_BASE_PATH>/<uuid4>) go in a folder of the server's, removed with it,
+        # not in the temporary folder where each start would leave its own; only where the socket's path fits
+        self.ipc_dir = Path(tempfile.mkdtemp(prefix="bapo-vllm-ipc-"))
+        self._ipc_cleanup = weakref.finalize(self, shutil.rmtree, self.ipc_dir, True)
+        if "VLLM_RPC_BASE_PATH" not in env and len(os.fsencode(self.ipc_dir)) + 37 <= UNIX_PATH_MAX:
+            env["VLLM_RPC_BASE_PATH"] = str(self.ipc_dir)
+            staging.append(str(self.ipc_dir))
         args = [
             sys.executable, "-m", "bapo.engines.vllm_server_process", "--parent", str(os.getpid()),
             *(a for d in staging for a in ("--staging", d)), "--",
@@ -264,7 +273,6 @@ class VLLMServerRollout(RolloutEngine, ServerHTTP):
             "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
             "--worker-extension-cls", EXTENSION, "--disable-log-stats", *flags,
         ]  # fmt: skip
-        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")  # /collective_rpc and /reset_prefix_cache
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         cpu_compile_cache(env)
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
@@ -314,6 +322,8 @@ class VLLMServerRollout(RolloutEngine, ServerHTTP):
         if self.proc is not None:
             self._stopper()
         self._cleanup()
+        if getattr(self, "_ipc_cleanup", None) is not None:
+            self._ipc_cleanup()
         if getattr(self, "_node_cleanup", None) is not None:
             self._node_cleanup()
 

@@ -33,6 +33,7 @@ def server(tiny_tok):
     e = VLLMServerRollout(str(TINY), tiny_tok, **KW)
     yield e
     e.close()
+    assert not e.ipc_dir.exists()  # vLLM's sockets went with the server
 
 
 @pytest.fixture(scope="module")
@@ -160,20 +161,22 @@ def test_a_learner_killed_by_sigkill_takes_its_server_down(tmp_path, tiny_tok):
         from transformers import AutoTokenizer
         from bapo.engines.vllm_server import VLLMServerRollout
         e = VLLMServerRollout({str(TINY)!r}, AutoTokenizer.from_pretrained({str(TINY)!r}), n=1, enforce_eager=True)
-        print(e.url, e.proc.pid, flush=True)
+        print(e.url, e.proc.pid, e.ipc_dir, flush=True)
         time.sleep(600)
         """)
     )
     learner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
-    url, pid = learner.stdout.readline().split()
+    url, pid, ipc = learner.stdout.readline().split()
     group = [ln for ln in _ours() if ln.split()[1] == pid]
     assert group, "the server is not running"
+    assert [p for p in Path(ipc).iterdir() if p.is_socket()], "vLLM's sockets are not in the server's folder"
     learner.send_signal(signal.SIGKILL)
     learner.wait()
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and _alive(pid):
         time.sleep(1)
     assert not _alive(pid), _alive(pid)
+    assert not Path(ipc).exists()  # nor are its sockets left in the temporary folder
 
 
 def _alive(group: str) -> list[str]:
