@@ -98,6 +98,29 @@ RESET_TRIES = 20  # the prefix cache refuses a reset while blocks are held; it i
 UNIX_PATH_MAX = 107  # the longest path a unix socket may bind (sun_path: 108 bytes, its NUL included)
 
 
+def _socket_folder(env: dict) -> Path | None:
+    """A folder of the server's own for vLLM's ZMQ sockets (``ipc://<VLLM_RPC_BASE_PATH>/<uuid4>``), set in the
+    server's ``env``, so that a start leaves none in the temporary folder. None (vLLM's default kept) where the user
+    set ``VLLM_RPC_BASE_PATH`` or a socket's path in the folder would be too long to bind."""
+    if "VLLM_RPC_BASE_PATH" in env:
+        return None
+    folder = Path(tempfile.mkdtemp(prefix="bapo-vllm-ipc-"))
+    if len(os.fsencode(folder)) + 1 + 36 > UNIX_PATH_MAX:  # "/" and a uuid4
+        folder.rmdir()
+        return None
+    env["VLLM_RPC_BASE_PATH"] = str(folder)
+    return folder
+
+
+def _stop_server(proc: subprocess.Popen, sockets: Path | None) -> None:
+    """Stop a started server's process group, then remove its sockets' folder."""
+    try:
+        _stop_group(proc)
+    finally:
+        if sockets is not None:
+            shutil.rmtree(sockets, ignore_errors=True)
+
+
 @dataclass
 class VLLMServerConfig(RolloutCommon):
     """``rollout=vllm_server`` (conf/rollout/vllm_server.yaml): vLLM's OpenAI-compatible server."""
@@ -259,13 +282,9 @@ class VLLMServerRollout(RolloutEngine, ServerHTTP):
         local = self.local
         staging = [str(self.dir)] + ([str(self.node_dir)] if self.node_dir is not None and local == 0 else [])
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")  # /collective_rpc and /reset_prefix_cache
-        # vLLM's ZMQ sockets (ipc://<VLLM_RPC_BASE_PATH>/<uuid4>) go in a folder of the server's, removed with it,
-        # not in the temporary folder where each start would leave its own; only where the socket's path fits
-        self.ipc_dir = Path(tempfile.mkdtemp(prefix="bapo-vllm-ipc-"))
-        self._ipc_cleanup = weakref.finalize(self, shutil.rmtree, self.ipc_dir, True)
-        if "VLLM_RPC_BASE_PATH" not in env and len(os.fsencode(self.ipc_dir)) + 37 <= UNIX_PATH_MAX:
-            env["VLLM_RPC_BASE_PATH"] = str(self.ipc_dir)
-            staging.append(str(self.ipc_dir))
+        self.ipc_dir = _socket_folder(env)
+        if self.ipc_dir is not None:
+            staging.append(str(self.ipc_dir))  # the wrapper removes it if the learner dies by SIGKILL
         args = [
             sys.executable, "-m", "bapo.engines.vllm_server_process", "--parent", str(os.getpid()),
             *(a for d in staging for a in ("--staging", d)), "--",
@@ -288,17 +307,28 @@ class VLLMServerRollout(RolloutEngine, ServerHTTP):
                 f"'{','.join(str(self.node_ranks + i) for i in range(self.node_ranks))}'"
             )
         self.log = self.dir / "server.log"
-        with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(
-                args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
-            )
-        self._stopper = weakref.finalize(self, _stop_group, self.proc)
+        try:
+            with open(self.log, "wb") as out:
+                self.proc = subprocess.Popen(
+                    args,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=env,
+                    start_new_session=True,
+                )
+        except BaseException:
+            if self.ipc_dir is not None:
+                shutil.rmtree(self.ipc_dir, ignore_errors=True)
+            raise
+        self._stopper = weakref.finalize(self, _stop_server, self.proc, self.ipc_dir)
         url = f"http://{host}:{port}"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 keep = Path(tempfile.gettempdir()) / f"bapo-vllm-server-{os.getpid()}.log"
                 shutil.copy(self.log, keep)
+                self._stopper()  # what is left of its group, and its sockets' folder
                 raise ConfigError(
                     f"rollout=vllm_server: the server exited with code {self.proc.returncode} before it was ready: "
                     f"{_last_line(self.log)} (its log: {keep})"
@@ -308,7 +338,7 @@ class VLLMServerRollout(RolloutEngine, ServerHTTP):
                 return url
             except (OSError, ServerError):
                 time.sleep(0.5)
-        _stop_group(self.proc)
+        self._stopper()
         raise ConfigError(
             f"rollout.start_timeout_s: the server on {url} was not ready within {timeout_s:g} s "
             f"({_last_line(self.log)})"
@@ -322,8 +352,6 @@ class VLLMServerRollout(RolloutEngine, ServerHTTP):
         if self.proc is not None:
             self._stopper()
         self._cleanup()
-        if getattr(self, "_ipc_cleanup", None) is not None:
-            self._ipc_cleanup()
         if getattr(self, "_node_cleanup", None) is not None:
             self._node_cleanup()
 
